@@ -1,0 +1,101 @@
+"""The contract between the scheduler actor and the worker actors.
+
+One :class:`SchedulerOutput` per worker per step says what to run; the worker answers with a
+:class:`RunnerOutput`. Both are plain frozen dataclasses (Ray pickles them). They carry
+deltas: a request's full token list and block table travel once (``NewRequestData``), after
+that only newly allocated block ids and the step's token count (``CachedRequestData``); the
+worker keeps the rest. This follows vLLM v1's ``SchedulerOutput`` design.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker has not seen yet (first schedule, or resumed after preemption).
+
+    Attributes:
+        req_id: scheduler-wide unique id of this sequence (one per choice).
+        token_ids: every token known so far: prompt, plus outputs when resumed after a
+            recompute preemption.
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        block_ids: the sequence's block table (physical block ids, logical order).
+        num_computed_tokens: tokens whose K/V are already in the cache (prefix-cache hits).
+        sampling: sampling parameters.
+        choice_index: which choice of its parent request this sequence is (seeds sampling).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    choice_index: int = 0
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the worker already holds; only what changed since its last step.
+
+    Attributes:
+        req_id: sequence id.
+        new_block_ids: block ids appended to the block table since the last step.
+        num_computed_tokens: tokens with K/V in the cache before this step.
+    """
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one worker runs in one step.
+
+    Attributes:
+        step_id: monotonically increasing step counter (per worker).
+        new_requests: requests sent in full.
+        cached_requests: requests the worker holds, with their deltas.
+        num_scheduled_tokens: req_id -> tokens to compute this step (prefill chunk size, or
+            1 for decode). Every scheduled request appears here; the order of this dict is
+            the batch order.
+        finished_req_ids: requests to forget (finished, aborted or preempted) before running.
+        blocks_to_copy: (src, dst) physical block pairs to copy before running
+            (copy-on-write).
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: list[str] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens and not self.finished_req_ids
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """A worker's answer to one :class:`SchedulerOutput`.
+
+    Attributes:
+        step_id: the step answered.
+        sampled_token_ids: req_id -> token sampled this step, only for requests whose
+            prompt is fully computed after the step (a partial prefill chunk samples nothing).
+        execute_time_s: wall time of the model step on the worker, seconds.
+    """
+
+    step_id: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    execute_time_s: float = 0.0
