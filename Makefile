@@ -1,0 +1,50 @@
+# pagedserve: two commands for a new user (see README.md).
+#   make serve   set up .venv, fetch the default model, serve gRPC on 127.0.0.1:50051
+#   make test    set up, lint, run the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU wheel on this machine; GPU users: make TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url ...'
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test test-fast lint format model bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/pagedserve/v1/*.proto)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" numpy "setuptools>=70" wheel "grpcio-tools==1.85.1"
+	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(PY) -m pagedserve.cluster.model_store --model default
+
+serve: model
+	$(VENV)/bin/pagedserve serve
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy cluster scheduler worker kernels
+
+format: setup
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: lint model
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
+
+bench: model
+	$(PY) benchmarks/block_manager.py
+	$(PY) benchmarks/simulate.py
+	$(PY) benchmarks/kernels.py
+	$(PY) benchmarks/serving.py
+
+clean:
+	rm -rf build *.egg-info protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi

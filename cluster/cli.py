@@ -1,0 +1,223 @@
+"""The ``pagedserve`` command line: serve, generate, stats, simulate.
+
+``pagedserve serve`` starts a cluster (embedded Ray unless ``--address``) and the gRPC
+frontend; ``generate`` and ``stats`` are gRPC clients; ``simulate`` replays a workload
+through the paged and the contiguous allocators.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from typing import Any
+
+import grpc
+
+from pagedserve.cluster.config import (
+    CacheConfig,
+    ClusterConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
+
+
+def _parse_bytes(text: str) -> int:
+    """'2G', '512M', '1073741824' -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r}") from None
+
+
+def _add_serve(sub: Any) -> None:
+    p = sub.add_parser("serve", help="start a cluster and serve gRPC until Ctrl-C")
+    p.add_argument("--model", default="default", help="'default', an HF folder or a .gguf file")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
+    g.add_argument(
+        "--kv-cache-memory", type=_parse_bytes, default=None, help="KV bytes per worker (e.g. 1G)"
+    )
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument("--cpus-per-worker", type=int, default=None)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="send one request and stream the answer")
+    p.add_argument("prompt")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--request-id", default="")
+    p.add_argument("--output", choices=["text", "json"], default="text")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds")
+
+
+def _add_stats(sub: Any) -> None:
+    p = sub.add_parser("stats", help="print per-worker KV pools and queue lengths")
+    p.add_argument("--address", default="127.0.0.1:50051")
+    p.add_argument("--output", choices=["text", "json"], default="text")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from pagedserve.cluster.launcher import serve_forever
+
+    cache_kwargs: dict[str, Any] = {"num_blocks": args.num_blocks}
+    if args.kv_cache_memory is not None:
+        cache_kwargs["kv_cache_memory"] = args.kv_cache_memory
+    cache = CacheConfig(
+        block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        **cache_kwargs,
+    )
+    cpus = args.cpus_per_worker
+    if cpus is None:
+        cpus = max(1, (os.cpu_count() or 1) // args.workers)
+    config = ClusterConfig(
+        model=ModelConfig(model=args.model, max_model_len=args.max_model_len),
+        cache=cache,
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        ),
+        server=ServerConfig(host=args.host, port=args.port),
+        ray_address=args.address,
+        num_workers=args.workers,
+        cpus_per_worker=cpus,
+        device=args.device,
+        attention_backend=args.attention_backend,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_forever(config))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pagedserve.cluster.client import Client
+
+    kwargs: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seed": args.seed,
+        "n": args.n,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos or None,
+        "request_id": args.request_id,
+    }
+    if args.chat:
+        kwargs["chat"] = [{"role": "user", "content": args.prompt}]
+        prompt = None
+    else:
+        prompt = args.prompt
+    with Client(args.address, timeout_s=args.timeout) as client:
+        if args.output == "json":
+            print(json.dumps(client.generate(prompt, **kwargs).to_dict()))
+            return 0
+        for d in client.stream(prompt, **kwargs):
+            prefix = f"[{d.index}] " if args.n > 1 else ""
+            if d.text:
+                sys.stdout.write(prefix + d.text if args.n > 1 else d.text)
+                sys.stdout.flush()
+            if d.finish_reason is not None and args.n > 1:
+                sys.stdout.write("\n")
+        if args.n == 1:
+            sys.stdout.write("\n")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from pagedserve.cluster.client import Client
+
+    with Client(args.address, timeout_s=args.timeout) as client:
+        st = client.stats()
+    if args.output == "json":
+        print(json.dumps(st))
+        return 0
+    console = Console()
+    console.print(
+        f"model {st['model']}  max_model_len {st['max_model_len']}  running "
+        f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
+        f"{st['num_preemptions']}"
+    )
+    table = Table("worker", "num_blocks", "num_free_blocks", "block_size", "running")
+    for w in st["workers"]:
+        table.add_row(
+            str(w["worker_id"]),
+            str(w["num_blocks"]),
+            str(w["num_free_blocks"]),
+            str(w["block_size"]),
+            str(w["num_requests_running"]),
+        )
+    console.print(table)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of every subcommand."""
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_stats(sub)
+    try:
+        from pagedserve.cluster import simulate_cmd
+    except ImportError:  # pragma: no cover - present in every install
+        simulate_cmd = None  # type: ignore[assignment]
+    if simulate_cmd is not None:
+        simulate_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pagedserve`` console script."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    handlers = {"serve": _serve, "generate": _generate, "stats": _stats}
+    try:
+        if args.command in handlers:
+            return handlers[args.command](args)
+        from pagedserve.cluster import simulate_cmd
+
+        return int(simulate_cmd.run(args))
+    except grpc.RpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Python client of the pagedserve gRPC API (``pagedserve.v1.Generation``).
+
+Example::
+
+    from pagedserve.cluster.client import Client
+
+    with Client("127.0.0.1:50051") as c:
+        for delta in c.stream(chat=[{"role": "user", "content": "Hi"}], max_tokens=32):
+            print(delta.text, end="", flush=True)
+        result = c.generate("Once upon a time", max_tokens=16, temperature=0)
+        print(result.choices[0].token_ids)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+FINISH_REASONS = {
+    pb.FINISH_REASON_UNSPECIFIED: None,
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One stream item: new tokens/text of choice ``index``; ``finish_reason`` on the last."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    usage: dict[str, int] | None
+
+
+@dataclass
+class Choice:
+    """A finished choice: all token ids and text, and why it ended."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass
+class Result:
+    """A whole response (``generate``); ``usage`` sums completion tokens over choices."""
+
+    request_id: str
+    choices: list[Choice]
+    usage: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape printed by ``pagedserve generate --output json``."""
+        return {
+            "request_id": self.request_id,
+            "choices": [
+                {
+                    "index": c.index,
+                    "token_ids": c.token_ids,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                }
+                for c in self.choices
+            ],
+            "usage": self.usage,
+        }
+
+
+def build_request(
+    prompt: str | None = None,
+    *,
+    token_ids: Sequence[int] | None = None,
+    chat: Sequence[dict[str, str]] | None = None,
+    request_id: str = "",
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    n: int | None = None,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+    ignore_eos: bool | None = None,
+    return_token_ids: bool = True,
+) -> Any:
+    """Build a ``GenerateRequest``; exactly one of prompt / token_ids / chat.
+
+    Raises:
+        ValueError: when not exactly one input is given.
+    """
+    if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
+        raise ValueError("give exactly one of prompt, token_ids or chat")
+    req = pb.GenerateRequest(request_id=request_id, return_token_ids=return_token_ids)
+    if prompt is not None:
+        req.text = prompt
+    elif token_ids is not None:
+        req.token_ids.ids.extend(token_ids)
+    else:
+        assert chat is not None
+        for m in chat:
+            req.chat.messages.add(role=m["role"], content=m["content"])
+    s = req.sampling
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("n", n),
+        ("ignore_eos", ignore_eos),
+    ):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.stop_token_ids.extend(stop_token_ids)
+    return req
+
+
+class Client:
+    """Blocking client over one gRPC channel.
+
+    Args:
+        address: ``host:port`` of a pagedserve frontend.
+        timeout_s: per-call deadline in seconds (None = no deadline).
+    """
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", 64 << 20),
+                ("grpc.max_send_message_length", 64 << 20),
+            ],
+        )
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._timeout = timeout_s
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Block until the channel connects. Raises grpc.FutureTimeoutError."""
+        grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+
+    def stream(self, prompt: str | None = None, **kwargs: Any) -> Iterator[Delta]:
+        """Stream deltas of one request (see :func:`build_request` for arguments).
+
+        Raises:
+            grpc.RpcError: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ... with the server's message.
+        """
+        req = build_request(prompt, **kwargs)
+        for msg in self._stub.Generate(req, timeout=self._timeout):
+            usage = None
+            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                usage = {
+                    "prompt_tokens": msg.usage.prompt_tokens,
+                    "completion_tokens": msg.usage.completion_tokens,
+                    "cached_tokens": msg.usage.cached_tokens,
+                }
+            yield Delta(
+                request_id=msg.request_id,
+                index=msg.index,
+                token_ids=tuple(msg.delta_token_ids),
+                text=msg.delta_text,
+                finish_reason=FINISH_REASONS[msg.finish_reason],
+                usage=usage,
+            )
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        """Run one request to completion and collect its choices."""
+        choices: dict[int, Choice] = {}
+        request_id = kwargs.get("request_id", "")
+        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        for d in self.stream(prompt, **kwargs):
+            request_id = d.request_id
+            c = choices.setdefault(d.index, Choice(index=d.index))
+            c.token_ids.extend(d.token_ids)
+            c.text += d.text
+            if d.finish_reason is not None:
+                c.finish_reason = d.finish_reason
+                assert d.usage is not None
+                usage["prompt_tokens"] = d.usage["prompt_tokens"]
+                usage["cached_tokens"] = max(usage["cached_tokens"], d.usage["cached_tokens"])
+                usage["completion_tokens"] += d.usage["completion_tokens"]
+        return Result(request_id, [choices[i] for i in sorted(choices)], usage)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; True when it was."""
+        return self._stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=self._timeout
+        ).aborted
+
+    def stats(self) -> dict[str, Any]:
+        """Cluster statistics as a dict (the JSON of ``pagedserve stats``)."""
+        r = self._stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout)
+        return {
+            "model": r.model,
+            "max_model_len": r.max_model_len,
+            "num_requests_running": r.num_requests_running,
+            "num_requests_waiting": r.num_requests_waiting,
+            "num_preemptions": r.num_preemptions,
+            "workers": [
+                {
+                    "worker_id": w.worker_id,
+                    "num_blocks": w.num_blocks,
+                    "num_free_blocks": w.num_free_blocks,
+                    "block_size": w.block_size,
+                    "num_requests_running": w.num_requests_running,
+                }
+                for w in r.workers
+            ],
+        }

@@ -1,0 +1,89 @@
+"""Incremental detokenization of one choice, with stop strings.
+
+Text is produced with ``tokenizers.decoders.DecodeStream`` (which buffers tokens until they
+form valid UTF-8). Stop strings are matched on the accumulated text; to never stream text
+that a stop string later turns out to cover, the last ``max(len(stop)) - 1`` characters are
+held back until more text arrives or the choice ends (the approach of vLLM's and TGI's
+stop-sequence handling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """What one step adds to a choice's text.
+
+    Attributes:
+        text: new text to send (may be empty).
+        stopped: a stop string matched; the choice must end now (the stop string and
+            anything after it are not part of the text).
+    """
+
+    text: str
+    stopped: bool
+
+
+class IncrementalDetokenizer:
+    """Turns a choice's stream of token ids into a stream of text.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` (``PreTrainedTokenizerFast.backend_tokenizer``).
+        stop: stop strings (non-empty).
+        skip_special_tokens: drop special tokens such as EOS from the text.
+    """
+
+    def __init__(
+        self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._stop = stop
+        self._hold = max((len(s) for s in stop), default=1) - 1
+        self._text = ""  # all text decoded so far (up to a stop match)
+        self._sent = 0  # characters of _text already returned
+        self._stopped = False
+
+    @property
+    def text(self) -> str:
+        """All text of the choice so far (excluding a matched stop string)."""
+        return self._text
+
+    def step(self, token_ids: list[int] | tuple[int, ...], final: bool = False) -> TextDelta:
+        """Feed new token ids; return the text that may be sent now.
+
+        Args:
+            token_ids: ids appended since the last call.
+            final: the choice ends with these ids: flush everything held back.
+        """
+        if self._stopped:
+            return TextDelta("", True)
+        for tid in token_ids:
+            chunk = self._stream.step(self._tokenizer, int(tid))
+            if chunk:
+                search_from = max(0, len(self._text) - self._hold)
+                self._text += chunk
+                cut = self._find_stop(search_from)
+                if cut is not None:
+                    self._text = self._text[:cut]
+                    self._stopped = True
+                    break
+        end = len(self._text) if (final or self._stopped) else len(self._text) - self._hold
+        if end <= self._sent:
+            return TextDelta("", self._stopped)
+        delta = self._text[self._sent : end]
+        self._sent = end
+        return TextDelta(delta, self._stopped)
+
+    def _find_stop(self, start: int) -> int | None:
+        best: int | None = None
+        for s in self._stop:
+            pos = self._text.find(s, start)
+            if pos != -1 and (best is None or pos < best):
+                best = pos
+        return best

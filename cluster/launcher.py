@@ -1,0 +1,177 @@
+"""Bring a pagedserve cluster up and down: Ray, worker actors, scheduler actor, frontend.
+
+Embedded mode (``ClusterConfig.ray_address is None``) starts a local Ray instance in the
+driver (``ray.init(address="local")``) with the loopback and auth settings measured in
+MACHINE-NOTES; otherwise the driver joins an existing cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.frontend import GenerationServicer, ModelInfo, start_server
+from pagedserve.scheduler.scheduler import WorkerSpec
+
+log = logging.getLogger(__name__)
+
+# Environment for an embedded, loopback-only Ray (see MACHINE-NOTES "Ray 2.60 on one machine").
+RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DEDUP_LOGS": "0",
+}
+
+
+def init_ray(config: ClusterConfig) -> bool:
+    """Start or join Ray. Returns True when this call started it (and must shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    for key, value in RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    if config.ray_address is None:
+        cpus = max(os.cpu_count() or 1, config.num_workers * config.cpus_per_worker)
+        ray.init(
+            address="local",
+            num_cpus=cpus,
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            object_store_memory=256 << 20,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+    else:
+        ray.init(address=config.ray_address, log_to_driver=True, configure_logging=False)
+    return True
+
+
+@dataclass
+class ClusterHandle:
+    """A running cluster (actors + frontend). Call :meth:`stop` when done."""
+
+    config: ClusterConfig
+    scheduler: Any
+    workers: list[Any]
+    server: Any
+    port: int
+    info: ModelInfo
+    owns_ray: bool
+
+    @property
+    def address(self) -> str:
+        """``host:port`` of the gRPC frontend."""
+        return f"{self.config.server.host}:{self.port}"
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop the frontend, abort requests, kill the actors and (if owned) Ray."""
+        import ray
+
+        await self.server.stop(grace_s)
+        try:
+            await asyncio.wait_for(self.scheduler.shutdown.remote(), timeout=10)
+        except Exception:
+            log.debug("scheduler shutdown failed", exc_info=True)
+        for actor in [self.scheduler, *self.workers]:
+            ray.kill(actor)
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def _use_cuda(config: ClusterConfig) -> bool:
+    if config.device == "cpu":
+        return False
+    import ray
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if config.device == "cuda" and gpus < config.num_workers:
+        raise RuntimeError(f"device=cuda needs {config.num_workers} GPUs; Ray sees {gpus}")
+    return gpus >= config.num_workers
+
+
+async def start_cluster(config: ClusterConfig) -> ClusterHandle:
+    """Resolve the model, start Ray, the actors and the gRPC frontend.
+
+    Raises:
+        ModelStoreError / ValueError: the model cannot be found or is unsupported.
+        RuntimeError: the port cannot be bound or GPUs are missing.
+    """
+    import ray
+    from transformers import AutoTokenizer
+
+    from pagedserve.cluster.model_store import resolve_model
+    from pagedserve.scheduler.actor import SchedulerActor
+    from pagedserve.worker.worker import Worker
+
+    model_dir = resolve_model(config.model, progress=True)
+    model_cfg = dataclasses.replace(config.model, model=str(model_dir))
+    config = dataclasses.replace(config, model=model_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    owns_ray = init_ray(config)
+    try:
+        cuda = _use_cuda(config)
+        worker_cls = ray.remote(Worker)
+        workers = []
+        for wid in range(config.num_workers):
+            wcfg = config.worker_config(wid)
+            if cuda:
+                wcfg = dataclasses.replace(wcfg, device="cuda", num_threads=0)
+                opts: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
+            else:
+                wcfg = dataclasses.replace(wcfg, device="cpu")
+                opts = {"num_cpus": config.cpus_per_worker}
+            workers.append(worker_cls.options(name=None, max_concurrency=1, **opts).remote(wcfg))
+        infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
+        max_model_len = min(i.max_model_len for i in infos)
+        specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
+        scheduler = (
+            ray.remote(SchedulerActor)
+            .options(num_cpus=0, max_concurrency=10_000)
+            .remote(
+                config.scheduler,
+                workers,
+                specs,
+                max_model_len,
+                config.cache.enable_prefix_caching,
+            )
+        )
+        await scheduler.ready.remote()
+        info = ModelInfo(
+            name=str(model_dir),
+            max_model_len=max_model_len,
+            vocab_size=infos[0].vocab_size,
+            eos_token_ids=tuple(infos[0].eos_token_ids),
+            max_kv_slots=max(s.num_blocks * s.block_size for s in specs),
+        )
+        servicer = GenerationServicer(scheduler, tokenizer, info)
+        server, port = await start_server(config.server, servicer)
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    log.info("serving %s on %s:%d", model_dir, config.server.host, port)
+    return ClusterHandle(config, scheduler, workers, server, port, info, owns_ray)
+
+
+async def serve_forever(config: ClusterConfig) -> None:
+    """Run the cluster until cancelled (Ctrl-C / SIGTERM), then stop it cleanly."""
+    import signal
+
+    handle = await start_cluster(config)
+    print(f"pagedserve: serving on {handle.address} (Ctrl-C to stop)", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        print("pagedserve: shutting down", flush=True)
+        await handle.stop()

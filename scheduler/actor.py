@@ -1,0 +1,178 @@
+"""The scheduler Ray actor: one per cluster, drives one step loop per worker.
+
+The actor is async (asyncio): ``generate`` is a streaming generator method the frontend
+iterates over (Ray streaming generators), ``abort`` and ``get_stats`` are plain calls. A
+loop task per worker repeatedly asks the :class:`Scheduler` for that worker's next
+:class:`SchedulerOutput`, awaits the worker's ``execute_model`` and feeds the answer back;
+new requests join the running batch between steps (continuous batching).
+
+This module imports Ray but never torch: the scheduler process holds metadata only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.scheduler.request import FinishReason, SequenceOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerActor:
+    """Ray actor wrapping :class:`Scheduler` (create with ``ray.remote(num_cpus=0)``).
+
+    Args:
+        config: scheduler policy.
+        workers: Ray actor handles of the workers, index = worker id.
+        specs: the KV pool of each worker (from the workers' ``get_info``).
+        max_model_len: longest sequence, tokens.
+        enable_prefix_caching: share full prompt blocks across requests.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        workers: list[Any],
+        specs: list[WorkerSpec],
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self._scheduler = Scheduler(config, specs, max_model_len, enable_prefix_caching)
+        self._workers = workers
+        self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
+        self._wakeups: dict[int, asyncio.Event] = {}
+        self._loops: dict[int, asyncio.Task[None]] = {}
+        self._error: BaseException | None = None
+
+    async def ready(self) -> bool:
+        """Start the step loops (idempotent); returns True."""
+        for wid in self._scheduler.workers:
+            if wid not in self._loops:
+                self._wakeups[wid] = asyncio.Event()
+                self._loops[wid] = asyncio.get_running_loop().create_task(self._step_loop(wid))
+        return True
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_ids: list[int],
+    ) -> AsyncIterator[list[SequenceOutput]]:
+        """Add a request and stream its deltas, batched: each item is a non-empty list.
+
+        The stream ends once every choice has finished. If the consumer goes away, the
+        request is aborted (its blocks are freed).
+
+        Raises:
+            ValueError / RequestRejected: from :meth:`Scheduler.add_request`, before any item.
+        """
+        await self.ready()
+        if self._error is not None:
+            raise RuntimeError(f"scheduler loop failed: {self._error!r}")
+        queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        self._scheduler.add_request(request_id, prompt_token_ids, sampling, eos_token_ids)
+        self._queues[request_id] = queue
+        self._wake_all()
+        remaining = sampling.n
+        try:
+            while remaining > 0:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                remaining -= sum(1 for o in batch if o.finish_reason is not None)
+                yield batch
+        finally:
+            self._queues.pop(request_id, None)
+            if remaining > 0:
+                self._scheduler.abort_request(request_id)
+                self._wake_all()
+
+    async def abort(
+        self, request_id: str, choice_index: int | None = None, stop: bool = False
+    ) -> bool:
+        """Abort a request (or one choice); True when something was in flight.
+
+        Its stream gets final deltas with reason ABORT, or STOP when ``stop`` (the
+        frontend matched a stop string).
+        """
+        reason = FinishReason.STOP if stop else FinishReason.ABORT
+        outputs = self._scheduler.abort_request(request_id, choice_index, reason)
+        self._dispatch(outputs)
+        self._wake_all()
+        return bool(outputs)
+
+    async def get_stats(self) -> SchedulerStats:
+        """A snapshot of queue lengths and per-worker block pools."""
+        return self._scheduler.stats()
+
+    async def check_integrity(self) -> bool:
+        """Run every pool's integrity check; raises on a violation, else True."""
+        self._scheduler.check_integrity()
+        return True
+
+    async def shutdown(self) -> None:
+        """Abort everything and stop the step loops."""
+        for request_id in list(self._scheduler.requests):
+            self._dispatch(self._scheduler.abort_request(request_id))
+        for task in self._loops.values():
+            task.cancel()
+        for task in self._loops.values():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._loops.clear()
+
+    # ------------------------------------------------------------------ internals
+    def _wake_all(self) -> None:
+        for ev in self._wakeups.values():
+            ev.set()
+
+    def _dispatch(self, outputs: list[SequenceOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    async def _step_loop(self, worker_id: int) -> None:
+        worker = self._workers[worker_id]
+        wake = self._wakeups[worker_id]
+        sched = self._scheduler
+        while True:
+            if not sched.has_work(worker_id):
+                wake.clear()
+                await wake.wait()
+                continue
+            sched_out = sched.schedule(worker_id)
+            if sched_out.is_empty:
+                # Nothing fits on this worker right now (e.g. waiting requests need
+                # blocks another worker's step will free): wait for a change.
+                wake.clear()
+                await wake.wait()
+                continue
+            try:
+                runner_out = await worker.execute_model.remote(sched_out)
+            except Exception as exc:
+                log.exception("worker %d failed a step", worker_id)
+                self._error = exc
+                self._fail_worker(worker_id, sched_out)
+                return
+            outputs = sched.update(worker_id, sched_out, runner_out)
+            self._dispatch(outputs)
+            if any(o.finish_reason is not None for o in outputs):
+                self._wake_all()  # freed blocks may let another worker admit
+
+    def _fail_worker(self, worker_id: int, sched_out: Any) -> None:
+        """A worker died: abort everything it was running so no client hangs."""
+        ws = self._scheduler.workers[worker_id]
+        for seq in list(ws.running):
+            self._dispatch(self._scheduler.abort_request(seq.request_id))
+
+
+__all__ = ["FinishReason", "SchedulerActor"]

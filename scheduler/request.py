@@ -1,0 +1,121 @@
+"""Scheduler-side state of one sequence (one choice of a client request)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted (recompute) and re-queued
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended; values match ``pagedserve.v1.FinishReason``."""
+
+    STOP = 1  # EOS, a stop token id, or (detected by the frontend) a stop string
+    LENGTH = 2  # max_tokens or max_model_len
+    ABORT = 3  # client abort, disconnect, or server shutdown
+
+
+@dataclass
+class Sequence:
+    """Mutable state of one sequence, owned by the scheduler.
+
+    Attributes:
+        seq_id: unique id (``f"{request_id}/{choice_index}"``).
+        request_id: the client request this sequence belongs to.
+        choice_index: index among the request's n choices.
+        prompt_token_ids: the prompt.
+        sampling: sampling parameters.
+        eos_token_ids: ids that end the sequence unless ``sampling.ignore_eos``.
+        max_total_tokens: prompt + output tokens allowed (min of prompt + max_tokens and
+            max_model_len).
+        arrival_s: arrival time (seconds, monotonic clock), FCFS priority.
+        output_token_ids: sampled tokens so far.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        worker_id: the worker holding the sequence's KV blocks (None while waiting).
+        on_worker: the worker holds the sequence's state (sent as NewRequestData).
+        new_block_ids: block ids allocated since the last SchedulerOutput.
+        num_preemptions: how often this sequence was preempted.
+    """
+
+    seq_id: str
+    request_id: str
+    choice_index: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int
+    arrival_s: float
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    worker_id: int | None = None
+    on_worker: bool = False
+    new_block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (the list is shared: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+    def check_stop(self) -> FinishReason | None:
+        """Stop condition after the latest appended token (EOS, stop ids, length)."""
+        last = self.output_token_ids[-1]
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
+            return FinishReason.STOP
+        if last in self.sampling.stop_token_ids:
+            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.sampling.max_tokens:
+            return FinishReason.LENGTH
+        if self.num_tokens >= self.max_total_tokens:
+            return FinishReason.LENGTH
+        return None
+
+
+@dataclass(frozen=True)
+class SequenceOutput:
+    """A delta pushed to the frontend after a step.
+
+    Attributes:
+        request_id: the client request.
+        choice_index: which choice.
+        new_token_ids: tokens appended since the last delta.
+        finish_reason: set on the last delta of the choice.
+        num_prompt_tokens: prompt length (tokens).
+        num_output_tokens: output tokens so far.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    choice_index: int
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int

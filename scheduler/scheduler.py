@@ -1,0 +1,423 @@
+"""Continuous-batching scheduler: admission, token budget, chunked prefill, preemption.
+
+Pure Python and synchronous: the Ray actor in :mod:`pagedserve.scheduler.actor` drives it.
+Each worker has its own block pool (a :class:`KVCacheManager`, metadata only) and its own
+running list; the waiting queue is shared, so a new sequence goes to whichever worker has
+room first (FCFS).
+
+One step for one worker (vLLM v1 ``Scheduler.schedule`` shape, Orca iteration-level batching):
+
+1. Running sequences first, in admission order: each asks for the tokens it still has to
+   compute (1 for a decode, the rest of its prompt for a prefill), capped by the token
+   budget. When the block pool cannot grow the sequence, the most recently admitted
+   running sequence is preempted by recompute (its blocks are freed and it returns to the
+   front of the waiting queue; vLLM paper §4.5) until the allocation fits.
+2. Then, if nothing was preempted this step, waiting sequences are admitted in FCFS order
+   while the budget, ``max_num_seqs`` and the pool allow. A new sequence first looks up the
+   prefix cache (full blocks only) and computes only the rest of its prompt.
+
+After the worker answers, :meth:`Scheduler.update` appends sampled tokens, checks stop
+conditions, registers newly full blocks in the prefix cache, frees finished sequences and
+returns the deltas for the frontend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (e.g. needs more KV blocks than a worker has)."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What the scheduler needs to know about one worker's KV pool.
+
+    Attributes:
+        worker_id: the worker's index.
+        num_blocks: physical KV blocks in its pool.
+        block_size: tokens per block.
+    """
+
+    worker_id: int
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class _WorkerState:
+    spec: WorkerSpec
+    kv: KVCacheManager
+    running: list[Sequence] = field(default_factory=list)
+    pending_finished: list[str] = field(default_factory=list)
+    next_step_id: int = 0
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler (counts; ``kv_usage`` is a fraction in [0, 1])."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    workers: tuple[
+        tuple[int, int, int, int, int], ...
+    ]  # (id, num_blocks, free, block_size, running)
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    """Owns every sequence and every worker's block metadata; decides what runs each step.
+
+    Args:
+        config: token budget and batch limits.
+        workers: one spec per worker (the size of its KV pool).
+        max_model_len: longest sequence (prompt + output), tokens.
+        enable_prefix_caching: share full prompt blocks across requests.
+
+    Raises:
+        ValueError: when no workers are given.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        workers: Iterable[WorkerSpec],
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.workers: dict[int, _WorkerState] = {
+            w.worker_id: _WorkerState(
+                spec=w, kv=KVCacheManager(w.num_blocks, w.block_size, enable_prefix_caching)
+            )
+            for w in workers
+        }
+        if not self.workers:
+            raise ValueError("at least one worker is required")
+        self.waiting: deque[Sequence] = deque()
+        self.sequences: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_ids: Iterable[int] = (),
+        arrival_s: float | None = None,
+    ) -> list[Sequence]:
+        """Queue a request: one sequence per choice (``sampling.n``).
+
+        Raises:
+            ValueError: duplicate request id, empty prompt, or prompt + max_tokens longer
+                than ``max_model_len``.
+            RequestRejected: the longest possible sequence needs more blocks than the
+                largest worker pool holds (it could never finish).
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len + sampling.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        max_total = prompt_len + sampling.max_tokens
+        capacity = max(w.spec.num_blocks * w.spec.block_size for w in self.workers.values())
+        if sampling.n * max_total > capacity:
+            raise RequestRejected(
+                f"request needs up to {sampling.n * max_total} KV slots but a worker holds "
+                f"only {capacity}"
+            )
+        arrival = time.monotonic() if arrival_s is None else arrival_s
+        eos = frozenset(eos_token_ids)
+        seqs = [
+            Sequence(
+                seq_id=f"{request_id}/{i}",
+                request_id=request_id,
+                choice_index=i,
+                prompt_token_ids=list(prompt_token_ids),
+                sampling=sampling,
+                eos_token_ids=eos,
+                max_total_tokens=max_total,
+                arrival_s=arrival,
+            )
+            for i in range(sampling.n)
+        ]
+        self.requests[request_id] = seqs
+        for seq in seqs:
+            self.sequences[seq.seq_id] = seq
+            self.waiting.append(seq)
+        return seqs
+
+    def abort_request(
+        self,
+        request_id: str,
+        choice_index: int | None = None,
+        reason: FinishReason = FinishReason.ABORT,
+    ) -> list[SequenceOutput]:
+        """End unfinished choices of a request (all, or one) and free their blocks.
+
+        Args:
+            request_id: the request.
+            choice_index: only this choice (e.g. it hit a stop string); None = all.
+            reason: the finish reason recorded (ABORT, or STOP for a stop string).
+
+        Returns the final deltas; empty when nothing was in flight.
+        """
+        outputs = []
+        for seq in self.requests.get(request_id, []):
+            if choice_index is not None and seq.choice_index != choice_index:
+                continue
+            if seq.status is not SequenceStatus.FINISHED:
+                self._finish(seq, reason)
+                outputs.append(self._delta(seq, ()))
+        self._forget_if_done(request_id)
+        return outputs
+
+    # ------------------------------------------------------------------ stepping
+    def has_work(self, worker_id: int) -> bool:
+        """True when a step on this worker would do something."""
+        ws = self.workers[worker_id]
+        return bool(ws.running or ws.pending_finished or self.waiting)
+
+    def schedule(self, worker_id: int) -> SchedulerOutput:
+        """Decide one step for ``worker_id`` (see the module docstring)."""
+        ws = self.workers[worker_id]
+        kv = ws.kv
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        blocks_to_copy: list[tuple[int, int]] = []
+        preempted = False
+
+        idx = 0
+        while idx < len(ws.running) and budget > 0:
+            seq = ws.running[idx]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:  # cannot happen for a running sequence; be safe
+                idx += 1
+                continue
+            while True:
+                result = kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+                if result is not None:
+                    break
+                victim = ws.running[-1]
+                self._preempt(ws, victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if result is None:  # the sequence preempted itself
+                break
+            seq.new_block_ids.extend(result.new_block_ids)
+            blocks_to_copy.extend(result.blocks_to_copy)
+            num_scheduled[seq.seq_id] = num_new
+            budget -= num_new
+            idx += 1
+
+        if not preempted:
+            budget = self._admit(ws, budget, num_scheduled)
+
+        out = self._build_output(ws, num_scheduled, blocks_to_copy)
+        return out
+
+    def _admit(self, ws: _WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
+        kv = ws.kv
+        while self.waiting and budget > 0 and len(ws.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            tokens = seq.all_token_ids
+            computed_blocks, num_computed = kv.get_computed_blocks(tokens)
+            num_new = len(tokens) - num_computed
+            if num_new > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
+            if result is None:
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.worker_id = ws.spec.worker_id
+            seq.num_computed_tokens = num_computed
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = num_computed
+            seq.on_worker = False
+            seq.new_block_ids = []
+            ws.running.append(seq)
+            num_scheduled[seq.seq_id] = num_new
+            budget -= num_new
+        return budget
+
+    def _build_output(
+        self,
+        ws: _WorkerState,
+        num_scheduled: dict[str, int],
+        blocks_to_copy: list[tuple[int, int]],
+    ) -> SchedulerOutput:
+        new_reqs: list[NewRequestData] = []
+        cached: list[CachedRequestData] = []
+        for seq_id in num_scheduled:
+            seq = self.sequences[seq_id]
+            if not seq.on_worker:
+                new_reqs.append(
+                    NewRequestData(
+                        req_id=seq.seq_id,
+                        token_ids=list(seq.all_token_ids),
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        block_ids=list(ws.kv.get_block_ids(seq.seq_id)),
+                        num_computed_tokens=seq.num_computed_tokens,
+                        sampling=seq.sampling,
+                        choice_index=seq.choice_index,
+                    )
+                )
+                seq.on_worker = True
+            else:
+                cached.append(
+                    CachedRequestData(
+                        req_id=seq.seq_id,
+                        new_block_ids=seq.new_block_ids,
+                        num_computed_tokens=seq.num_computed_tokens,
+                    )
+                )
+            seq.new_block_ids = []
+        out = SchedulerOutput(
+            step_id=ws.next_step_id,
+            new_requests=new_reqs,
+            cached_requests=cached,
+            num_scheduled_tokens=num_scheduled,
+            finished_req_ids=ws.pending_finished,
+            blocks_to_copy=blocks_to_copy,
+        )
+        ws.pending_finished = []
+        ws.next_step_id += 1
+        return out
+
+    def update(
+        self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput
+    ) -> list[SequenceOutput]:
+        """Apply a worker's answer: advance computed tokens, append samples, stop, free.
+
+        Returns the deltas to stream (one per sequence that got a token or finished).
+        Sequences aborted while the step ran are skipped.
+        """
+        ws = self.workers[worker_id]
+        outputs: list[SequenceOutput] = []
+        finished_requests: set[str] = set()
+        for seq_id, num_new in sched_out.num_scheduled_tokens.items():
+            seq = self.sequences.get(seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed_tokens += num_new
+            token = runner_out.sampled_token_ids.get(seq_id)
+            if token is None:
+                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                continue
+            seq.append_token(token)
+            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            reason = seq.check_stop()
+            if reason is not None:
+                self._finish(seq, reason)
+                finished_requests.add(seq.request_id)
+            outputs.append(self._delta(seq, (token,)))
+        for request_id in finished_requests:
+            self._forget_if_done(request_id)
+        return outputs
+
+    # ------------------------------------------------------------------ internals
+    def _preempt(self, ws: _WorkerState, seq: Sequence) -> None:
+        """Preempt by recompute: free the blocks, drop worker state, requeue at the front."""
+        ws.running.remove(seq)
+        ws.kv.free(seq.seq_id)
+        ws.pending_finished.append(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.worker_id = None
+        seq.on_worker = False
+        seq.num_computed_tokens = 0
+        seq.new_block_ids = []
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            ws = self.workers[seq.worker_id]  # type: ignore[index]
+            ws.running.remove(seq)
+            ws.kv.free(seq.seq_id)
+            ws.pending_finished.append(seq.seq_id)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.worker_id = None
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs and all(s.status is SequenceStatus.FINISHED for s in seqs):
+            del self.requests[request_id]
+            for s in seqs:
+                self.sequences.pop(s.seq_id, None)
+
+    @staticmethod
+    def _delta(seq: Sequence, new_tokens: tuple[int, ...]) -> SequenceOutput:
+        return SequenceOutput(
+            request_id=seq.request_id,
+            choice_index=seq.choice_index,
+            new_token_ids=new_tokens,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> SchedulerStats:
+        """Counts for GetStats and metrics."""
+        workers = tuple(
+            (
+                wid,
+                ws.spec.num_blocks,
+                ws.kv.num_free_blocks,
+                ws.spec.block_size,
+                len(ws.running),
+            )
+            for wid, ws in sorted(self.workers.items())
+        )
+        queries = hits = 0
+        for ws in self.workers.values():
+            st = ws.kv.prefix_cache_stats
+            queries += st.queries_tokens
+            hits += st.hits_tokens
+        return SchedulerStats(
+            num_running=sum(len(ws.running) for ws in self.workers.values()),
+            num_waiting=len(self.waiting),
+            num_preemptions=self.num_preemptions,
+            workers=workers,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+        )
+
+    def check_integrity(self) -> None:
+        """Check every worker's block pool (see KVCacheManager.check_integrity)."""
+        for ws in self.workers.values():
+            ws.kv.check_integrity()

@@ -1,0 +1,296 @@
+"""KVCacheManager: allocation, growth, fork / copy-on-write, free, errors, the seeds' numbers.
+
+Every test drives the manager through ``Checked``, which runs ``check_integrity()`` after
+every call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pagedserve.scheduler.kv_cache_manager import (
+    AllocationResult,
+    IntegrityError,
+    KVCacheManager,
+)
+
+
+class Checked:
+    """Proxy calling ``check_integrity()`` after every method call on the manager."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.m = KVCacheManager(*args, **kwargs)
+        self.m.check_integrity()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.m, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.m.check_integrity()
+
+        return call
+
+    def used(self) -> int:
+        return self.m.num_blocks - self.m.num_free_blocks
+
+
+def refs(m: Checked, block_ids) -> list[int]:
+    return [m.m.get_ref_count(b) for b in block_ids]
+
+
+# ------------------------------------------------------------------------------ basics
+@pytest.mark.parametrize(
+    ("num_blocks", "block_size"), [(0, 16), (-3, 16), (8, 0), (8, -1), (8, 2.0), (None, 16)]
+)
+def test_bad_sizes_raise(num_blocks, block_size):
+    with pytest.raises(ValueError):
+        KVCacheManager(num_blocks, block_size)
+
+
+def test_fresh_manager():
+    m = Checked(10, 16)
+    assert (m.num_blocks, m.block_size, m.num_free_blocks, m.usage) == (10, 16, 10, 0.0)
+    assert not m.has_seq("a")
+
+
+def test_forty_tokens_take_three_blocks_wasting_eight_slots():
+    m = Checked(10, 16)
+    r = m.allocate_slots("a", 40)
+    assert r == AllocationResult([0, 1, 2], [], False, 0)
+    assert m.get_block_ids("a") == [0, 1, 2]
+    assert len(m.get_block_ids("a")) * 16 - 40 == 8
+    assert m.num_free_blocks == 7 and m.usage == pytest.approx(0.3)
+    assert refs(m, [0, 1, 2]) == [1, 1, 1]
+
+
+def test_growth_is_one_block_at_a_time():
+    m = Checked(10, 4)
+    assert m.allocate_slots("a", 4).new_block_ids == [0]
+    r = m.allocate_slots("a", 5)
+    assert r == AllocationResult([1], [], False, 1)
+    assert m.allocate_slots("a", 8) == AllocationResult([], [], False, 2)
+    assert m.allocate_slots("a", 8) == AllocationResult([], [], False, 2)
+    assert m.allocate_slots("a", 17).new_block_ids == [2, 3, 4]
+    assert m.get_block_ids("a") == [0, 1, 2, 3, 4]
+    assert m.get_num_tokens("a") == 17
+    with pytest.raises(ValueError, match="shrink"):
+        m.allocate_slots("a", 16)
+
+
+def test_zero_tokens_and_negative():
+    m = Checked(4, 4)
+    assert m.allocate_slots("a", 0) == AllocationResult([], [], False, 0)
+    assert m.has_seq("a") and m.get_block_ids("a") == []
+    assert m.allocate_slots("a", 1).new_block_ids == [0]
+    with pytest.raises(ValueError):
+        m.allocate_slots("b", -1)
+
+
+def test_get_block_ids_returns_a_copy():
+    m = Checked(4, 4)
+    m.allocate_slots("a", 4)
+    m.get_block_ids("a").append(99)
+    assert m.get_block_ids("a") == [0]
+
+
+def test_out_of_blocks_returns_none_without_state_change():
+    m = Checked(4, 16)
+    m.allocate_slots("a", 48)
+    assert m.allocate_slots("b", 33) is None
+    assert not m.has_seq("b") and m.num_free_blocks == 1
+    assert m.allocate_slots("a", 80) is None
+    assert m.get_block_ids("a") == [0, 1, 2] and m.get_num_tokens("a") == 48
+    assert m.allocate_slots("a", 64).new_block_ids == [3]
+    assert m.num_free_blocks == 0
+    assert m.allocate_slots("b", 1) is None
+    assert m.allocate_slots("b", 0) is not None  # needs no block
+
+
+def test_free_returns_blocks_and_errors():
+    m = Checked(8, 4)
+    m.allocate_slots("a", 8)
+    m.allocate_slots("b", 8)
+    m.free("a")
+    assert not m.has_seq("a") and m.num_free_blocks == 6
+    with pytest.raises(KeyError):
+        m.free("a")  # double free of a sequence
+    with pytest.raises(KeyError):
+        m.free("nope")
+    with pytest.raises(KeyError):
+        m.get_block_ids("a")
+    # uncached freed blocks are reused first, in order
+    assert m.allocate_slots("c", 8).new_block_ids == [0, 1]
+
+
+def test_block_level_double_free_raises_loudly():
+    m = KVCacheManager(4, 4)
+    m.allocate_slots("a", 4)
+    m.free("a")
+    blk = m._pool.blocks[0]
+    with pytest.raises(IntegrityError, match="double free"):
+        m._pool.release(blk)
+
+
+def test_integrity_catches_a_wrong_ref_count():
+    m = KVCacheManager(4, 4)
+    m.allocate_slots("a", 4)
+    m._pool.blocks[0].ref_count = 2
+    with pytest.raises(IntegrityError, match="ref_count 2"):
+        m.check_integrity()
+    assert issubclass(IntegrityError, AssertionError)
+
+
+def test_integrity_catches_a_table_of_the_wrong_length():
+    m = KVCacheManager(4, 4)
+    m.allocate_slots("a", 4)
+    m._seqs["a"].num_tokens = 5
+    with pytest.raises(IntegrityError, match="blocks for 5 tokens"):
+        m.check_integrity()
+
+
+# ---------------------------------------------------------------------- fork and CoW
+def test_ten_samples_of_a_200_token_prompt_share_13_blocks():
+    m = Checked(200, 16)
+    m.allocate_slots("s0", 200)
+    for i in range(1, 10):
+        m.fork("s0", f"s{i}")
+    assert m.used() == 13  # not 130
+    assert refs(m, range(13)) == [10] * 13
+    assert all(m.get_block_ids(f"s{i}") == list(range(13)) for i in range(10))
+
+
+def test_one_diverging_sample_costs_one_block_and_one_copy():
+    m = Checked(200, 16)
+    m.allocate_slots("s0", 200)
+    for i in range(1, 10):
+        m.fork("s0", f"s{i}")
+    free_before = m.num_free_blocks
+    r = m.allocate_slots("s3", 201)  # writes token 201 into the shared 8/16-full block 12
+    assert r == AllocationResult([13], [(12, 13)], True, 12)
+    assert m.num_free_blocks == free_before - 1
+    assert m.get_block_ids("s3") == list(range(12)) + [13]
+    assert m.get_block_ids("s0") == list(range(13))
+    assert refs(m, [11, 12, 13]) == [10, 9, 1]
+    # the writer now owns its last block: no further copies
+    assert m.allocate_slots("s3", 202) == AllocationResult([], [], False, 13)
+
+
+def test_last_holder_writes_in_place():
+    m = Checked(200, 16)
+    m.allocate_slots("s0", 200)
+    for i in range(1, 10):
+        m.fork("s0", f"s{i}")
+    copies = []
+    for i in range(10):
+        copies += m.allocate_slots(f"s{i}", 201).blocks_to_copy
+    assert len(copies) == 9 and all(src == 12 for src, _ in copies)
+    assert m.used() == 13 + 9
+    assert m.get_block_ids("s9") == list(range(13))  # the last one kept the original
+
+
+def test_four_samples_of_a_1000_token_prompt_use_63_blocks():
+    m = Checked(300, 16)
+    m.allocate_slots("s0", 1000)
+    for i in range(1, 4):
+        m.fork("s0", f"s{i}")
+    assert m.used() == 63 == -(-1000 // 16)
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    m = Checked(8, 16)
+    m.allocate_slots("p", 32)
+    m.fork("p", "c")
+    assert m.allocate_slots("c", 33) == AllocationResult([2], [], False, 2)
+    assert m.allocate_slots("p", 33) == AllocationResult([3], [], False, 2)
+    assert refs(m, [0, 1, 2, 3]) == [2, 2, 1, 1]
+
+
+def test_copy_on_write_and_growth_in_one_call():
+    m = Checked(8, 16)
+    m.allocate_slots("p", 20)
+    m.fork("p", "c")
+    table = m.get_block_ids("c")
+    r = m.allocate_slots("c", 40)
+    assert r == AllocationResult([2, 3], [(1, 2)], True, 1)
+    r.apply_to(table)
+    assert table == m.get_block_ids("c") == [0, 2, 3]
+    with pytest.raises(ValueError):
+        r.apply_to([0])
+
+
+def test_copy_on_write_without_room_changes_nothing():
+    m = Checked(2, 16)
+    m.allocate_slots("p", 20)
+    m.fork("p", "c")
+    assert m.num_blocks_needed("c", 21) == 1
+    assert m.allocate_slots("c", 21) is None  # 0 free, CoW needs 1
+    assert m.get_block_ids("c") == [0, 1] and m.get_num_tokens("c") == 20
+    assert refs(m, [0, 1]) == [2, 2]
+    m.free("p")
+    assert m.num_blocks_needed("c", 21) == 0
+    assert m.allocate_slots("c", 21) == AllocationResult([], [], False, 2)  # sole owner
+
+
+def test_fork_errors_and_free_of_shared_blocks():
+    m = Checked(8, 4)
+    m.allocate_slots("p", 6)
+    with pytest.raises(KeyError):
+        m.fork("nope", "c")
+    m.fork("p", "c")
+    with pytest.raises(ValueError):
+        m.fork("p", "c")
+    m.free("p")
+    assert m.num_free_blocks == 6  # still held by c
+    assert refs(m, [0, 1]) == [1, 1]
+    m.free("c")
+    assert m.num_free_blocks == 8
+
+
+def test_num_blocks_needed_matches_allocation():
+    m = Checked(16, 4)
+    assert m.num_blocks_needed(None, 9) == 3
+    assert m.num_blocks_needed("unknown", 0) == 0
+    m.allocate_slots("a", 9)
+    assert m.num_blocks_needed("a", 9) == 0
+    assert m.num_blocks_needed("a", 12) == 0
+    assert m.num_blocks_needed("a", 13) == 1
+    m.fork("a", "b")
+    assert m.num_blocks_needed("b", 10) == 1  # copy-on-write
+    assert m.num_blocks_needed("b", 13) == 2
+    free = m.num_free_blocks
+    m.allocate_slots("b", 13)
+    assert m.num_free_blocks == free - 2
+
+
+def test_computed_block_argument_errors():
+    m = Checked(8, 4)
+    m.allocate_slots("a", 8)
+    with pytest.raises(ValueError, match="exists"):
+        m.allocate_slots("a", 12, [0])
+    with pytest.raises(ValueError, match="not a cached block"):
+        m.allocate_slots("b", 12, [0])  # block 0 is uncached
+    with pytest.raises(ValueError, match="not a cached block"):
+        m.allocate_slots("b", 12, [99])
+    m.cache_blocks("a", list(range(8)), 8)
+    with pytest.raises(ValueError, match="repeated"):
+        m.allocate_slots("b", 12, [0, 0])
+    with pytest.raises(ValueError, match="cover more"):
+        m.allocate_slots("b", 7, [0, 1])
+    assert not m.has_seq("b")
+
+
+def test_usage_counts_referenced_blocks():
+    m = Checked(4, 4)
+    m.allocate_slots("a", 8)
+    m.fork("a", "b")
+    assert m.usage == 0.5
+    m.free("a")
+    m.free("b")
+    assert m.usage == 0.0
