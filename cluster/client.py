@@ -166,7 +166,15 @@ class Client:
             grpc.RpcError: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ... with the server's message.
         """
         req = build_request(prompt, **kwargs)
-        for msg in self._stub.Generate(req, timeout=self._timeout):
+        call = self._stub.Generate(req, timeout=self._timeout)
+        try:
+            yield from self._deltas(call)
+        finally:
+            call.cancel()  # no-op when finished; frees the server side when abandoned
+
+    @staticmethod
+    def _deltas(call: Any) -> Iterator[Delta]:
+        for msg in call:
             usage = None
             if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 usage = {

@@ -123,9 +123,7 @@ def _save_converted(gguf_file: Path, out_dir: Path, progress: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    steps = tqdm(
-        total=3, desc=f"converting {gguf_file.name}", unit="step", disable=not progress
-    )
+    steps = tqdm(total=3, desc=f"converting {gguf_file.name}", unit="step", disable=not progress)
     with steps:
         steps.set_postfix_str("tokenizer")
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)

@@ -356,9 +356,10 @@ class KVCacheManager:
         revive = sum(1 for b in computed if b.ref_count == 0)
         if num_new + revive > pool.num_free_blocks:
             return None
+        new = pool.allocate(num_new)
         for b in computed:
-            pool.touch(b)  # before allocate(): popping the queue must not evict a hit
-        blocks = computed + pool.allocate(num_new)
+            pool.touch(b)
+        blocks = computed + new
         hashes = [b.block_hash for b in computed if b.block_hash is not None]
         self._seqs[seq_id] = _SeqState(blocks, num_total_tokens, hashes)
         return AllocationResult([b.block_id for b in blocks], [], False, 0)

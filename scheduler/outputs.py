@@ -44,13 +44,18 @@ class CachedRequestData:
 
     Attributes:
         req_id: sequence id.
-        new_block_ids: block ids appended to the block table since the last step.
+        new_block_ids: block ids written into the block table since the last step.
         num_computed_tokens: tokens with K/V in the cache before this step.
+        new_blocks_start: logical index of ``new_block_ids[0]``; the worker applies
+            ``block_table[new_blocks_start:] = new_block_ids``. It equals the table's
+            length for a plain append and is one less when copy-on-write replaced the
+            last block (its contents arrive through ``blocks_to_copy``); -1 means append.
     """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_blocks_start: int = -1
 
 
 @dataclass(frozen=True)

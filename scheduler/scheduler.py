@@ -230,7 +230,8 @@ class Scheduler:
                     break
             if result is None:  # the sequence preempted itself
                 break
-            seq.new_block_ids.extend(result.new_block_ids)
+            seq.new_block_ids = list(result.new_block_ids)
+            seq.new_blocks_start = result.start_index
             blocks_to_copy.extend(result.blocks_to_copy)
             num_scheduled[seq.seq_id] = num_new
             budget -= num_new
@@ -298,6 +299,7 @@ class Scheduler:
                         req_id=seq.seq_id,
                         new_block_ids=seq.new_block_ids,
                         num_computed_tokens=seq.num_computed_tokens,
+                        new_blocks_start=seq.new_blocks_start,
                     )
                 )
             seq.new_block_ids = []

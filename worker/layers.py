@@ -116,13 +116,26 @@ class RotaryEmbedding(nn.Module):
         self, head_dim: int, max_positions: int, rope_parameters: Mapping[str, Any]
     ) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, rope_parameters)
-        positions = torch.arange(max_positions, dtype=torch.int64).float()
-        angles = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        self.register_buffer("cos_table", emb.cos(), persistent=False)
-        self.register_buffer("sin_table", emb.sin(), persistent=False)
         self.max_positions = max_positions
+        self.inv_freq = rope_inv_freq(head_dim, rope_parameters)  # fp32 [head_dim // 2], CPU
+        shape = (max_positions, head_dim)
+        self.register_buffer("cos_table", torch.empty(shape), persistent=False)
+        self.register_buffer("sin_table", torch.empty(shape), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)compute the fp32 tables on the buffers' device.
+
+        Called at construction and again after a model built on the ``meta`` device is
+        materialized with ``to_empty``, which leaves buffers uninitialized.
+        """
+        if self.cos_table.is_meta:
+            return
+        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
+        angles = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        self.cos_table.copy_(emb.cos())
+        self.sin_table.copy_(emb.sin())
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

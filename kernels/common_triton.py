@@ -1,0 +1,63 @@
+"""Host-side helpers shared by the Triton kernel modules (no kernels in here).
+
+Importing this module imports Triton; it is only imported from the ``*_triton`` modules,
+which :mod:`pagedserve.kernels` loads lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two ``>= max(n, 1)``."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Number of streaming multiprocessors of ``device``; a small constant off CUDA.
+
+    The constant (4) only shapes the launch grid under the interpreter, where it keeps
+    grids tiny while still exercising the split-KV path.
+    """
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else 0)
+    return 4
+
+
+def check_triton_device(device: torch.device) -> None:
+    """Raise ``RuntimeError`` unless Triton can run kernels on tensors of ``device``."""
+    if device.type == "cuda":
+        return
+    if not interpreting():
+        raise RuntimeError(
+            "the Triton kernels were imported without TRITON_INTERPRET=1, so they cannot "
+            f"run on {device.type} tensors; set TRITON_INTERPRET=1 before importing Triton"
+        )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``input_precision`` for ``tl.dot``: exact IEEE fp32 (no TF32) for fp32 operands."""
+    return "ieee"
+
+
+def compute_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether kernels should upcast operands to fp32 before ``tl.dot``.
+
+    Always for fp32 caches (no-op); for bf16 under the interpreter, whose bf16 dot is wrong.
+    fp16 and (on GPU) bf16 keep their native tensor-core dot with fp32 accumulation.
+    """
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())

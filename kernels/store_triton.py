@@ -1,0 +1,90 @@
+"""Triton ``reshape_and_cache``: scatter new tokens' K/V rows into the paged cache.
+
+Algorithm as in vLLM's ``reshape_and_cache``: one program per (token, tile of the
+``num_kv_heads * head_dim`` row); the program loads the token's slot, returns early on a
+negative (padding) slot, and otherwise writes the K and V tiles at element offset
+``slot * num_kv_heads * head_dim`` of the contiguous cache, computed in int64 so pools of
+more than 2**31 elements are addressed correctly.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedserve.kernels.common_triton import check_triton_device, next_pow2
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    row_elems,
+    HEAD_DIM: tl.constexpr,
+    TILE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    tile = tl.program_id(1)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    idx = tile * TILE + tl.arange(0, TILE)
+    mask = idx < row_elems
+    head = idx // HEAD_DIM
+    dim = idx % HEAD_DIM
+    t64 = token.to(tl.int64)
+    k = tl.load(key_ptr + t64 * stride_kt + head * stride_kh + dim, mask=mask)
+    v = tl.load(value_ptr + t64 * stride_vt + head * stride_vh + dim, mask=mask)
+    dst = slot * row_elems + idx
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    tile: int | None = None,
+) -> None:
+    """Triton backend of :func:`pagedserve.kernels.store_kv_cache` (arguments validated).
+
+    ``key``/``value`` may be strided over tokens and heads (e.g. views into a fused QKV
+    projection) but need a unit stride over ``head_dim``. ``tile`` overrides the number of
+    elements per program (a power of two; default ``min(1024, next_pow2(heads*dim))``).
+    """
+    check_triton_device(key_cache.device)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    if key.stride(2) != 1:
+        key = key.contiguous()
+    if value.stride(2) != 1:
+        value = value.contiguous()
+    row = num_kv_heads * head_dim
+    tile = tile or min(1024, next_pow2(row))
+    grid = (num_tokens, triton.cdiv(row, tile))
+    _store_kv_kernel[grid](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping.contiguous(),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        row,
+        HEAD_DIM=head_dim,
+        TILE=tile,
+        num_warps=4 if tile >= 512 else 1,
+    )

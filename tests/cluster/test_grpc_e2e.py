@@ -1,0 +1,244 @@
+"""End to end through the real gRPC server, Ray actors and SmolLM2 (greedy = HF greedy)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.cluster.client import Client, build_request
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc as pb_grpc
+
+from .conftest import NUM_BLOCKS
+
+pytestmark = [pytest.mark.slow, pytest.mark.model]
+
+CHAT = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def hf(served_model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(served_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(served_model_dir, torch_dtype=torch.float32)
+    model.eval()
+
+    def greedy(prompt_ids: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=tok.eos_token_id,
+            )
+        return out[0, len(prompt_ids) :].tolist()
+
+    return tok, greedy
+
+
+def wait_all_free(client: Client, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.stats()
+        w = st["workers"][0]
+        idle = st["num_requests_running"] == 0 and st["num_requests_waiting"] == 0
+        if idle and w["num_free_blocks"] == w["num_blocks"]:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks not freed: {st}")
+        time.sleep(0.1)
+
+
+def test_chat_capital_of_france_matches_hf(address, hf):
+    tok, greedy = hf
+    with Client(address, timeout_s=300) as c:
+        r = c.generate(chat=[{"role": "user", "content": CHAT}], max_tokens=32, temperature=0)
+    choice = r.choices[0]
+    assert choice.text.startswith("The capital of France is Paris.")
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": CHAT}], tokenize=False, add_generation_prompt=True
+    )
+    prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
+    ref = greedy(prompt_ids, 32)
+    if tok.eos_token_id in ref:
+        ref = ref[: ref.index(tok.eos_token_id) + 1]
+    assert choice.token_ids == ref
+    assert r.usage["prompt_tokens"] == len(prompt_ids)
+    assert r.usage["completion_tokens"] == len(ref)
+    assert choice.text == tok.decode(ref, skip_special_tokens=True)
+
+
+def test_raw_token_ids_and_concurrent_requests_match_hf(address, hf):
+    tok, greedy = hf
+    prompts = [
+        "The three primary colors are",
+        "def fibonacci(n):",
+        "Once upon a time, in a small village,",
+        "Water boils at a temperature of",
+    ]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    refs = [greedy(p, 24) for p in ids[:2]]
+
+    def one(p):
+        with Client(address, timeout_s=300) as c:
+            return c.generate(token_ids=p, max_tokens=24, temperature=0, ignore_eos=True)
+
+    with ThreadPoolExecutor(len(ids)) as ex:
+        results = list(ex.map(one, ids))
+    for r, ref in zip(results[:2], refs):
+        assert r.choices[0].token_ids == ref
+        assert r.choices[0].finish_reason == "length"
+    # The same prompt alone gives the same tokens as inside a busy batch.
+    alone = one(ids[3])
+    assert alone.choices[0].token_ids == results[3].choices[0].token_ids
+    with Client(address) as c:
+        wait_all_free(c)
+
+
+def test_prefix_cache_hit_is_reported_and_identical(address):
+    long_prompt = "You are a helpful assistant. " * 8 + "Name a fruit:"
+    with Client(address, timeout_s=300) as c:
+        first = c.generate(long_prompt, max_tokens=8, temperature=0)
+        second = c.generate(long_prompt, max_tokens=8, temperature=0)
+    assert second.usage["cached_tokens"] >= 16
+    assert second.usage["cached_tokens"] % 16 == 0
+    assert second.choices[0].token_ids == first.choices[0].token_ids
+
+
+def test_seeded_sampling_is_reproducible(address):
+    kw = dict(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
+    with Client(address, timeout_s=300) as c:
+        a = c.generate("My favourite animal is", **kw)
+        b = c.generate("My favourite animal is", **kw)
+        d = c.generate("My favourite animal is", **{**kw, "seed": 99})
+    assert a.choices[0].token_ids == b.choices[0].token_ids
+    assert len(a.choices[0].token_ids) == 12
+    assert a.choices[0].token_ids != d.choices[0].token_ids
+
+
+def test_stop_string_cuts_text(address):
+    with Client(address, timeout_s=300) as c:
+        r = c.generate(
+            chat=[{"role": "user", "content": CHAT}], max_tokens=32, temperature=0, stop=["Paris"]
+        )
+    assert r.choices[0].text == "The capital of France is "
+    assert r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(temperature=-1.0), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-5), "top_k"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=10**6), "max_tokens"),
+        (dict(n=0), "n must"),
+        (dict(stop=[""]), "stop"),
+    ],
+)
+def test_bad_sampling_values_are_invalid_argument(address, kwargs, fragment):
+    with Client(address) as c, pytest.raises(grpc.RpcError) as ei:
+        c.generate("hello", **kwargs)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in ei.value.details()
+
+
+def test_bad_inputs(address):
+    with Client(address) as c:
+        for kwargs, code in [
+            (dict(token_ids=[10**6]), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(chat=[{"role": "wizard", "content": "x"}]), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(prompt="hi " * 3000, max_tokens=8), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(prompt="hi", max_tokens=1500, n=8), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ]:
+            with pytest.raises(grpc.RpcError) as ei:
+                prompt = kwargs.pop("prompt", None)
+                c.generate(prompt, **kwargs)
+            assert ei.value.code() == code, (kwargs, ei.value.details())
+            assert ei.value.details()
+        # A request with no input at all (raw stub).
+        stub = pb_grpc.GenerationStub(c._channel)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(pb.GenerateRequest()))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        wait_all_free(c)
+
+
+def test_cancel_and_abort_free_blocks(address, cluster):
+    handle, lt = cluster
+    with Client(address, timeout_s=300) as c:
+        it = c.stream(
+            "Tell me a long story.",
+            max_tokens=400,
+            temperature=0,
+            ignore_eos=True,
+            request_id="to-cancel",
+        )
+        first = next(it)
+        assert first.request_id == "to-cancel"
+        it.close()  # cancels the RPC: the server aborts the request
+        # Abort through the API while streaming in another thread.
+        got: list = []
+
+        def consume():
+            for d in c.stream(
+                "Count to one hundred:",
+                max_tokens=400,
+                ignore_eos=True,
+                temperature=0,
+                request_id="to-abort",
+            ):
+                got.append(d)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        deadline = time.monotonic() + 60
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert c.abort("to-abort") is True
+        t.join(timeout=60)
+        assert got[-1].finish_reason == "abort"
+        assert c.abort("to-abort") is False
+        wait_all_free(c)
+    assert lt.run(handle.scheduler.check_integrity.remote()) is True
+
+
+def test_stats_health_and_reflection(address):
+    with Client(address) as c:
+        st = wait_all_free(c)
+    assert st["workers"][0]["num_blocks"] == NUM_BLOCKS
+    assert st["workers"][0]["block_size"] == 16
+    with grpc.insecure_channel(address) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=10
+        )
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+        stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+        req = reflection_pb2.ServerReflectionRequest(list_services="")
+        names = [
+            s.name
+            for r in stub.ServerReflectionInfo(iter([req]), timeout=10)
+            for s in r.list_services_response.service
+        ]
+    assert "pagedserve.v1.Generation" in names
+    assert "grpc.health.v1.Health" in names
+
+
+def test_build_request_requires_one_input():
+    with pytest.raises(ValueError):
+        build_request("a", token_ids=[1])
