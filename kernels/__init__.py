@@ -33,8 +33,10 @@ from collections.abc import Sequence
 import torch
 
 from pagedserve.kernels import reference
+from pagedserve.kernels.workspace import DecodeWorkspace
 
 __all__ = [
+    "DecodeWorkspace",
     "copy_blocks",
     "gather_blocks",
     "paged_decode_attention",
@@ -64,7 +66,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return "torch"
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in (
+        "1",
+        "true",
+        "on",
+        "yes",
+    )
+    if device.type != "cuda" and not interpret:
         raise RuntimeError(
             f"backend='triton' on {device.type} tensors needs the Triton interpreter: set "
             "TRITON_INTERPRET=1 before Triton is imported, or use backend='torch'/'auto'"
@@ -220,6 +228,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     backend: str = "auto",
+    *,
+    max_seq_len: int | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Single-token-per-sequence attention over a paged KV cache.
 
@@ -236,6 +247,11 @@ def paged_decode_attention(
         seq_lens: int32 ``[num_seqs]``, context length including the new token.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        max_seq_len: optional host-side bound on ``seq_lens`` (Triton only): sizes the
+            split count without a device sync; default is the block-table capacity
+            ``max_blocks_per_seq * block_size``.
+        workspace: optional preallocated :class:`DecodeWorkspace` (Triton only) for the
+            stage-1 scratch; used when it fits the call, else scratch is allocated.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (accumulated in fp32).
@@ -254,7 +270,14 @@ def paged_decode_attention(
     from pagedserve.kernels import decode_triton
 
     return decode_triton.paged_decode_attention(
-        query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        max_seq_len=max_seq_len,
+        workspace=workspace,
     )
 
 
@@ -267,6 +290,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     backend: str = "auto",
+    *,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Causal chunked-prefill (extend) attention over a paged KV cache.
 
@@ -287,6 +312,8 @@ def paged_prefill_attention(
         seq_lens: int32 ``[num_seqs]``, cached context + this chunk (``>= q_len``).
         scale: softmax scale.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        max_query_len: optional longest chunk length (Triton only) to size the grid
+            without reading ``cu_seqlens_q`` back to the host.
 
     Returns:
         Tensor shaped like ``query``, in ``query.dtype``.
@@ -309,7 +336,14 @@ def paged_prefill_attention(
     from pagedserve.kernels import prefill_triton
 
     return prefill_triton.paged_prefill_attention(
-        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale)
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        float(scale),
+        max_query_len=max_query_len,
     )
 
 

@@ -38,19 +38,28 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
-def check_triton_device(device: torch.device) -> None:
-    """Raise ``RuntimeError`` unless Triton can run kernels on tensors of ``device``."""
+def check_triton_device(device: torch.device, kernel: object) -> None:
+    """Raise ``RuntimeError`` unless ``kernel`` can run on tensors of ``device``.
+
+    CPU tensors need the kernel to have been defined under the interpreter, i.e. the
+    ``*_triton`` module imported while ``TRITON_INTERPRET=1`` was set.
+    """
     if device.type == "cuda":
         return
-    if not interpreting():
+    if type(kernel).__name__ != "InterpretedFunction":
         raise RuntimeError(
             "the Triton kernels were imported without TRITON_INTERPRET=1, so they cannot "
-            f"run on {device.type} tensors; set TRITON_INTERPRET=1 before importing Triton"
+            f"run on {device.type} tensors; set TRITON_INTERPRET=1 before the first "
+            "Triton backend call (or use backend='torch')"
         )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """``input_precision`` for ``tl.dot``: exact IEEE fp32 (no TF32) for fp32 operands."""
+    """``input_precision`` for ``tl.dot``: IEEE fp32 (no TF32) so fp32 caches match torch.
+
+    It only changes fp32 x fp32 dots; fp16/bf16 dots always use the tensor cores.
+    """
+    del dtype
     return "ieee"
 
 

@@ -103,6 +103,9 @@ def paged_decode_attention(
     v = value_cache.view(num_blocks, row).index_select(0, ids).view(num_seqs, length, -1).float()
     q = query.float()
     invalid = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
+    # Unwritten slots of a sequence's last block may hold NaN/inf garbage: a masked
+    # probability of 0 times NaN would still be NaN, so zero those V rows.
+    v = v.masked_fill(invalid[:, :, None], 0.0)
 
     if num_kv_heads <= _BLOCK_DIAG_MAX_KV_HEADS:
         # q_bd[b, j*D + d, h] = q[b, h, d] if h // group == j else 0.

@@ -62,7 +62,7 @@ def store_kv_cache(
     projection) but need a unit stride over ``head_dim``. ``tile`` overrides the number of
     elements per program (a power of two; default ``min(1024, next_pow2(heads*dim))``).
     """
-    check_triton_device(key_cache.device)
+    check_triton_device(key_cache.device, _store_kv_kernel)
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

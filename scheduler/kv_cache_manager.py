@@ -23,67 +23,13 @@ Hot-path cost: ``allocate_slots`` / ``cache_blocks`` are O(1) per step plus O(1)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from pagedserve.scheduler import block_hash as _bh
 from pagedserve.scheduler.block_hash import BlockHash, extra_keys_for_block
 from pagedserve.scheduler.block_pool import Block, BlockPool, IntegrityError
+from pagedserve.scheduler.kv_cache_types import AllocationResult, PrefixCacheStats
 
 __all__ = ["AllocationResult", "IntegrityError", "KVCacheManager", "PrefixCacheStats"]
-
-
-@dataclass(frozen=True, slots=True)
-class AllocationResult:
-    """What one :meth:`KVCacheManager.allocate_slots` call changed in a block table.
-
-    Attributes:
-        new_block_ids: physical block ids to write into the sequence's block table, in
-            logical order, starting at logical index ``start_index``.
-        blocks_to_copy: ``(src, dst)`` physical block pairs the worker must copy (all layers,
-            K and V) before running the step (copy-on-write).
-        replaced_last: True when copy-on-write replaced the table's previous *last* entry:
-            then ``new_block_ids[0]`` overwrites that entry (it is the ``dst`` of
-            ``blocks_to_copy``) and the remaining ids are appended. False: every id is
-            appended.
-        start_index: logical block index of ``new_block_ids[0]`` (the old table length, minus
-            one when ``replaced_last``).
-
-    The worker's update is ``table[start_index:] = new_block_ids`` (see :meth:`apply_to`).
-    """
-
-    new_block_ids: list[int] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    replaced_last: bool = False
-    start_index: int = 0
-
-    def apply_to(self, block_table: list[int]) -> None:
-        """Update a copy of the sequence's block table in place (worker side).
-
-        Raises:
-            ValueError: ``block_table`` is not the table this result was computed from.
-        """
-        expected = self.start_index + (1 if self.replaced_last else 0)
-        if len(block_table) != expected:
-            raise ValueError(f"block table has {len(block_table)} entries, expected {expected}")
-        block_table[self.start_index :] = self.new_block_ids
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixCacheStats:
-    """Prefix-cache counters since the last reset, in tokens.
-
-    Attributes:
-        queries_tokens: prompt tokens looked up by :meth:`KVCacheManager.get_computed_blocks`.
-        hits_tokens: of those, tokens found in cached blocks.
-    """
-
-    queries_tokens: int = 0
-    hits_tokens: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """``hits_tokens / queries_tokens`` (0.0 when nothing was queried)."""
-        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
 
 
 class _SeqState:
@@ -263,9 +209,11 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        num_full = min(num_computed_tokens, seq.num_tokens, len(token_ids)) // bs
         hashes = seq.block_hashes
         start = len(hashes)
+        if num_computed_tokens // bs <= start:  # fast path: no block became full
+            return
+        num_full = min(num_computed_tokens, seq.num_tokens, len(token_ids)) // bs
         if num_full <= start:
             return
         pool = self._pool
@@ -314,16 +262,20 @@ class KVCacheManager:
             blocks = seq.blocks
             num_new = _cdiv(num_total_tokens, bs) - len(blocks)
             cow = prev % bs != 0 and blocks[-1].ref_count > 1
-            if num_new + cow > pool.num_free_blocks:
-                return None
-            seq.num_tokens = num_total_tokens
             if not cow:
                 start = len(blocks)
-                if num_new == 0:
+                if num_new == 0:  # the common decode step: room left in the last block
+                    seq.num_tokens = num_total_tokens
                     return AllocationResult([], [], False, start)
+                if num_new > pool.num_free_blocks:
+                    return None
+                seq.num_tokens = num_total_tokens
                 new = pool.allocate(num_new)
                 blocks.extend(new)
                 return AllocationResult([b.block_id for b in new], [], False, start)
+            if num_new + 1 > pool.num_free_blocks:
+                return None
+            seq.num_tokens = num_total_tokens
             old = blocks[-1]
             new = pool.allocate(num_new + 1)
             pool.release(old)  # ref_count > 1: stays referenced by the other holders
@@ -356,10 +308,9 @@ class KVCacheManager:
         revive = sum(1 for b in computed if b.ref_count == 0)
         if num_new + revive > pool.num_free_blocks:
             return None
-        new = pool.allocate(num_new)
         for b in computed:
-            pool.touch(b)
-        blocks = computed + new
+            pool.touch(b)  # before allocate(): popping the queue must not evict a hit
+        blocks = computed + pool.allocate(num_new)
         hashes = [b.block_hash for b in computed if b.block_hash is not None]
         self._seqs[seq_id] = _SeqState(blocks, num_total_tokens, hashes)
         return AllocationResult([b.block_id for b in blocks], [], False, 0)

@@ -72,7 +72,7 @@ def rope_inv_freq(head_dim: int, rope_parameters: Mapping[str, Any]) -> torch.Te
         raise ValueError("rope_parameters lacks rope_theta")
     if float(rope_parameters.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported")
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (float(theta) ** exponents)
     if rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope_parameters)
@@ -131,11 +131,12 @@ class RotaryEmbedding(nn.Module):
         """
         if self.cos_table.is_meta:
             return
-        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
         angles = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
-        self.cos_table.copy_(emb.cos())
-        self.sin_table.copy_(emb.sin())
+        with torch.no_grad():
+            self.cos_table.copy_(emb.cos())
+            self.sin_table.copy_(emb.sin())
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype

@@ -104,9 +104,7 @@ def test_weak_polynomial_collision_does_not_hit():
     other = list(base)
     other[3] += 31
     other[4] -= 1
-    assert sum(t * 31**j for j, t in enumerate(base)) == sum(
-        t * 31**j for j, t in enumerate(other)
-    )
+    assert sum(t * 31**j for j, t in enumerate(base)) == sum(t * 31**j for j, t in enumerate(other))
     m = Checked(10, 16)
     run_prompt(m, "a", base + [0])
     assert m.get_computed_blocks(base + [0]) == ([0], 16)

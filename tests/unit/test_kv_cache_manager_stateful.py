@@ -12,7 +12,7 @@ every prefix-cache hit must hold exactly the looked-up tokens under the same sal
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -29,7 +29,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.m = KVCacheManager(NUM_BLOCKS, BS)
-        self.kv: list[list[tuple[str | None, int] | None]] = [[None] * BS for _ in range(NUM_BLOCKS)]
+        self.kv: list[list[tuple[str | None, int] | None]] = [
+            [None] * BS for _ in range(NUM_BLOCKS)
+        ]
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.salts: dict[str, str | None] = {}
@@ -56,13 +58,19 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _admit(self, sid: str, tokens: list[int], salt: str | None, use_cache: bool) -> bool:
         hit, n = self.m.get_computed_blocks(tokens, salt) if use_cache else ([], 0)
         self._check_hit(hit, tokens, salt)
+        if hit:
+            event("admit: prefix-cache hit")
+        evictable_before = self.m.num_cached_blocks
         free = self.m.num_free_blocks
         need = self.m.num_blocks_needed(None, len(tokens), hit)
         res = self.m.allocate_slots(sid, len(tokens), hit)
         assert (res is not None) == (need <= free)
         if res is None:
+            event("admit: out of blocks")
             assert self.m.num_free_blocks == free and not self.m.has_seq(sid)
             return False
+        if self.m.num_cached_blocks < evictable_before:
+            event("admit: evicted cached blocks")
         assert not res.blocks_to_copy and self.m.num_free_blocks == free - need
         self.tables[sid] = []
         res.apply_to(self.tables[sid])
@@ -92,12 +100,15 @@ class KVCacheMachine(RuleBasedStateMachine):
         res = self.m.allocate_slots(sid, prev + len(new))
         assert (res is not None) == (need <= free)
         if res is None:  # out of blocks: nothing changed; the scheduler preempts it
+            event("append: out of blocks -> preempt")
             assert self.m.get_block_ids(sid) == self.tables[sid]
             assert self.m.num_free_blocks == free
             self._drop(sid)
             return
         assert self.m.num_free_blocks == free - need
         assert len(res.blocks_to_copy) == int(res.replaced_last) <= 1
+        if res.replaced_last:
+            event("append: copy-on-write")
         for src, dst in res.blocks_to_copy:
             self.kv[dst] = list(self.kv[src])
         res.apply_to(self.tables[sid])

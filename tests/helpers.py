@@ -1,0 +1,254 @@
+"""Reusable test helpers: tiny random HF models, a char-level tokenizer, a fake scheduler.
+
+* :func:`build_tiny_model` writes a small random Llama-family model (safetensors) and a
+  character-level tokenizer with a ChatML template to a folder, so tests can load it with
+  HF transformers and with pagedserve.
+* :class:`FakeScheduler` drives a worker (anything with ``execute_model``) through
+  continuous batching with a token budget (chunked prefill), a shuffled free-block list
+  (non-contiguous block tables, reuse of freed blocks) and the SchedulerOutput delta
+  contract. It is deliberately simple: no preemption, no prefix cache.
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pagedserve.scheduler.outputs import (
+    CachedRequestData,
+    NewRequestData,
+    RunnerOutput,
+    SchedulerOutput,
+)
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1_000_000)
+
+
+def build_char_tokenizer() -> Any:
+    """A character-level ``PreTrainedTokenizerFast``: 5 specials + printable ASCII (105 ids).
+
+    ``<s>`` is 1 and ``</s>`` is 2 (as Llama); ``<|im_end|>`` is 4.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [c for c in string.printable if c not in "\x0b\x0c\r"]
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *chars))}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="</s>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    tok.chat_template = CHATML
+    return tok
+
+
+def build_tiny_model(
+    path: str | Path,
+    architecture: str = "LlamaForCausalLM",
+    seed: int = 0,
+    **overrides: Any,
+) -> Path:
+    """Save a random tiny model (fp32 safetensors + char tokenizer) to ``path``.
+
+    Default shape: vocab 128, hidden 96, 2 layers, 6 heads / 2 KV heads (head_dim 16),
+    intermediate 192, rope theta 10000, untied embeddings, weights ~N(0, 0.2) so outputs
+    depend strongly on context. ``overrides`` go to the HF config class.
+    """
+    import torch
+    import transformers
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    kwargs.update(overrides)
+    config_cls = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+    }[architecture]
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).float().eval()
+    with torch.no_grad():  # give the norms non-trivial weights too
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.2)
+    out = Path(path)
+    model.save_pretrained(out, safe_serialization=True)
+    build_char_tokenizer().save_pretrained(out)
+    return out
+
+
+@dataclass
+class _Seq:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    sampling: SamplingParams
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    sent: bool = False
+    outputs: list[int] = field(default_factory=list)
+
+
+class FakeScheduler:
+    """A minimal continuous-batching scheduler for driving a worker in tests.
+
+    Each step spends ``token_budget`` tokens: running sequences first (a decode costs 1, a
+    prefill continues with a chunk of at most the remaining budget), then waiting ones
+    are admitted in order while budget and ``max_num_seqs`` allow. Blocks come from a
+    shuffled free list; finished sequences return theirs (so later ones reuse dirty
+    blocks) and are reported in the next step's ``finished_req_ids``.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        block_size: int,
+        num_blocks: int,
+        token_budget: int = 64,
+        max_num_seqs: int = 64,
+        shuffle_seed: int | None = 0,
+    ) -> None:
+        self.worker = worker
+        self.block_size = block_size
+        self.free_blocks = list(range(num_blocks))
+        if shuffle_seed is not None:
+            random.Random(shuffle_seed).shuffle(self.free_blocks)
+        self.token_budget = token_budget
+        self.max_num_seqs = max_num_seqs
+        self.step_id = 0
+        self.outputs: list[RunnerOutput] = []
+
+    def _alloc(self, seq: _Seq, end: int) -> list[int]:
+        need = -(-end // self.block_size) - len(seq.block_ids)
+        if need > len(self.free_blocks):
+            raise RuntimeError("FakeScheduler ran out of blocks (no preemption)")
+        new = [self.free_blocks.pop() for _ in range(max(need, 0))]
+        seq.block_ids.extend(new)
+        return new
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        sampling: SamplingParams = GREEDY,
+        prefix: str = "req",
+    ) -> list[list[int]]:
+        """Run ``prompts`` to ``max_tokens`` outputs each; return the output ids in order."""
+        seqs = [
+            _Seq(f"{prefix}-{i}", list(p), len(p), max_tokens, sampling)
+            for i, p in enumerate(prompts)
+        ]
+        waiting, running = deque(seqs), []
+        finished: list[str] = []
+        while waiting or running:
+            budget = self.token_budget
+            new, cached, counts = [], [], {}
+            candidates = list(running)
+            while waiting and len(candidates) < self.max_num_seqs:
+                candidates.append(waiting.popleft())
+            for seq in candidates:
+                n = min(len(seq.token_ids) - seq.num_computed, budget)
+                if n <= 0:
+                    if not seq.sent:
+                        waiting.appendleft(seq)
+                    continue
+                new_blocks = self._alloc(seq, seq.num_computed + n)
+                if seq.sent:
+                    cached.append(CachedRequestData(seq.req_id, new_blocks, seq.num_computed))
+                else:
+                    new.append(
+                        NewRequestData(
+                            seq.req_id,
+                            list(seq.token_ids),
+                            seq.num_prompt_tokens,
+                            list(seq.block_ids),
+                            seq.num_computed,
+                            seq.sampling,
+                        )
+                    )
+                    seq.sent = True
+                    running.append(seq)
+                counts[seq.req_id] = n
+                budget -= n
+            so = SchedulerOutput(self.step_id, new, cached, counts, finished)
+            self.step_id += 1
+            out = self.worker.execute_model(so)
+            self.outputs.append(out)
+            finished = []
+            for seq in list(running):
+                if seq.req_id not in counts:
+                    continue
+                seq.num_computed += counts[seq.req_id]
+                token = out.sampled_token_ids.get(seq.req_id)
+                if token is None:
+                    continue
+                seq.token_ids.append(token)
+                seq.outputs.append(token)
+                if len(seq.outputs) >= seq.max_tokens:
+                    running.remove(seq)
+                    self.free_blocks.extend(seq.block_ids)
+                    finished.append(seq.req_id)
+        if finished:
+            self.worker.execute_model(SchedulerOutput(self.step_id, finished_req_ids=finished))
+            self.step_id += 1
+        return [s.outputs for s in seqs]
+
+
+def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers greedy continuation of one prompt (batch 1, no EOS stop)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def until_eos(ids: list[int], eos_ids: tuple[int, ...] | list[int]) -> list[int]:
+    """``ids`` cut after the first EOS (kept), for comparing runs that stop differently."""
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[: i + 1]
+    return ids

@@ -1,0 +1,163 @@
+"""Per-request worker state and the flattening of one step into model inputs.
+
+The worker keeps, for every request the scheduler has sent it, the full token list, the
+block table and the number of tokens whose K/V are cached (vLLM v1 keeps the same
+"persistent batch" state on its workers so the scheduler only sends deltas).
+:func:`prepare_inputs` turns the scheduled chunks ``[num_computed, num_computed + n)`` of
+a list of requests into the flat tensors the model and the paged kernels take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.attention import AttentionMetadata
+from pagedserve.worker.sampler import SamplingRow
+
+
+@dataclass
+class RequestState:
+    """What a worker remembers about one sequence between steps (mutable).
+
+    Attributes:
+        req_id: sequence id.
+        token_ids: prompt + outputs known to the worker (it appends what it samples).
+        num_prompt_tokens: length of the prompt part of ``token_ids``.
+        block_ids: block table (physical block ids in logical order).
+        num_computed_tokens: tokens whose K/V are in the cache.
+        sampling: the request's sampling parameters.
+        choice_index: choice of the parent request (part of the sampling seed).
+        seed: sampling seed (the user's, or drawn once by the worker).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingParams
+    choice_index: int
+    seed: int
+
+    def sampling_row(self) -> SamplingRow:
+        """The sampler spec for this sequence's next output token."""
+        return SamplingRow(
+            temperature=self.sampling.temperature,
+            top_k=self.sampling.top_k,
+            top_p=self.sampling.top_p,
+            seed=self.seed,
+            choice_index=self.choice_index,
+            output_index=len(self.token_ids) - self.num_prompt_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The tensors of one step.
+
+    Attributes:
+        input_ids: int64 ``[T]`` tokens of all chunks, in batch order.
+        positions: int64 ``[T]`` their positions in their sequences.
+        attn_metadata: slots, block tables and lengths for the paged kernels.
+        logits_indices: int64 ``[num_samples]`` rows (last token of a chunk) whose logits
+            are sampled: the chunks that complete their sequence's known tokens.
+        sample_req_ids: the requests those rows belong to, same order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor
+    sample_req_ids: tuple[str, ...]
+
+
+def prepare_inputs(
+    scheduled: Sequence[tuple[RequestState, int]],
+    block_size: int,
+    num_blocks: int,
+    device: torch.device,
+) -> ModelInputs:
+    """Flatten scheduled chunks into model inputs.
+
+    Args:
+        scheduled: ``(state, n)`` pairs in batch order; the chunk of each request is
+            tokens ``[state.num_computed_tokens, state.num_computed_tokens + n)``.
+        block_size: tokens per KV block.
+        num_blocks: pool size, to reject out-of-range block ids.
+        device: where the tensors go.
+
+    Returns:
+        :class:`ModelInputs`; slot of token at position p of a request is
+        ``block_ids[p // block_size] * block_size + p % block_size``.
+
+    Raises:
+        ValueError: a chunk of length < 1, a chunk past the known tokens, a block table
+            too short for the chunk, or a block id outside ``[0, num_blocks)``.
+    """
+    query_lens, seq_lens, starts, token_ids, tables = [], [], [], [], []
+    logits_rows: list[int] = []
+    sample_ids: list[str] = []
+    total = 0
+    for state, n in scheduled:
+        start, end = state.num_computed_tokens, state.num_computed_tokens + n
+        if n < 1:
+            raise ValueError(f"request {state.req_id}: scheduled {n} tokens (must be >= 1)")
+        if end > len(state.token_ids):
+            raise ValueError(
+                f"request {state.req_id}: chunk [{start}, {end}) is past its "
+                f"{len(state.token_ids)} known tokens"
+            )
+        blocks = -(-end // block_size)
+        if len(state.block_ids) < blocks:
+            raise ValueError(
+                f"request {state.req_id}: {end} tokens need {blocks} blocks, block table "
+                f"has {len(state.block_ids)}"
+            )
+        query_lens.append(n)
+        seq_lens.append(end)
+        starts.append(start)
+        token_ids.extend(state.token_ids[start:end])
+        tables.append(state.block_ids[:blocks])
+        total += n
+        if end == len(state.token_ids):
+            logits_rows.append(total - 1)
+            sample_ids.append(state.req_id)
+
+    width = max((len(t) for t in tables), default=0)
+    block_tables = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
+    if block_tables.numel() and (
+        int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks
+    ):
+        raise ValueError(f"block ids must be in [0, {num_blocks}); got {tables}")
+
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=cu_seqlens_q[1:])
+    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
+    # position = start of the request's chunk + offset of the token inside the chunk
+    offset_in_chunk = torch.arange(total) - cu_seqlens_q[:-1].repeat_interleave(q_lens)
+    positions = torch.tensor(starts, dtype=torch.int64).repeat_interleave(q_lens)
+    positions += offset_in_chunk
+    blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        cu_seqlens_q=cu_seqlens_q.to(torch.int32).to(device),
+        max_query_len=max(query_lens, default=0),
+    )
+    return ModelInputs(
+        input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device),
+        positions=positions.to(device),
+        attn_metadata=meta,
+        logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(device),
+        sample_req_ids=tuple(sample_ids),
+    )

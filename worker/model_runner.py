@@ -1,0 +1,200 @@
+"""The model runner: executes one :class:`SchedulerOutput` on the worker's model and KV pool.
+
+Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
+
+1. forget ``finished_req_ids`` (finished, aborted or preempted);
+2. add ``new_requests`` with their full token lists and block tables;
+3. apply ``cached_requests`` deltas (appended block ids, num_computed_tokens);
+4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
+5. flatten the chunks ``[num_computed, num_computed + n)`` of the requests in
+   ``num_scheduled_tokens`` order into model inputs and run the model;
+6. sample for the requests whose known tokens are all computed after the step, append
+   the sampled token to the worker's copy of their token list, advance
+   ``num_computed_tokens`` by the chunk, and return the tokens.
+
+Because the worker appends what it samples, the scheduler never has to send a decode
+token back; it only sends block-table deltas.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve import kernels
+from pagedserve.cluster.config import WorkerConfig
+from pagedserve.cluster.model_store import resolve_model
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.worker.arch import ModelArch
+from pagedserve.worker.input_batch import RequestState, prepare_inputs
+from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.weights import load_model
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the scheduler needs to know about a worker once it has started.
+
+    Attributes:
+        worker_id: index of the worker.
+        num_blocks: blocks in its KV pool.
+        block_size: tokens per block.
+        max_model_len: longest sequence (prompt + outputs) it accepts, tokens.
+        vocab_size: rows of the LM head.
+        eos_token_ids: end-of-sequence ids of the model.
+        device: ``"cpu"`` or ``"cuda:N"``.
+        dtype: model and KV dtype name, e.g. ``"float32"``.
+        model_path: the resolved Hugging Face folder.
+    """
+
+    worker_id: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    device: str
+    dtype: str
+    model_path: str
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> CUDA when visible, else CPU. Raises ValueError for CUDA without one."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> float32 on CPU, bfloat16 on CUDA; else the named dtype."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    """Holds the model, the KV pool and per-request state of one worker.
+
+    Args:
+        config: the worker's configuration (model, cache, device, threads, backend).
+
+    Raises:
+        ValueError: unsupported model, unusable device, ``max_model_len`` beyond the
+            model's context, or a KV budget too small for one block.
+        ModelStoreError: when the model cannot be resolved.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.model_path = resolve_model(config.model)
+        self.arch = ModelArch.from_pretrained(self.model_path, config.model.max_model_len)
+        self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
+        if self.max_model_len > self.arch.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's "
+                f"max_position_embeddings {self.arch.max_position_embeddings}"
+            )
+        self.backend = config.attention_backend
+        self.model = load_model(
+            self.model_path, self.arch, self.max_model_len, self.dtype, self.device, self.backend
+        )
+        self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+
+    def get_info(self) -> WorkerInfo:
+        """Static facts about this worker (see :class:`WorkerInfo`)."""
+        return WorkerInfo(
+            worker_id=self.config.worker_id,
+            num_blocks=self.kv_pool.num_blocks,
+            block_size=self.kv_pool.block_size,
+            max_model_len=self.max_model_len,
+            vocab_size=self.arch.vocab_size,
+            eos_token_ids=self.arch.eos_token_ids,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            model_path=str(self.model_path),
+        )
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """Steps 1-3 of the module docstring. Raises ValueError for unknown requests."""
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.new_requests:
+            seed = new.sampling.seed
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.token_ids),
+                num_prompt_tokens=new.num_prompt_tokens,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.sampling,
+                choice_index=new.choice_index,
+                seed=secrets.randbits(63) if seed is None else seed,
+            )
+        for cached in so.cached_requests:
+            state = self.requests.get(cached.req_id)
+            if state is None:
+                raise ValueError(f"cached request {cached.req_id!r} is unknown to this worker")
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+        unknown = [r for r in so.num_scheduled_tokens if r not in self.requests]
+        if unknown:
+            raise ValueError(f"scheduled requests unknown to this worker: {unknown}")
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run one step; return the sampled tokens (see the module docstring).
+
+        Raises:
+            ValueError: on a SchedulerOutput inconsistent with the worker's state (unknown
+                request, chunk past the known tokens, short block table, bad block id,
+                position beyond ``max_model_len``).
+        """
+        start = time.perf_counter()
+        self._update_states(so)
+        if so.blocks_to_copy:
+            mapping = torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
+            kernels.copy_blocks(
+                self.kv_pool.key_caches, self.kv_pool.value_caches, mapping, self.backend
+            )
+        if not so.num_scheduled_tokens:
+            return RunnerOutput(so.step_id, {}, time.perf_counter() - start)
+
+        scheduled = [(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
+        for state, n in scheduled:
+            if state.num_computed_tokens + n > self.max_model_len:
+                raise ValueError(
+                    f"request {state.req_id} reaches {state.num_computed_tokens + n} tokens, "
+                    f"beyond max_model_len {self.max_model_len}"
+                )
+        inputs = prepare_inputs(
+            scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
+        )
+        logits = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_pool.layer_caches(),
+            inputs.attn_metadata,
+            inputs.logits_indices,
+        )
+        states = [self.requests[r] for r in inputs.sample_req_ids]
+        tokens = self.sampler(logits, [s.sampling_row() for s in states])
+        for state, n in scheduled:
+            state.num_computed_tokens += n
+        for state, token in zip(states, tokens):
+            state.token_ids.append(token)
+        sampled = dict(zip(inputs.sample_req_ids, tokens))
+        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start)

@@ -1,0 +1,40 @@
+"""The worker: the object each Ray worker actor wraps (kept Ray-free for direct use in tests).
+
+The cluster launcher creates it with ``ray.remote(num_cpus=...)(Worker).remote(config)``;
+tests construct it directly. All model and cache work is delegated to
+:class:`~pagedserve.worker.model_runner.ModelRunner`.
+"""
+
+from __future__ import annotations
+
+from pagedserve.cluster.config import WorkerConfig
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
+
+
+class Worker:
+    """One model replica with its paged KV pool.
+
+    Args:
+        config: worker settings; the model is resolved (downloaded/converted if needed),
+            loaded, and the KV pool allocated in the constructor.
+
+    Raises:
+        ValueError: see :class:`ModelRunner`.
+    """
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduler step and return the sampled tokens."""
+        return self.runner.execute_model(so)
+
+    def get_info(self) -> WorkerInfo:
+        """Pool size, block size, context length, vocabulary, EOS ids, device, dtype."""
+        return self.runner.get_info()
+
+    def ping(self) -> str:
+        """Liveness check; returns ``"pong"``."""
+        return "pong"
