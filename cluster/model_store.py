@@ -152,6 +152,7 @@ def _convert_into(root: Path, name: str, gguf_file: Path, progress: bool) -> Pat
     try:
         _save_converted(gguf_file, tmp, progress)
         validate_hf_folder(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is shared by readers
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

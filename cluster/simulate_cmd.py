@@ -112,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="1,2,4,...",
         help="also run paged at each block size",
     )
+    p.add_argument(
+        "--check-every",
+        type=int,
+        default=1000,
+        help="run the allocator integrity check every N steps (0: only at the end)",
+    )
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--plot", default=None, metavar="DIR", help="write PNG figures to DIR")
 
@@ -179,6 +185,7 @@ def compute(args: argparse.Namespace) -> dict[str, Any]:
         max_model_len=args.max_model_len,
         reserve=args.reserve,
         enable_prefix_caching=not args.no_prefix_caching,
+        check_every=args.check_every,
         snapshot_step=snapshot_step if args.plot else None,
     )
     for kind in kinds:
@@ -245,13 +252,13 @@ def print_text(out: dict[str, Any]) -> None:
         t = Table(title="paged block-size sweep")
         for col in (
             "block",
-            "utilisation",
-            "tail waste/seq",
-            "block/2",
-            "(block-1)/2",
-            "table len",
-            "mean running",
-            "preemptions",
+            "util",
+            "tail/seq",
+            "B/2",
+            "(B-1)/2",
+            "table",
+            "running",
+            "preempt",
             "steps",
         ):
             t.add_column(col, justify="right")

@@ -5,7 +5,7 @@ Figures:
 * ``kv_memory.png``: slots held and slots holding written KV per step, per allocator.
 * ``slot_map.png``: the KV pool at one step, one panel per allocator; each pixel is a slot
   (rows of ``width`` slots; for paged a row is a whole number of blocks), coloured by owning
-  request, light red for held-but-unwritten, white for free.
+  request, grey for held-but-unwritten, white for free.
 * ``block_size_sweep.png``: utilisation and mean block-table length against block size, and
   the measured unwritten tail per sequence against ``block_size / 2``.
 """
@@ -20,7 +20,7 @@ from pagedserve.scheduler.sim_backends import FREE, RESERVED
 from pagedserve.scheduler.simulator import SimReport, SimResult
 
 _FREE_RGB = (1.0, 1.0, 1.0)
-_RESERVED_RGB = (0.98, 0.72, 0.72)
+_RESERVED_RGB = (0.80, 0.80, 0.80)
 
 
 def _pyplot():
@@ -48,7 +48,8 @@ def slot_map_rgb(snapshot: Sequence[int], width: int):
     rows = -(-len(owners) // width)
     padded = np.full(rows * width, FREE, dtype=np.int64)
     padded[: len(owners)] = owners
-    palette = np.asarray(colormaps["tab20"].colors)[:, :3]
+    tab20 = colormaps["tab20"]
+    palette = np.asarray([tab20(i)[:3] for i in range(20) if i not in (14, 15)])  # no greys
     rgb = palette[np.maximum(padded, 0) % len(palette)]
     rgb[padded == FREE] = _FREE_RGB
     rgb[padded == RESERVED] = _RESERVED_RGB
@@ -61,6 +62,7 @@ def plot_all(
     out_dir: str | Path,
     snapshot_step: int | None = None,
     block_size: int = 16,
+    prefix: str = "",
 ) -> list[Path]:
     """Write every figure that the given results allow; return the paths written.
 
@@ -70,6 +72,7 @@ def plot_all(
         out_dir: folder to write into (created).
         snapshot_step: the step of the snapshots (for titles).
         block_size: paged block size (row width of the slot maps).
+        prefix: prepended to every file name (e.g. ``"simulate_"``).
     """
     plt = _pyplot()
     out = Path(out_dir)
@@ -85,7 +88,7 @@ def plot_all(
         ax.set_title("Requests in flight with the same KV memory")
         ax.legend()
         fig.tight_layout()
-        written.append(out / "running_requests.png")
+        written.append(out / f"{prefix}running_requests.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
@@ -112,7 +115,7 @@ def plot_all(
             ax.legend(loc="upper right", fontsize=8)
         axes[-1, 0].set_xlabel("step")
         fig.tight_layout()
-        written.append(out / "kv_memory.png")
+        written.append(out / f"{prefix}kv_memory.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
@@ -134,9 +137,9 @@ def plot_all(
             ax.set_xlabel(f"slot (row = {width} slots)")
             ax.set_yticks([])
         step = "" if snapshot_step is None else f" at step {snapshot_step}"
-        fig.suptitle(f"KV pool{step}: colour = request, pink = reserved unwritten, white = free")
+        fig.suptitle(f"KV pool{step}: colour = request, grey = reserved unwritten, white = free")
         fig.tight_layout()
-        written.append(out / "slot_map.png")
+        written.append(out / f"{prefix}slot_map.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
@@ -154,13 +157,14 @@ def plot_all(
         ax1.set_title("Paged: utilisation vs block-table length")
         ax3.plot(sizes, [r.mean_tail_waste for r in sweep], "o-", label="measured tail / seq")
         ax3.plot(sizes, [b / 2 for b in sizes], "k:", label="block_size / 2")
+        ax3.plot(sizes, [(b - 1) / 2 for b in sizes], "k--", lw=0.8, label="(block_size - 1) / 2")
         ax3.set_xscale("log", base=2)
         ax3.set_xlabel("block size (tokens)")
         ax3.set_ylabel("unwritten slots per sequence")
         ax3.set_title("Internal waste per sequence")
         ax3.legend()
         fig.tight_layout()
-        written.append(out / "block_size_sweep.png")
+        written.append(out / f"{prefix}block_size_sweep.png")
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     return written

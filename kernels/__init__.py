@@ -7,9 +7,14 @@ Every operation has two implementations behind one validated entry point:
   path.
 * ``backend="triton"``: Triton kernels (``*_triton.py`` modules). On CUDA tensors they run
   compiled; on CPU tensors they run only under the Triton interpreter
-  (``TRITON_INTERPRET=1`` set before Triton is first imported), which is how the tests
-  exercise them without a GPU.
-* ``backend="auto"`` (default): Triton for CUDA tensors, torch for anything else.
+  (``TRITON_INTERPRET=1`` set before the first Triton-backend call, when the kernels are
+  defined), which is how the tests exercise them without a GPU. Head dims up to 256.
+* ``backend="auto"`` (default): Triton for CUDA tensors (torch if Triton is not
+  installed), torch for anything else.
+
+``copy_blocks`` has a Triton kernel (one launch for all layers); ``gather_blocks`` /
+``scatter_blocks`` always use torch ``index_select`` / ``index_copy_`` (bandwidth-bound
+gathers that need no custom kernel).
 
 Importing this package never imports Triton; the Triton modules are loaded on first use.
 
@@ -27,6 +32,7 @@ Argument errors (rank, shape, dtype, device) raise :class:`ValueError` naming th
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 
@@ -49,6 +55,7 @@ __all__ = [
 _BACKENDS = ("auto", "triton", "torch")
 _INDEX_DTYPES = (torch.int32, torch.int64)
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TRUTHY = ("1", "true", "on", "yes")
 
 
 # --------------------------------------------------------------------------- dispatch
@@ -65,17 +72,14 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in (
-        "1",
-        "true",
-        "on",
-        "yes",
-    )
+        has_triton = importlib.util.find_spec("triton") is not None
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
     if device.type != "cuda" and not interpret:
         raise RuntimeError(
             f"backend='triton' on {device.type} tensors needs the Triton interpreter: set "
-            "TRITON_INTERPRET=1 before Triton is imported, or use backend='torch'/'auto'"
+            "TRITON_INTERPRET=1 (before the first Triton-backend call), or use "
+            "backend='torch'/'auto'"
         )
     try:
         import triton  # noqa: F401

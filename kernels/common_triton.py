@@ -70,3 +70,15 @@ def compute_in_fp32(dtype: torch.dtype) -> bool:
     fp16 and (on GPU) bf16 keep their native tensor-core dot with fp32 accumulation.
     """
     return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+
+
+MAX_HEAD_DIM = 256
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Raise ``ValueError`` for head dims the Triton attention kernels do not tile."""
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported by the Triton backend; "
+            "use backend='torch'"
+        )

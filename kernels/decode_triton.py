@@ -17,11 +17,14 @@ writes the final output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.kernels.common_triton import (
+    check_head_dim,
     check_triton_device,
     compute_in_fp32,
     dot_precision,
@@ -34,7 +37,9 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 64
 # Tokens per tile and warps by padded head_dim (GPU defaults; no autotuning, so the same
 # choice is used under the interpreter).
-_DECODE_CONFIGS = {16: (64, 4), 32: (64, 4), 64: (64, 4), 128: (32, 4), 256: (16, 8)}
+_DECODE_CONFIGS = MappingProxyType(
+    {16: (64, 4), 32: (64, 4), 64: (64, 4), 128: (32, 4), 256: (16, 8)}
+)
 
 
 @triton.jit
@@ -223,6 +228,7 @@ def paged_decode_attention(
     (tests use them to force the multi-split path on tiny grids).
     """
     check_triton_device(query.device, _decode_split_kernel)
+    check_head_dim(query.shape[2])
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)

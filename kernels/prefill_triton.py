@@ -16,11 +16,14 @@ visible key (padding rows) are guarded so no NaN is produced.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
 
 from pagedserve.kernels.common_triton import (
+    check_head_dim,
     check_triton_device,
     compute_in_fp32,
     dot_precision,
@@ -29,13 +32,15 @@ from pagedserve.kernels.common_triton import (
 
 LOG2E = 1.4426950408889634
 # (BLOCK_M, BLOCK_N, num_warps) by padded head_dim; no autotuning (it needs a GPU).
-_PREFILL_CONFIGS = {
-    16: (64, 64, 4),
-    32: (64, 64, 4),
-    64: (64, 64, 4),
-    128: (64, 32, 4),
-    256: (32, 32, 8),
-}
+_PREFILL_CONFIGS = MappingProxyType(
+    {
+        16: (64, 64, 4),
+        32: (64, 64, 4),
+        64: (64, 64, 4),
+        128: (64, 32, 4),
+        256: (32, 32, 8),
+    }
+)
 
 
 @triton.jit
@@ -157,6 +162,7 @@ def paged_prefill_attention(
     ``block_m`` / ``block_n`` override the tile table (powers of two, ``>= 16``).
     """
     check_triton_device(query.device, _prefill_kernel)
+    check_head_dim(query.shape[2])
     total, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1

@@ -122,7 +122,8 @@ class SimReport:
             contiguous the unwritten rest of its run.
         mean_block_table_len: mean over (step, running sequence) of ``ceil(w / block_size)``
             (paged; 1.0 for contiguous, one run).
-        prefix_hit_tokens: prompt tokens served from the prefix cache at admission (paged).
+        prefix_hit_tokens: tokens served from the prefix cache at admission (paged): shared
+            prefixes, and a resumed request's own blocks still cached since its preemption.
     """
 
     allocator: str

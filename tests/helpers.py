@@ -151,6 +151,7 @@ class FakeScheduler:
         self.token_budget = token_budget
         self.max_num_seqs = max_num_seqs
         self.step_id = 0
+        self.history: list[SchedulerOutput] = []
         self.outputs: list[RunnerOutput] = []
 
     def _alloc(self, seq: _Seq, end: int) -> list[int]:
@@ -167,17 +168,23 @@ class FakeScheduler:
         max_tokens: int,
         sampling: SamplingParams = GREEDY,
         prefix: str = "req",
+        num_prompt_tokens: list[int] | None = None,
     ) -> list[list[int]]:
-        """Run ``prompts`` to ``max_tokens`` outputs each; return the output ids in order."""
+        """Run ``prompts`` to ``max_tokens`` new outputs each; return them in order.
+
+        ``num_prompt_tokens`` marks how much of each prompt is prompt (the rest being
+        earlier outputs), as when a preempted request is resumed by recomputation.
+        """
+        lens = num_prompt_tokens or [len(p) for p in prompts]
         seqs = [
-            _Seq(f"{prefix}-{i}", list(p), len(p), max_tokens, sampling)
-            for i, p in enumerate(prompts)
+            _Seq(f"{prefix}-{i}", list(p), n, max_tokens, sampling)
+            for i, (p, n) in enumerate(zip(prompts, lens))
         ]
         waiting, running = deque(seqs), []
         finished: list[str] = []
         while waiting or running:
             budget = self.token_budget
-            new, cached, counts = [], [], {}
+            new, cached, counts, skipped = [], [], {}, []
             candidates = list(running)
             while waiting and len(candidates) < self.max_num_seqs:
                 candidates.append(waiting.popleft())
@@ -185,7 +192,7 @@ class FakeScheduler:
                 n = min(len(seq.token_ids) - seq.num_computed, budget)
                 if n <= 0:
                     if not seq.sent:
-                        waiting.appendleft(seq)
+                        skipped.append(seq)
                     continue
                 new_blocks = self._alloc(seq, seq.num_computed + n)
                 if seq.sent:
@@ -205,8 +212,10 @@ class FakeScheduler:
                     running.append(seq)
                 counts[seq.req_id] = n
                 budget -= n
+            waiting.extendleft(reversed(skipped))
             so = SchedulerOutput(self.step_id, new, cached, counts, finished)
             self.step_id += 1
+            self.history.append(so)
             out = self.worker.execute_model(so)
             self.outputs.append(out)
             finished = []
