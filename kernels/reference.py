@@ -13,7 +13,11 @@ Layouts (shared with the Triton kernels, see ``pagedserve.kernels``):
 * query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (grouped-query
   attention, same convention as ``repeat_kv`` in HF Llama).
 
-Arguments are assumed to be validated by the public wrappers in ``pagedserve.kernels``.
+Arguments are assumed to be validated by the public wrappers in ``pagedserve.kernels``,
+whose docstrings give the full shapes and dtypes; these functions raise no ValueError of
+their own. Outputs are returned in the query's dtype, computed in fp32. The attention is
+the textbook ``softmax(q k^T * scale) v`` (Vaswani et al., 2017) with the paged-cache
+indirection of vLLM's PagedAttention (Kwon et al., 2023).
 """
 
 from __future__ import annotations
