@@ -136,7 +136,7 @@ def _save_converted(gguf_file: Path, out_dir: Path, progress: bool) -> None:
         steps.set_postfix_str("saving safetensors")
         # A GGUF-loaded model carries a quantizer that refuses save_pretrained; the weights
         # are already dequantized to fp32, so dropping it is exact.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(out_dir, safe_serialization=True)

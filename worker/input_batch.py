@@ -144,8 +144,8 @@ def prepare_inputs(
     offset_in_chunk = torch.arange(total) - cu_seqlens_q[:-1].repeat_interleave(q_lens)
     positions = torch.tensor(starts, dtype=torch.int64).repeat_interleave(q_lens)
     positions += offset_in_chunk
-    blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
-    slot_mapping = blocks * block_size + positions % block_size
+    token_blocks = block_tables[seq_index, positions // block_size].to(torch.int64)
+    slot_mapping = token_blocks * block_size + positions % block_size
 
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),

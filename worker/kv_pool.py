@@ -68,9 +68,7 @@ class KVPool:
         """
         n = num_blocks_for(cache, arch, dtype)
         shape = (n, cache.block_size, arch.num_kv_heads, arch.head_dim)
-        keys = tuple(
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)
-        )
+        keys = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers))
         values = tuple(
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)
         )

@@ -112,6 +112,9 @@ class RotaryEmbedding(nn.Module):
     position at each forward.
     """
 
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_positions: int, rope_parameters: Mapping[str, Any]
     ) -> None:

@@ -148,7 +148,16 @@ class ModelRunner:
             state = self.requests.get(cached.req_id)
             if state is None:
                 raise ValueError(f"cached request {cached.req_id!r} is unknown to this worker")
-            state.block_ids.extend(cached.new_block_ids)
+            start = cached.new_blocks_start
+            if start < 0:
+                state.block_ids.extend(cached.new_block_ids)
+            elif start <= len(state.block_ids):
+                state.block_ids[start:] = cached.new_block_ids  # CoW may replace the last
+            else:
+                raise ValueError(
+                    f"request {cached.req_id!r}: new_blocks_start {start} is past its "
+                    f"block table ({len(state.block_ids)} blocks)"
+                )
             state.num_computed_tokens = cached.num_computed_tokens
         unknown = [r for r in so.num_scheduled_tokens if r not in self.requests]
         if unknown:

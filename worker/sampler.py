@@ -77,7 +77,7 @@ def sorted_probs(
         ``(probs, order)``: float64 ``[N, V]`` probabilities (dropped tokens are exactly 0,
         rows sum to 1) and int64 ``[N, V]`` token ids in that order.
     """
-    n, vocab = logits.shape
+    vocab = logits.shape[1]
     scaled = logits.double() / temperature.double().to(logits.device).unsqueeze(1)
     values, order = scaled.sort(dim=-1, descending=True, stable=True)
     k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).to(logits.device)

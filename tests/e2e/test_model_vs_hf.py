@@ -2,9 +2,9 @@
 HF transformers greedy ``generate``, fp32 on CPU.
 
 Five prompts (three chat, two raw) run together in one runner under a fake scheduler with a
-64-token budget, so prefills are chunked and mixed with decodes; every sequence's greedy
-ids must equal HF's batch-1 greedy ids (compared up to and including the first EOS, since
-HF would stop there and our scheduler runs on).
+64-token budget, so prefills are chunked and mixed with decodes; every sequence's 40 greedy
+ids must equal HF's batch-1 greedy ids (HF is told not to stop at EOS, like the fake
+scheduler, so even the tokens after the chat answers' ``<|im_end|>`` are compared).
 """
 
 from __future__ import annotations
@@ -77,9 +77,10 @@ def test_continuous_batching_greedy_equals_hf(
     ours = sched.generate(prompts, MAX_NEW)
     assert any(len(so.num_scheduled_tokens) == len(prompts) for so in sched.history)
     for i, (mine, ref) in enumerate(zip(ours, hf_outputs)):
-        assert until_eos(mine, eos) == until_eos(ref, eos), (
+        assert len(mine) == len(ref) == MAX_NEW
+        assert mine == ref, (
             f"prompt {i}: ours {tokenizer.decode(mine)!r} vs HF {tokenizer.decode(ref)!r}"
         )
     assert tokenizer.decode(ours[0]).startswith("The capital of France is Paris.")
-    # Most answers are long: the comparison really covers 32+ tokens for them.
+    # Most answers run past 32 tokens before any EOS (real text, not post-EOS noise).
     assert sum(len(until_eos(o, eos)) >= 32 for o in ours) >= 3

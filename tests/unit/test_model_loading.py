@@ -92,7 +92,9 @@ def test_missing_and_unknown_weights(tiny_llama_dir: Path, tmp_path: Path) -> No
     with pytest.raises(ValueError, match=r"lacks weights for: layers\.1\.self_attn\.qkv_proj"):
         load_model(folder_with(missing, "missing"), arch, 64, torch.float32, torch.device("cpu"))
     extra = {**weights, "model.layers.0.mlp.fancy.weight": torch.zeros(2)}
-    with pytest.raises(ValueError, match="unexpected tensor 'model.layers.0.mlp.fancy.weight'"):
+    with pytest.raises(
+        ValueError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.fancy\.weight'"
+    ):
         load_model(folder_with(extra, "extra"), arch, 64, torch.float32, torch.device("cpu"))
     wrong = {**weights, "model.norm.weight": torch.ones(3)}
     with pytest.raises(ValueError, match="has shape"):

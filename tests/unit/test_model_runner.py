@@ -79,7 +79,7 @@ def test_seeded_sampling_ignores_batching_and_preemption(worker: Worker) -> None
     assert FakeScheduler(worker, BLOCK_SIZE, 64).generate([PROMPT], 12, other)[0] != alone
 
 
-def test_unseeded_request_keeps_its_worker_drawn_seed(worker: Worker) -> None:
+def test_unseeded_requests_draw_distinct_seeds(worker: Worker) -> None:
     unseeded = SamplingParams(temperature=1.0, max_tokens=99)
     outs = FakeScheduler(worker, BLOCK_SIZE, 64).generate([PROMPT, PROMPT], 10, unseeded)
     assert outs[0] != outs[1]  # two requests draw two seeds

@@ -28,11 +28,11 @@ def test_incomplete_folders_are_refused(tmp_path: Path) -> None:
         validate_hf_folder(tmp_path)
     (tmp_path / "config.json").unlink()
     (tmp_path / "model.safetensors").write_bytes(b"")
-    with pytest.raises(ModelStoreError, match="missing config.json"):
+    with pytest.raises(ModelStoreError, match=r"missing config\.json"):
         resolve_model(str(tmp_path))
     with pytest.raises(ModelStoreError, match="neither 'default'"):
         resolve_model(str(tmp_path / "nope"))
-    with pytest.raises(ModelStoreError, match="not an existing .gguf"):
+    with pytest.raises(ModelStoreError, match=r"not an existing \.gguf"):
         convert_gguf(tmp_path / "nope.gguf", tmp_path)
 
 
