@@ -100,8 +100,7 @@ def main() -> None:
     try:
         one_request(handle.address, PROMPTS[0], 4)  # warm-up
         rows = [
-            run_level(handle.address, int(c), args.max_tokens)
-            for c in args.concurrency.split(",")
+            run_level(handle.address, int(c), args.max_tokens) for c in args.concurrency.split(",")
         ]
     finally:
         asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(timeout=60)

@@ -178,7 +178,7 @@ def test_bad_inputs(address):
 
 
 def test_cancel_and_abort_free_blocks(address, cluster):
-    handle, lt = cluster
+    handle, _lt = cluster
     with Client(address, timeout_s=300) as c:
         it = c.stream(
             "Tell me a long story.",
