@@ -4,8 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# CPU wheel on this machine; GPU users: make TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url ...'
+# CPU wheel on this machine; GPU users: make serve TORCH_SPEC='torch==2.13.0' PIP_EXTRA='--index-url URL'
 TORCH_SPEC ?= torch==2.13.0
+PIP_EXTRA ?=
 PYTEST_ARGS ?=
 
 .PHONY: setup serve test test-fast lint format model bench clean
@@ -13,7 +14,7 @@ PYTEST_ARGS ?=
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/pagedserve/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" numpy "setuptools>=70" wheel "grpcio-tools==1.85.1"
+	$(PY) -m pip install --quiet $(PIP_EXTRA) "$(TORCH_SPEC)" numpy "setuptools>=70" wheel "grpcio-tools==1.85.1"
 	$(PY) -m pip install --quiet --no-build-isolation -e ".[dev]"
 	touch $@
 
