@@ -171,7 +171,7 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}"
     )
-    table = Table("worker", "num_blocks", "num_free_blocks", "block_size", "running")
+    table = Table("worker", "num_blocks", "num_free_blocks", "block_size", "running", "alive")
     for w in st["workers"]:
         table.add_row(
             str(w["worker_id"]),
@@ -179,6 +179,7 @@ def _stats(args: argparse.Namespace) -> int:
             str(w["num_free_blocks"]),
             str(w["block_size"]),
             str(w["num_requests_running"]),
+            "yes" if w["alive"] else "no",
         )
     console.print(table)
     return 0

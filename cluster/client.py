@@ -231,6 +231,7 @@ class Client:
                     "num_free_blocks": w.num_free_blocks,
                     "block_size": w.block_size,
                     "num_requests_running": w.num_requests_running,
+                    "alive": w.alive,
                 }
                 for w in r.workers
             ],

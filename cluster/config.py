@@ -136,7 +136,7 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
-    max_message_bytes: int = 64 << 20
+    max_message_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

@@ -30,7 +30,7 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from pagedserve.scheduler.scheduler import RequestRejected
+from pagedserve.scheduler.scheduler import ClusterUnavailable, DuplicateRequest, RequestRejected
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -116,6 +116,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._tokenizer = tokenizer
         self._info = info
         self._in_flight: set[str] = set()
+        # No token covers more UTF-8 bytes than the longest vocabulary entry's spelling
+        # (byte-level or "▁"/"<0x..>" spellings only overestimate), so a text longer than
+        # this many bytes cannot fit in max_model_len and is refused before tokenizing.
+        longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=64)
+        self._max_text_bytes = max(1, longest) * info.max_model_len
+        self.health: Any = None  # set by start_server: the health servicer
+
+    def _check_text_size(self, text: str) -> None:
+        if len(text) > self._max_text_bytes or len(text.encode()) > self._max_text_bytes:
+            raise InvalidRequest(
+                f"the prompt text ({len(text.encode())} bytes) cannot fit in max_model_len "
+                f"({self._info.max_model_len} tokens)"
+            )
 
     # ------------------------------------------------------------------ helpers
     def _prompt_ids(self, request: Any) -> list[int]:
@@ -123,6 +136,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if kind == "text":
             if not request.text:
                 raise InvalidRequest("input.text is empty")
+            self._check_text_size(request.text)
             return list(self._tokenizer(request.text)["input_ids"])
         if kind == "token_ids":
             ids = list(request.token_ids.ids)
@@ -139,6 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             for m in messages:
                 if m["role"] not in ("system", "user", "assistant", "tool"):
                     raise InvalidRequest(f"unknown chat role {m['role']!r}")
+            self._check_text_size("".join(m["content"] for m in messages))
             try:
                 text = self._tokenizer.apply_chat_template(
                     messages, tokenize=False, add_generation_prompt=True
@@ -149,6 +164,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         raise InvalidRequest("request has no input (set text, token_ids or chat)")
 
     def _validate(self, request: Any) -> tuple[str, list[int], SamplingParams]:
+        """Parse and check a request (runs on a thread: tokenizing may take a while)."""
         info = self._info
         sampling = sampling_from_proto(request.sampling, info.max_model_len)
         prompt = self._prompt_ids(request)
@@ -170,16 +186,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     # ------------------------------------------------------------------ RPCs
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
-            request_id, prompt, sampling = self._validate(request)
+            request_id, prompt, sampling = await asyncio.to_thread(self._validate, request)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             return
-        needed = sampling.n * (len(prompt) + sampling.max_tokens)
+        needed = len(prompt) + sampling.max_tokens  # per choice: choices can take turns
         if needed > self._info.max_kv_slots:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"request needs up to {needed} KV slots; the largest worker pool holds "
-                f"{self._info.max_kv_slots}",
+                f"a sequence of this request needs up to {needed} KV slots; the largest "
+                f"worker pool holds {self._info.max_kv_slots}",
             )
             return
         if request_id in self._in_flight:
@@ -212,7 +228,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     break
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else exc
-            if isinstance(cause, RequestRejected):
+            if isinstance(cause, DuplicateRequest):
+                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(cause))
+            elif isinstance(cause, ClusterUnavailable):
+                await self._set_serving(False)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(cause))
+            elif isinstance(cause, RequestRejected):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause))
             elif isinstance(cause, ValueError):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(cause))
@@ -220,15 +241,43 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 log.exception("request %s failed", request_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {cause!r}")
         except ray.exceptions.RayActorError as exc:
+            await self._set_serving(False)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler unavailable: {exc}")
         finally:
-            self._in_flight.discard(request_id)
             if not all(done):
-                # Client went away (cancelled) or an error: make sure the blocks come back.
+                # Client went away (cancelled) or an error: make sure the blocks come back
+                # before the id can be used again.
                 try:
                     await asyncio.shield(self._scheduler.abort.remote(request_id))
                 except Exception:  # best effort during shutdown
                     log.debug("abort of %s failed", request_id, exc_info=True)
+            self._in_flight.discard(request_id)
+
+    async def _set_serving(self, serving: bool) -> None:
+        if self.health is None:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        await self.health.set("", status)
+        await self.health.set(SERVICE_NAME, status)
+
+    async def watch_health(self, interval_s: float = 2.0) -> None:
+        """Keep the health status in line with the cluster: NOT_SERVING when the
+        scheduler is unreachable or no worker is alive. Runs until cancelled."""
+        while True:
+            try:
+                live = await asyncio.wait_for(
+                    self._scheduler.num_live_workers.remote(), timeout=10 * interval_s
+                )
+                await self._set_serving(live > 0)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self._set_serving(False)
+            await asyncio.sleep(interval_s)
 
     def _to_proto(
         self, request_id: str, out: SequenceOutput, detok: IncrementalDetokenizer, request: Any
@@ -262,13 +311,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model=self._info.name,
             max_model_len=self._info.max_model_len,
         )
-        for wid, num_blocks, free, block_size, running in st.workers:
+        for wid, num_blocks, free, block_size, running, alive in st.workers:
             resp.workers.add(
                 worker_id=wid,
                 num_blocks=num_blocks,
                 num_free_blocks=free,
                 block_size=block_size,
                 num_requests_running=running,
+                alive=alive,
             )
         return resp
 
@@ -299,6 +349,6 @@ async def start_server(config: ServerConfig, servicer: GenerationServicer) -> tu
     if port == 0:
         raise RuntimeError(f"could not bind {config.host}:{config.port}")
     await server.start()
-    await health.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    servicer.health = health
+    await servicer._set_serving(True)
     return server, port

@@ -64,6 +64,7 @@ class ClusterHandle:
     port: int
     info: ModelInfo
     owns_ray: bool
+    health_task: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -74,6 +75,8 @@ class ClusterHandle:
         """Stop the frontend, abort requests, kill the actors and (if owned) Ray."""
         import ray
 
+        if self.health_task is not None:
+            self.health_task.cancel()
         await self.server.stop(grace_s)
         try:
             await asyncio.wait_for(self.scheduler.shutdown.remote(), timeout=10)
@@ -157,7 +160,8 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             ray.shutdown()
         raise
     log.info("serving %s on %s:%d", model_dir, config.server.host, port)
-    return ClusterHandle(config, scheduler, workers, server, port, info, owns_ray)
+    health_task = asyncio.get_running_loop().create_task(servicer.watch_health())
+    return ClusterHandle(config, scheduler, workers, server, port, info, owns_ray, health_task)
 
 
 async def serve_forever(config: ClusterConfig) -> None:

@@ -17,6 +17,8 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
+
 from pagedserve.cluster.config import SchedulerConfig
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -49,7 +51,6 @@ class SchedulerActor:
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
         self._wakeups: dict[int, asyncio.Event] = {}
         self._loops: dict[int, asyncio.Task[None]] = {}
-        self._error: BaseException | None = None
 
     async def ready(self) -> bool:
         """Start the step loops (idempotent); returns True."""
@@ -75,8 +76,6 @@ class SchedulerActor:
             ValueError / RequestRejected: from :meth:`Scheduler.add_request`, before any item.
         """
         await self.ready()
-        if self._error is not None:
-            raise RuntimeError(f"scheduler loop failed: {self._error!r}")
         queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
         self._scheduler.add_request(request_id, prompt_token_ids, sampling, eos_token_ids)
         self._queues[request_id] = queue
@@ -90,10 +89,13 @@ class SchedulerActor:
                 remaining -= sum(1 for o in batch if o.finish_reason is not None)
                 yield batch
         finally:
-            self._queues.pop(request_id, None)
-            if remaining > 0:
-                self._scheduler.abort_request(request_id)
-                self._wake_all()
+            # The id may already belong to a newer request (this one finished, the
+            # client reused the id): only clean up what is still this stream's.
+            if self._queues.get(request_id) is queue:
+                del self._queues[request_id]
+                if remaining > 0:
+                    self._scheduler.abort_request(request_id)
+                    self._wake_all()
 
     async def abort(
         self, request_id: str, choice_index: int | None = None, stop: bool = False
@@ -108,6 +110,10 @@ class SchedulerActor:
         self._dispatch(outputs)
         self._wake_all()
         return bool(outputs)
+
+    async def num_live_workers(self) -> int:
+        """Workers still serving (a worker whose step failed is taken out)."""
+        return self._scheduler.num_live_workers
 
     async def get_stats(self) -> SchedulerStats:
         """A snapshot of queue lengths and per-worker block pools."""
@@ -158,21 +164,20 @@ class SchedulerActor:
                 continue
             try:
                 runner_out = await worker.execute_model.remote(sched_out)
-            except Exception as exc:
-                log.exception("worker %d failed a step", worker_id)
-                self._error = exc
-                self._fail_worker(worker_id, sched_out)
+            except ray.exceptions.RayActorError:
+                log.exception("worker %d died; requeueing its sequences", worker_id)
+                self._dispatch(sched.mark_worker_dead(worker_id))
+                self._wake_all()  # live workers pick up what was requeued
                 return
+            except Exception:
+                log.exception("worker %d failed a step; aborting its requests", worker_id)
+                self._dispatch(sched.fail_step(worker_id, sched_out))
+                self._wake_all()
+                continue
             outputs = sched.update(worker_id, sched_out, runner_out)
             self._dispatch(outputs)
             if any(o.finish_reason is not None for o in outputs):
                 self._wake_all()  # freed blocks may let another worker admit
-
-    def _fail_worker(self, worker_id: int, sched_out: Any) -> None:
-        """A worker died: abort everything it was running so no client hangs."""
-        ws = self._scheduler.workers[worker_id]
-        for seq in list(ws.running):
-            self._dispatch(self._scheduler.abort_request(seq.request_id))
 
 
 __all__ = ["FinishReason", "SchedulerActor"]

@@ -44,6 +44,14 @@ class RequestRejected(ValueError):
     """A request that can never be served (e.g. needs more KV blocks than a worker has)."""
 
 
+class DuplicateRequest(ValueError):
+    """A request id that is already in flight."""
+
+
+class ClusterUnavailable(RuntimeError):
+    """No worker is alive to serve the request."""
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """What the scheduler needs to know about one worker's KV pool.
@@ -66,6 +74,7 @@ class _WorkerState:
     running: list[Sequence] = field(default_factory=list)
     pending_finished: list[str] = field(default_factory=list)
     next_step_id: int = 0
+    alive: bool = True
 
 
 @dataclass(frozen=True)
@@ -75,9 +84,8 @@ class SchedulerStats:
     num_running: int
     num_waiting: int
     num_preemptions: int
-    workers: tuple[
-        tuple[int, int, int, int, int], ...
-    ]  # (id, num_blocks, free, block_size, running)
+    # per worker: (id, num_blocks, num_free_blocks, block_size, num_running, alive)
+    workers: tuple[tuple[int, int, int, int, int, bool], ...]
     prefix_cache_queries: int
     prefix_cache_hits: int
 
@@ -129,13 +137,14 @@ class Scheduler:
         """Queue a request: one sequence per choice (``sampling.n``).
 
         Raises:
-            ValueError: duplicate request id, empty prompt, or prompt + max_tokens longer
-                than ``max_model_len``.
-            RequestRejected: the longest possible sequence needs more blocks than the
-                largest worker pool holds (it could never finish).
+            DuplicateRequest: the request id is in flight.
+            ValueError: empty prompt, or prompt + max_tokens longer than ``max_model_len``.
+            RequestRejected: one choice at its longest needs more slots than the largest
+                live worker pool holds (it could never finish, even alone).
+            ClusterUnavailable: no worker is alive.
         """
         if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+            raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         prompt_len = len(prompt_token_ids)
@@ -145,11 +154,16 @@ class Scheduler:
                 f"max_model_len ({self.max_model_len})"
             )
         max_total = prompt_len + sampling.max_tokens
-        capacity = max(w.spec.num_blocks * w.spec.block_size for w in self.workers.values())
-        if sampling.n * max_total > capacity:
+        live = [w for w in self.workers.values() if w.alive]
+        if not live:
+            raise ClusterUnavailable("no worker is alive")
+        # Choices are independent sequences: each must fit alone (preemption lets them
+        # take turns), so the bound is per sequence, not n times it.
+        capacity = max(w.spec.num_blocks * w.spec.block_size for w in live)
+        if max_total > capacity:
             raise RequestRejected(
-                f"request needs up to {sampling.n * max_total} KV slots but a worker holds "
-                f"only {capacity}"
+                f"a sequence of this request needs up to {max_total} KV slots but a worker "
+                f"holds only {capacity}"
             )
         arrival = time.monotonic() if arrival_s is None else arrival_s
         eos = frozenset(eos_token_ids)
@@ -201,7 +215,7 @@ class Scheduler:
     def has_work(self, worker_id: int) -> bool:
         """True when a step on this worker would do something."""
         ws = self.workers[worker_id]
-        return bool(ws.running or ws.pending_finished or self.waiting)
+        return ws.alive and bool(ws.running or ws.pending_finished or self.waiting)
 
     def schedule(self, worker_id: int) -> SchedulerOutput:
         """Decide one step for ``worker_id`` (see the module docstring)."""
@@ -402,6 +416,7 @@ class Scheduler:
                 ws.kv.num_free_blocks,
                 ws.spec.block_size,
                 len(ws.running),
+                ws.alive,
             )
             for wid, ws in sorted(self.workers.items())
         )
@@ -418,6 +433,44 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
         )
+
+    def mark_worker_dead(self, worker_id: int) -> list[SequenceOutput]:
+        """Take a dead worker out of service; nothing accepted is lost.
+
+        Its running sequences go back to the front of the waiting queue, keeping their
+        outputs, and are recomputed on a live worker (as after a recompute preemption).
+        When no worker is left alive, every request is aborted instead, so no client
+        waits forever. Returns the final deltas (empty unless requests were aborted).
+        """
+        ws = self.workers[worker_id]
+        ws.alive = False
+        for seq in reversed(list(ws.running)):
+            self._preempt(ws, seq)
+        ws.pending_finished.clear()  # nobody to tell
+        outputs: list[SequenceOutput] = []
+        if not any(w.alive for w in self.workers.values()):
+            for request_id in list(self.requests):
+                outputs.extend(self.abort_request(request_id))
+        return outputs
+
+    def fail_step(self, worker_id: int, sched_out: SchedulerOutput) -> list[SequenceOutput]:
+        """A live worker raised on a step: abort the requests that were in it.
+
+        The worker drops them at its next step (``finished_req_ids``). Returns their final
+        deltas (reason ABORT).
+        """
+        outputs: list[SequenceOutput] = []
+        for request_id in {
+            self.sequences[s].request_id
+            for s in sched_out.num_scheduled_tokens
+            if s in self.sequences
+        }:
+            outputs.extend(self.abort_request(request_id))
+        return outputs
+
+    @property
+    def num_live_workers(self) -> int:
+        return sum(1 for w in self.workers.values() if w.alive)
 
     def check_integrity(self) -> None:
         """Check every worker's block pool (see KVCacheManager.check_integrity)."""

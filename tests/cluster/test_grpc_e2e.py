@@ -161,8 +161,8 @@ def test_bad_inputs(address):
             (dict(token_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
             (dict(prompt=""), grpc.StatusCode.INVALID_ARGUMENT),
             (dict(chat=[{"role": "wizard", "content": "x"}]), grpc.StatusCode.INVALID_ARGUMENT),
-            (dict(prompt="hi " * 3000, max_tokens=8), grpc.StatusCode.INVALID_ARGUMENT),
-            (dict(prompt="hi", max_tokens=1500, n=8), grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (dict(prompt="hi " * 6000, max_tokens=8), grpc.StatusCode.INVALID_ARGUMENT),
+            (dict(prompt="hi", max_tokens=3500), grpc.StatusCode.RESOURCE_EXHAUSTED),
         ]:
             with pytest.raises(grpc.RpcError) as ei:
                 prompt = kwargs.pop("prompt", None)
@@ -244,3 +244,40 @@ def test_stats_health_and_reflection(address):
 def test_build_request_requires_one_input():
     with pytest.raises(ValueError):
         build_request("a", token_ids=[1])
+
+
+def test_huge_text_prompt_is_refused_before_tokenizing(address):
+    with Client(address, timeout_s=60) as c:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as ei:
+            c.generate("lorem ipsum " * 400_000, max_tokens=4)  # 4.8 MB
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "cannot fit" in ei.value.details()
+        assert time.monotonic() - t0 < 5.0
+
+
+def test_request_id_reuse_after_cancel(address):
+    with Client(address, timeout_s=120) as c:
+        for attempt in range(3):
+            it = c.stream(
+                "Write a long essay.",
+                max_tokens=200,
+                ignore_eos=True,
+                temperature=0,
+                request_id="reused",
+            )
+            next(it)
+            it.close()
+            for _ in range(50):  # the server may not have seen the cancel yet
+                try:
+                    r = c.generate(
+                        "Hi", max_tokens=2, temperature=0, ignore_eos=True, request_id="reused"
+                    )
+                    break
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.ALREADY_EXISTS, exc.details()
+                    time.sleep(0.05)
+            else:
+                raise AssertionError(f"attempt {attempt}: id never released")
+            assert len(r.choices[0].token_ids) == 2
+        wait_all_free(c)

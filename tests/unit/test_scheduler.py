@@ -3,56 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from helpers import ScriptedWorker as FakeWorker
 
 from pagedserve.cluster.config import SchedulerConfig
-from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import RequestRejected, Scheduler, WorkerSpec
 
 EOS = 2
-
-
-class FakeWorker:
-    """Mirrors the worker's per-request state; 'samples' len(tokens) + 100 (or a script)."""
-
-    def __init__(self, script: dict[str, list[int]] | None = None) -> None:
-        self.tables: dict[str, list[int]] = {}
-        self.tokens: dict[str, list[int]] = {}
-        self.script = script or {}
-
-    def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        for rid in so.finished_req_ids:
-            self.tables.pop(rid, None)
-            self.tokens.pop(rid, None)
-        for nr in so.new_requests:
-            self.tables[nr.req_id] = list(nr.block_ids)
-            self.tokens[nr.req_id] = list(nr.token_ids)
-        for cr in so.cached_requests:
-            table = self.tables[cr.req_id]
-            start = len(table) if cr.new_blocks_start < 0 else cr.new_blocks_start
-            table[start:] = cr.new_block_ids
-        sampled = {}
-        for rid, n in so.num_scheduled_tokens.items():
-            computed = self._computed(so, rid)
-            assert computed + n <= len(self.tokens[rid])
-            if computed + n == len(self.tokens[rid]):
-                script = self.script.get(rid.split("/")[0])
-                k = len(self.tokens[rid])
-                tok = script.pop(0) if script else 100 + k
-                self.tokens[rid].append(tok)
-                sampled[rid] = tok
-        return RunnerOutput(step_id=so.step_id, sampled_token_ids=sampled)
-
-    @staticmethod
-    def _computed(so: SchedulerOutput, rid: str) -> int:
-        for nr in so.new_requests:
-            if nr.req_id == rid:
-                return nr.num_computed_tokens
-        for cr in so.cached_requests:
-            if cr.req_id == rid:
-                return cr.num_computed_tokens
-        raise AssertionError(rid)
 
 
 def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, chunked=True, caching=True):

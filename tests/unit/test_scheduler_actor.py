@@ -1,0 +1,152 @@
+"""SchedulerActor logic without a Ray cluster: fake worker handles, real asyncio loops.
+
+Covers request-id reuse after a cancel (a stale stream must not steal the new stream's
+queue), a worker that dies (its sequences are recomputed elsewhere; with none left, every
+request is aborted and new ones are refused), and a worker that raises on a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+from helpers import ScriptedWorker
+
+from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.scheduler.actor import SchedulerActor
+from pagedserve.scheduler.request import FinishReason
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import ClusterUnavailable, DuplicateRequest, WorkerSpec
+
+
+class Remote:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+class FakeHandle:
+    """Looks like a Ray actor handle of a Worker: ``execute_model.remote(so)`` is awaitable."""
+
+    def __init__(self, fail: Exception | None = None, fail_after: int = 0) -> None:
+        self.inner = ScriptedWorker()
+        self.fail = fail
+        self.fail_after = fail_after
+        self.steps = 0
+        self.execute_model = Remote(self._execute)
+
+    async def _execute(self, so):
+        await asyncio.sleep(0.001)
+        self.steps += 1
+        if self.fail is not None and self.steps > self.fail_after:
+            raise self.fail
+        return self.inner.execute(so)
+
+
+def make_actor(handles, num_blocks=32, block_size=4):
+    specs = [WorkerSpec(i, num_blocks, block_size) for i in range(len(handles))]
+    return SchedulerActor(SchedulerConfig(max_num_batched_tokens=64), handles, specs, 256)
+
+
+def greedy(n_tokens, **kw):
+    return SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+async def collect(gen):
+    out = []
+    async for batch in gen:
+        out.extend(batch)
+    return out
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_reused_request_id_after_cancel_gets_its_own_stream():
+    async def scenario():
+        actor = make_actor([FakeHandle()])
+        old = actor.generate("same", [1, 2, 3], greedy(50), [])
+        first = await old.__anext__()
+        assert first[0].new_token_ids == (103,)
+        assert await actor.abort("same") is True  # the client cancelled
+        new = actor.generate("same", [1, 2, 3], greedy(3), [])
+        pending = asyncio.ensure_future(new.__anext__())  # registers the new stream
+        await asyncio.sleep(0)
+        rest = await collect(old)  # the stale stream finishes after the new one started
+        assert rest[-1].finish_reason is FinishReason.ABORT
+        items = [*(await pending), *(await collect(new))]
+        toks = [t for o in items for t in o.new_token_ids]
+        assert toks == [103, 104, 105]
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_duplicate_in_flight_id_is_refused():
+    async def scenario():
+        actor = make_actor([FakeHandle()])
+        a = actor.generate("dup", [1, 2], greedy(20), [])
+        await a.__anext__()
+        with pytest.raises(DuplicateRequest):
+            await actor.generate("dup", [1, 2], greedy(2), []).__anext__()
+        await actor.abort("dup")
+        await collect(a)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_dead_worker_sequences_are_recomputed_on_a_live_one():
+    async def scenario():
+        dead = FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=2)
+        live = FakeHandle()
+        actor = make_actor([dead, live])
+        streams = [actor.generate(f"r{i}", [1, 2, 3, i + 5], greedy(6), []) for i in range(4)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for res in results:
+            assert res[-1].finish_reason is FinishReason.LENGTH
+            toks = [t for o in res for t in o.new_token_ids]
+            assert toks == [104, 105, 106, 107, 108, 109]
+        stats = await actor.get_stats()
+        assert [w[5] for w in stats.workers] == [False, True]
+        assert await actor.num_live_workers() == 1
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_last_worker_dying_aborts_everything_and_refuses_new_requests():
+    async def scenario():
+        actor = make_actor([FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=1)])
+        config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
+        actor._scheduler.config = config  # one running, the rest waiting
+        streams = [actor.generate(f"r{i}", [1, 2, 3], greedy(10), []) for i in range(3)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        assert all(r[-1].finish_reason is FinishReason.ABORT for r in results)
+        with pytest.raises(ClusterUnavailable):
+            await actor.generate("late", [1], greedy(1), []).__anext__()
+        assert await actor.num_live_workers() == 0
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_step_error_aborts_that_batch_and_worker_keeps_serving():
+    async def scenario():
+        handle = FakeHandle(fail=ValueError("bad step"), fail_after=1)
+        actor = make_actor([handle])
+        res = await collect(actor.generate("a", [1, 2, 3], greedy(5), []))
+        assert res[-1].finish_reason is FinishReason.ABORT
+        handle.fail = None
+        res = await collect(actor.generate("b", [1, 2, 3], greedy(2), []))
+        assert [t for o in res for t in o.new_token_ids] == [103, 104]
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
