@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_N = 64
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,28 @@ class InvalidRequest(ValueError):
     """A request the frontend refuses with INVALID_ARGUMENT."""
 
 
+class PortUnavailable(RuntimeError):
+    """The gRPC port cannot be bound (in use, or a bad host)."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail fast, before Ray and the model start, when ``host:port`` is taken.
+
+    Raises:
+        PortUnavailable: the port cannot be bound now.
+    """
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise PortUnavailable(f"cannot bind {host}:{port}: {exc.strerror}") from exc
+
+
 def sampling_from_proto(msg: Any, max_model_len: int) -> SamplingParams:
     """Build :class:`SamplingParams` from ``pagedserve.v1.SamplingParams``.
 
@@ -79,6 +102,8 @@ def sampling_from_proto(msg: Any, max_model_len: int) -> SamplingParams:
             raise InvalidRequest(f"{name} must be a finite number")
     if len(msg.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+    if any(len(s) > MAX_STOP_CHARS for s in msg.stop):
+        raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters")
     n = opt("n", 1)
     if n > MAX_N:
         raise InvalidRequest(f"n must be <= {MAX_N}, got {n}")
@@ -150,6 +175,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
             if not messages:
                 raise InvalidRequest("input.chat has no messages")
+            if len(messages) > self._info.max_model_len:
+                raise InvalidRequest(
+                    f"{len(messages)} chat messages cannot fit in max_model_len "
+                    f"({self._info.max_model_len} tokens)"
+                )
             for m in messages:
                 if m["role"] not in ("system", "user", "assistant", "tool"):
                     raise InvalidRequest(f"unknown chat role {m['role']!r}")
@@ -160,6 +190,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 )
             except Exception as exc:  # template errors (e.g. role order) are the client's
                 raise InvalidRequest(f"chat template failed: {exc}") from exc
+            self._check_text_size(text)
             return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         raise InvalidRequest("request has no input (set text, token_ids or chat)")
 
@@ -332,6 +363,7 @@ async def start_server(config: ServerConfig, servicer: GenerationServicer) -> tu
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second server must fail to bind, not share the port
     ]
     server = grpc.aio.server(options=options)
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -345,9 +377,12 @@ async def start_server(config: ServerConfig, servicer: GenerationServicer) -> tu
         ),
         server,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        raise PortUnavailable(f"cannot bind {config.host}:{config.port}: {exc}") from exc
     if port == 0:
-        raise RuntimeError(f"could not bind {config.host}:{config.port}")
+        raise PortUnavailable(f"cannot bind {config.host}:{config.port}")
     await server.start()
     servicer.health = health
     await servicer._set_serving(True)

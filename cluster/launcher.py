@@ -15,7 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.frontend import GenerationServicer, ModelInfo, start_server
+from pagedserve.cluster.frontend import (
+    GenerationServicer,
+    ModelInfo,
+    check_port_free,
+    start_server,
+)
 from pagedserve.scheduler.scheduler import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -104,18 +109,23 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
 
     Raises:
         ModelStoreError / ValueError: the model cannot be found or is unsupported.
-        RuntimeError: the port cannot be bound or GPUs are missing.
+        PortUnavailable: the gRPC port is taken.
+        RuntimeError: GPUs are missing.
     """
     import ray
     from transformers import AutoTokenizer
 
     from pagedserve.cluster.model_store import resolve_model
     from pagedserve.scheduler.actor import SchedulerActor
+    from pagedserve.worker.arch import ModelArch
     from pagedserve.worker.worker import Worker
 
+    check_port_free(config.server.host, config.server.port)
     model_dir = resolve_model(config.model, progress=True)
     model_cfg = dataclasses.replace(config.model, model=str(model_dir))
     config = dataclasses.replace(config, model=model_cfg)
+    # Refuse unsupported models here, with one clear error, before any actor starts.
+    ModelArch.from_pretrained(model_dir, config.model.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     owns_ray = init_ray(config)
     try:

@@ -36,6 +36,7 @@ class SchedulerActor:
         specs: the KV pool of each worker (from the workers' ``get_info``).
         max_model_len: longest sequence, tokens.
         enable_prefix_caching: share full prompt blocks across requests.
+        probe_interval_s: how often idle workers are pinged (seconds).
     """
 
     def __init__(
@@ -45,19 +46,26 @@ class SchedulerActor:
         specs: list[WorkerSpec],
         max_model_len: int,
         enable_prefix_caching: bool = True,
+        probe_interval_s: float = 2.0,
     ) -> None:
+        self._probe_interval_s = probe_interval_s
         self._scheduler = Scheduler(config, specs, max_model_len, enable_prefix_caching)
         self._workers = workers
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
         self._wakeups: dict[int, asyncio.Event] = {}
         self._loops: dict[int, asyncio.Task[None]] = {}
+        self._in_step: set[int] = set()
+        self._monitor: asyncio.Task[None] | None = None
 
     async def ready(self) -> bool:
-        """Start the step loops (idempotent); returns True."""
+        """Start the step loops and the liveness probe (idempotent); returns True."""
+        loop = asyncio.get_running_loop()
         for wid in self._scheduler.workers:
             if wid not in self._loops:
                 self._wakeups[wid] = asyncio.Event()
-                self._loops[wid] = asyncio.get_running_loop().create_task(self._step_loop(wid))
+                self._loops[wid] = loop.create_task(self._step_loop(wid))
+        if self._monitor is None:
+            self._monitor = loop.create_task(self._probe_idle_workers(self._probe_interval_s))
         return True
 
     async def generate(
@@ -128,12 +136,16 @@ class SchedulerActor:
         """Abort everything and stop the step loops."""
         for request_id in list(self._scheduler.requests):
             self._dispatch(self._scheduler.abort_request(request_id))
-        for task in self._loops.values():
+        tasks = list(self._loops.values())
+        if self._monitor is not None:
+            tasks.append(self._monitor)
+        for task in tasks:
             task.cancel()
-        for task in self._loops.values():
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._loops.clear()
+        self._monitor = None
 
     # ------------------------------------------------------------------ internals
     def _wake_all(self) -> None:
@@ -162,6 +174,7 @@ class SchedulerActor:
                 wake.clear()
                 await wake.wait()
                 continue
+            self._in_step.add(worker_id)
             try:
                 runner_out = await worker.execute_model.remote(sched_out)
             except ray.exceptions.RayActorError:
@@ -174,10 +187,32 @@ class SchedulerActor:
                 self._dispatch(sched.fail_step(worker_id, sched_out))
                 self._wake_all()
                 continue
+            finally:
+                self._in_step.discard(worker_id)
             outputs = sched.update(worker_id, sched_out, runner_out)
             self._dispatch(outputs)
             if any(o.finish_reason is not None for o in outputs):
                 self._wake_all()  # freed blocks may let another worker admit
+
+    async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:
+        """Ping idle live workers so a worker that dies between steps is noticed.
+
+        A busy worker is checked by its own step call instead (a ping would queue behind
+        the step on the single-threaded worker actor).
+        """
+        while True:
+            await asyncio.sleep(interval_s)
+            for wid, ws in self._scheduler.workers.items():
+                if not ws.alive or wid in self._in_step:
+                    continue
+                try:
+                    await asyncio.wait_for(self._workers[wid].ping.remote(), timeout_s)
+                except (TimeoutError, ray.exceptions.RayActorError):
+                    if wid in self._in_step or not ws.alive:
+                        continue  # a step started meanwhile: it will see the failure
+                    log.error("worker %d does not answer; taking it out of service", wid)
+                    self._dispatch(self._scheduler.mark_worker_dead(wid))
+                    self._wake_all()
 
 
 __all__ = ["FinishReason", "SchedulerActor"]

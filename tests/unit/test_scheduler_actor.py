@@ -36,7 +36,14 @@ class FakeHandle:
         self.fail = fail
         self.fail_after = fail_after
         self.steps = 0
+        self.dead = False
         self.execute_model = Remote(self._execute)
+        self.ping = Remote(self._ping)
+
+    async def _ping(self):
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        return "pong"
 
     async def _execute(self, so):
         await asyncio.sleep(0.001)
@@ -48,7 +55,9 @@ class FakeHandle:
 
 def make_actor(handles, num_blocks=32, block_size=4):
     specs = [WorkerSpec(i, num_blocks, block_size) for i in range(len(handles))]
-    return SchedulerActor(SchedulerConfig(max_num_batched_tokens=64), handles, specs, 256)
+    return SchedulerActor(
+        SchedulerConfig(max_num_batched_tokens=64), handles, specs, 256, probe_interval_s=0.05
+    )
 
 
 def greedy(n_tokens, **kw):
@@ -147,6 +156,32 @@ def test_step_error_aborts_that_batch_and_worker_keeps_serving():
         res = await collect(actor.generate("b", [1, 2, 3], greedy(2), []))
         assert [t for o in res for t in o.new_token_ids] == [103, 104]
         await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_idle_worker_death_is_noticed_by_the_probe():
+    async def scenario():
+        handles = [FakeHandle(), FakeHandle()]
+        actor = make_actor(handles)
+        await actor.ready()
+        handles[0].dead = True
+        for _ in range(100):
+            if await actor.num_live_workers() == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert [w[5] for w in (await actor.get_stats()).workers] == [False, True]
+        res = await collect(actor.generate("a", [1, 2, 3], greedy(2), []))
+        assert [t for o in res for t in o.new_token_ids] == [103, 104]
+        assert handles[0].steps == 0
+        handles[1].dead = True
+        for _ in range(100):
+            if await actor.num_live_workers() == 0:
+                break
+            await asyncio.sleep(0.02)
+        with pytest.raises(ClusterUnavailable):
+            await actor.generate("b", [1], greedy(1), []).__anext__()
         await actor.shutdown()
 
     run(scenario())

@@ -1,0 +1,87 @@
+"""Startup failures are clean: a taken port, a second server on the same port, a bad model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+
+from pagedserve.cluster.cli import main
+from pagedserve.cluster.config import ServerConfig
+from pagedserve.cluster.frontend import (
+    GenerationServicer,
+    ModelInfo,
+    PortUnavailable,
+    check_port_free,
+    start_server,
+)
+
+
+class _Tok:
+    def get_vocab(self):
+        return {"a": 0, "bb": 1}
+
+
+def _servicer() -> GenerationServicer:
+    info = ModelInfo("m", 16, 2, (1,), 64)
+    return GenerationServicer(scheduler=None, tokenizer=_Tok(), info=info)
+
+
+def test_check_port_free_detects_a_taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(PortUnavailable, match=str(port)):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", 0)
+
+
+def test_second_server_on_the_same_port_fails_instead_of_sharing():
+    async def scenario():
+        server, port = await start_server(ServerConfig(port=0), _servicer())
+        try:
+            with pytest.raises(PortUnavailable):
+                await start_server(ServerConfig(port=port), _servicer())
+        finally:
+            await server.stop(0)
+
+    asyncio.run(scenario())
+
+
+def test_text_size_bound_uses_the_longest_token():
+    svc = _servicer()  # longest token 2 bytes, max_model_len 16 -> 32 bytes
+    svc._check_text_size("x" * 32)
+    with pytest.raises(ValueError, match="cannot fit"):
+        svc._check_text_size("x" * 33)
+
+
+def test_serve_refuses_unsupported_architecture_before_starting_ray(
+    tiny_llama_dir: Path, tmp_path: Path, capsys
+):
+    bad = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_llama_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    rc = main(["serve", "--model", str(bad), "--port", "0"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "GPT2LMHeadModel" in err and "LlamaForCausalLM" in err
+    import ray
+
+    assert not ray.is_initialized()
+
+
+def test_serve_on_a_taken_port_exits_cleanly(capsys):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        rc = main(["serve", "--port", str(port)])
+    assert rc == 1
+    assert "cannot bind" in capsys.readouterr().err
