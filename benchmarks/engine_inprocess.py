@@ -1,15 +1,21 @@
 """In-process engine throughput (real Scheduler + Worker, no Ray, no gRPC).
 
-The same 16-request workload as ``benchmarks/serving.py --concurrency 16``, so the two
-figures side by side show what Ray + gRPC + detokenization cost.
+The same workload as ``benchmarks/serving.py`` (its chat prompts, greedy, ``ignore_eos``,
+``--max-tokens`` each), all requests submitted at once, so the two figures side by side
+show what Ray + gRPC + detokenization cost.
 
 Usage::
 
-    .venv/bin/python benchmarks/engine_inprocess.py
+    .venv/bin/python benchmarks/engine_inprocess.py --num-requests 16 --max-tokens 64
 """
 
+from __future__ import annotations
+
+import argparse
+import os
 import time
 
+from serving import PROMPTS
 from transformers import AutoTokenizer
 
 from pagedserve.cluster.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
@@ -18,44 +24,49 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.worker import Worker
 
-d = str(resolve_model("default", progress=False))
-tok = AutoTokenizer.from_pretrained(d)
-w = Worker(
-    WorkerConfig(
-        model=ModelConfig(model=d), cache=CacheConfig(num_blocks=1024), device="cpu", num_threads=2
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    model_dir = str(resolve_model(args.model, progress=False))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=model_dir),
+            cache=CacheConfig(num_blocks=1024),
+            device="cpu",
+            num_threads=args.threads,
+        )
     )
-)
-info = w.get_info()
-s = Scheduler(
-    SchedulerConfig(), [WorkerSpec(0, info.num_blocks, info.block_size)], info.max_model_len
-)
-prompts = [
-    "Explain why the sky is blue.",
-    "Write a short poem about the sea.",
-    "What are the main causes of climate change?",
-    "Describe how a bicycle works.",
-]
-for i in range(16):
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": prompts[i % 4]}], tokenize=False, add_generation_prompt=True
+    info = worker.get_info()
+    sched = Scheduler(
+        SchedulerConfig(), [WorkerSpec(0, info.num_blocks, info.block_size)], info.max_model_len
     )
-    s.add_request(
-        f"r{i}",
-        tok(text, add_special_tokens=False)["input_ids"],
-        SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
-        info.eos_token_ids,
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    for i in range(args.num_requests):
+        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        sched.add_request(f"r{i}", ids, sampling, info.eos_token_ids)
+    start = time.perf_counter()
+    tokens = steps = 0
+    execute_s = 0.0
+    while sched.has_work(0):
+        so = sched.schedule(0)
+        ro = worker.execute_model(so)
+        execute_s += ro.execute_time_s
+        steps += 1
+        tokens += sum(len(o.new_token_ids) for o in sched.update(0, so, ro))
+    wall = time.perf_counter() - start
+    print(
+        f"{args.num_requests} requests: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} "
+        f"tok/s; worker execute {execute_s:.2f} s over {steps} steps"
     )
-t0 = time.perf_counter()
-n = 0
-ex = 0
-steps = 0
-while s.has_work(0):
-    so = s.schedule(0)
-    ro = w.execute_model(so)
-    ex += ro.execute_time_s
-    steps += 1
-    n += sum(len(o.new_token_ids) for o in s.update(0, so, ro))
-wall = time.perf_counter() - t0
-print(
-    f"{n} tokens in {wall:.2f}s = {n / wall:.1f} tok/s; worker execute {ex:.2f}s over {steps} steps"
-)
+
+
+if __name__ == "__main__":
+    main()
