@@ -253,7 +253,8 @@ def paged_decode_attention(
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         max_seq_len: optional host-side bound on ``seq_lens`` (Triton only): sizes the
             split count without a device sync; default is the block-table capacity
-            ``max_blocks_per_seq * block_size``.
+            ``max_blocks_per_seq * block_size``. Precondition (not checked, to avoid the
+            sync): it must be >= every ``seq_lens`` entry, or keys past it are dropped.
         workspace: optional preallocated :class:`DecodeWorkspace` (Triton only) for the
             stage-1 scratch; used when it fits the call, else scratch is allocated.
 
@@ -368,13 +369,27 @@ def copy_blocks(
             or ``"torch"`` (``index_select`` + ``index_copy_`` per layer).
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+        ValueError: rank, shape, dtype or device mismatch (message names the argument);
+            a block id outside ``[0, num_blocks)``, a repeated destination, or a
+            destination that is also a source (the backends would disagree on order).
+            Checking reads the mapping on the host: copy-on-write is rare, so the sync is
+            cheap next to the copy.
     """
     _check_layers(key_caches, value_caches)
     _check_index("block_mapping", block_mapping, 2)
     if block_mapping.shape[1] != 2:
         raise ValueError(f"block_mapping must be [n, 2], got {tuple(block_mapping.shape)}")
     _check_device("block_mapping", block_mapping, key_caches[0].device)
+    pairs = block_mapping.tolist()
+    num_blocks = key_caches[0].shape[0]
+    srcs = {p[0] for p in pairs}
+    dsts = [p[1] for p in pairs]
+    if any(not (0 <= b < num_blocks) for pair in pairs for b in pair):
+        raise ValueError(f"block_mapping ids must be in [0, {num_blocks})")
+    if len(set(dsts)) != len(dsts):
+        raise ValueError("block_mapping has a repeated destination block")
+    if srcs.intersection(dsts):
+        raise ValueError("block_mapping has a block that is both a source and a destination")
     if resolve_backend(backend, key_caches[0].device) == "torch":
         reference.copy_blocks(list(key_caches), list(value_caches), block_mapping)
         return

@@ -231,7 +231,7 @@ def paged_decode_attention(
     check_head_dim(query.shape[2])
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
-    out = torch.empty_like(query)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
     if query.stride(2) != 1:

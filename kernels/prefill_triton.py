@@ -166,7 +166,7 @@ def paged_prefill_attention(
     total, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     num_seqs = cu_seqlens_q.shape[0] - 1
-    out = torch.zeros_like(query)
+    out = torch.zeros_like(query, memory_format=torch.contiguous_format)
     if total == 0 or num_seqs == 0:
         return out
     if query.stride(2) != 1:

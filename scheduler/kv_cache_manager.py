@@ -145,7 +145,7 @@ class KVCacheManager:
 
     # --------------------------------------------------------------------------- prefix cache
     def get_computed_blocks(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
+        self, token_ids: Sequence[int], cache_salt: str | None = None, count: bool = True
     ) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching a new sequence's prompt.
 
@@ -157,6 +157,9 @@ class KVCacheManager:
         Args:
             token_ids: the prompt (plus outputs when resuming a preempted sequence).
             cache_salt: only blocks cached with the same salt can hit.
+            count: add this lookup to the prefix-cache stats; a caller that may retry
+                the same lookup (a request blocked at the head of the queue) passes False
+                and calls :meth:`record_prefix_query` once the sequence is admitted.
 
         Returns:
             ``(block_ids, num_computed_tokens)`` with ``num_computed_tokens =
@@ -178,9 +181,14 @@ class KVCacheManager:
                 break
             out.append(block.block_id)
             parent = h
-        self._queries_tokens += len(token_ids)
-        self._hits_tokens += len(out) * bs
+        if count:
+            self.record_prefix_query(len(token_ids), len(out) * bs)
         return out, len(out) * bs
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup (tokens queried, tokens hit)."""
+        self._queries_tokens += num_query_tokens
+        self._hits_tokens += num_hit_tokens
 
     def cache_blocks(
         self,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_MAX_TOKENS = 64
+GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 
 
 @dataclass(frozen=True)
@@ -58,5 +59,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when sampling reduces to argmax (temperature below 1e-5, as in vLLM: dividing
+        logits by a tinier temperature overflows, and the distribution is one-hot anyway)."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1

@@ -262,7 +262,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(ws.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             tokens = seq.all_token_ids
-            computed_blocks, num_computed = kv.get_computed_blocks(tokens)
+            computed_blocks, num_computed = kv.get_computed_blocks(tokens, count=False)
             num_new = len(tokens) - num_computed
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -272,6 +272,7 @@ class Scheduler:
             if result is None:
                 break
             self.waiting.popleft()
+            kv.record_prefix_query(len(tokens), num_computed)
             seq.status = SequenceStatus.RUNNING
             seq.worker_id = ws.spec.worker_id
             seq.num_computed_tokens = num_computed
@@ -342,8 +343,12 @@ class Scheduler:
         finished_requests: set[str] = set()
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
             seq = self.sequences.get(seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+            if (
+                seq is None
+                or seq.status is not SequenceStatus.RUNNING
+                or seq.worker_id != worker_id
+            ):
+                continue  # aborted, preempted or moved while the step ran
             seq.num_computed_tokens += num_new
             token = runner_out.sampled_token_ids.get(seq_id)
             if token is None:

@@ -116,4 +116,5 @@ def paged_attention(
         meta.seq_lens,
         scale,
         backend,
+        max_query_len=meta.max_query_len,  # no device->host sync per layer
     )

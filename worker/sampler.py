@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.scheduler.sampling_params import GREEDY_TEMPERATURE
+
 
 def derive_seed(seed: int, choice_index: int, output_index: int) -> int:
     """A 64-bit generator seed for output token ``output_index`` of choice ``choice_index``."""
@@ -59,7 +61,7 @@ class SamplingRow:
     @property
     def greedy(self) -> bool:
         """True when the row reduces to argmax."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def sorted_probs(
@@ -145,7 +147,7 @@ class Sampler:
             target = self._uniforms(specs).to(cdf.device).unsqueeze(1) * cdf[:, -1:]
             pick = torch.searchsorted(cdf, target, right=True)
             # Never step past the last kept token (u * total can round up to total).
-            last_kept = (probs > 0).sum(dim=-1, keepdim=True) - 1
+            last_kept = ((probs > 0).sum(dim=-1, keepdim=True) - 1).clamp_min(0)
             pick = torch.minimum(pick, last_kept)
             tokens[idx] = order.gather(1, pick).squeeze(1)
         return tokens.tolist()

@@ -11,6 +11,7 @@ so no time is spent on random initialization.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -49,7 +50,14 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | os.PathLike[str]) -> 
         FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
         ValueError: an unknown tensor name, a shape mismatch, or parameters left unloaded.
     """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    index = Path(model_dir) / "model.safetensors.index.json"
+    if index.is_file():
+        # Only the shards the index names: folders may ship other formats side by side
+        # (e.g. Mistral's consolidated.safetensors).
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [Path(model_dir) / n for n in names]
+    else:
+        files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
     params = dict(model.named_parameters())

@@ -176,3 +176,12 @@ def test_n_choices_are_separate_sequences():
     outs, _ = run(s, w)
     assert sorted(o.choice_index for o in outs if o.finish_reason) == [0, 1, 2]
     assert s.workers[0].kv.num_free_blocks == 16
+
+
+def test_prefix_stats_count_a_blocked_request_once():
+    s, w = make(num_blocks=4, block_size=4), FakeWorker()
+    s.add_request("a", [1] * 12, greedy(2), [EOS])  # takes 3 of 4 blocks (+1 to grow)
+    s.add_request("b", [2] * 12, greedy(2), [EOS])  # blocked at the head for a while
+    run(s, w)
+    st = s.stats()
+    assert st.prefix_cache_queries == 24
