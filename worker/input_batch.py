@@ -11,12 +11,71 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata
 from pagedserve.worker.sampler import SamplingRow
+
+
+class BlockTableRow:
+    """One sequence's block table on the worker: a growable int32 numpy buffer.
+
+    Appends are amortised O(1) (capacity doubling) and a step copies each row into the
+    batch's ``block_tables`` with one slice assignment, instead of converting Python lists
+    every step (the host cost then grows with blocks copied, not with Python objects; the
+    idea of vLLM v1's persistent ``BlockTable``).
+
+    Args:
+        block_ids: the initial table (physical block ids in logical order).
+    """
+
+    __slots__ = ("_buf", "_len")
+
+    def __init__(self, block_ids: Sequence[int] = ()) -> None:
+        self._len = len(block_ids)
+        self._buf = np.zeros(max(16, 2 * self._len), dtype=np.int32)
+        self._buf[: self._len] = block_ids
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockTableRow):
+            other = other.tolist()
+        return isinstance(other, list) and self.tolist() == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def assign(self, start: int, block_ids: Sequence[int]) -> None:
+        """``table[start:] = block_ids`` (start <= len; CoW replaces the last entry).
+
+        Raises:
+            ValueError: ``start`` is past the end of the table.
+        """
+        if not (0 <= start <= self._len):
+            raise ValueError(f"start {start} is outside the block table (len {self._len})")
+        end = start + len(block_ids)
+        if end > len(self._buf):
+            grown = np.zeros(max(2 * len(self._buf), end), dtype=np.int32)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        self._buf[start:end] = block_ids
+        self._len = end
+
+    def extend(self, block_ids: Sequence[int]) -> None:
+        """Append block ids."""
+        self.assign(self._len, block_ids)
+
+    def view(self, n: int | None = None) -> np.ndarray[Any, Any]:
+        """The first ``n`` (default all) entries, without copying."""
+        return self._buf[: self._len if n is None else min(n, self._len)]
+
+    def tolist(self) -> list[int]:
+        return [int(b) for b in self._buf[: self._len]]
 
 
 @dataclass
@@ -37,11 +96,15 @@ class RequestState:
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_ids: BlockTableRow
     num_computed_tokens: int
     sampling: SamplingParams
     choice_index: int
     seed: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_ids, BlockTableRow):
+            self.block_ids = BlockTableRow(self.block_ids)
 
     def sampling_row(self) -> SamplingRow:
         """The sampler spec for this sequence's next output token."""
@@ -121,20 +184,21 @@ def prepare_inputs(
         seq_lens.append(end)
         starts.append(start)
         token_ids.extend(state.token_ids[start:end])
-        tables.append(state.block_ids[:blocks])
+        tables.append(state.block_ids.view(blocks))
         total += n
         if end == len(state.token_ids):
             logits_rows.append(total - 1)
             sample_ids.append(state.req_id)
 
     width = max((len(t) for t in tables), default=0)
-    block_tables = torch.zeros((len(tables), max(width, 1)), dtype=torch.int32)
+    table_np = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
     for row, table in enumerate(tables):
-        block_tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    if block_tables.numel() and (
-        int(block_tables.min()) < 0 or int(block_tables.max()) >= num_blocks
-    ):
-        raise ValueError(f"block ids must be in [0, {num_blocks}); got {tables}")
+        table_np[row, : len(table)] = table
+    if table_np.size and (int(table_np.min()) < 0 or int(table_np.max()) >= num_blocks):
+        raise ValueError(
+            f"block ids must be in [0, {num_blocks}); got {[t.tolist() for t in tables]}"
+        )
+    block_tables = torch.from_numpy(table_np)
 
     q_lens = torch.tensor(query_lens, dtype=torch.int64)
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int64)

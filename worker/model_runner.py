@@ -29,7 +29,7 @@ from pagedserve.cluster.config import WorkerConfig
 from pagedserve.cluster.model_store import resolve_model
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.worker.arch import ModelArch
-from pagedserve.worker.input_batch import RequestState, prepare_inputs
+from pagedserve.worker.input_batch import BlockTableRow, RequestState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
@@ -138,7 +138,7 @@ class ModelRunner:
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
-                block_ids=list(new.block_ids),
+                block_ids=BlockTableRow(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
                 choice_index=new.choice_index,
@@ -152,7 +152,7 @@ class ModelRunner:
             if start < 0:
                 state.block_ids.extend(cached.new_block_ids)
             elif start <= len(state.block_ids):
-                state.block_ids[start:] = cached.new_block_ids  # CoW may replace the last
+                state.block_ids.assign(start, cached.new_block_ids)  # CoW may replace the last
             else:
                 raise ValueError(
                     f"request {cached.req_id!r}: new_blocks_start {start} is past its "
