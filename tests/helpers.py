@@ -303,3 +303,30 @@ class ScriptedWorker:
             if cr.req_id == rid:
                 return cr.num_computed_tokens
         raise AssertionError(rid)
+
+
+class CheckedKVCacheManager:
+    """Proxy over a KVCacheManager that runs ``check_integrity()`` after every method call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+
+        self.m = KVCacheManager(*args, **kwargs)
+        self.m.check_integrity()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.m, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.m.check_integrity()
+
+        return call
+
+    def used(self) -> int:
+        """Blocks not allocatable now (held by some block table)."""
+        return self.m.num_blocks - self.m.num_free_blocks

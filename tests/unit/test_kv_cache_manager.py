@@ -6,9 +6,8 @@ every call.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from helpers import CheckedKVCacheManager
 
 from pagedserve.scheduler.kv_cache_manager import (
     AllocationResult,
@@ -16,29 +15,7 @@ from pagedserve.scheduler.kv_cache_manager import (
     KVCacheManager,
 )
 
-
-class Checked:
-    """Proxy calling ``check_integrity()`` after every method call on the manager."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.m = KVCacheManager(*args, **kwargs)
-        self.m.check_integrity()
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.m, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.m.check_integrity()
-
-        return call
-
-    def used(self) -> int:
-        return self.m.num_blocks - self.m.num_free_blocks
+Checked = CheckedKVCacheManager
 
 
 def refs(m: Checked, block_ids) -> list[int]:

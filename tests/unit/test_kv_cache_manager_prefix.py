@@ -2,36 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from helpers import CheckedKVCacheManager
 
 from pagedserve.scheduler import block_hash
 from pagedserve.scheduler.kv_cache_manager import (
     AllocationResult,
-    KVCacheManager,
     PrefixCacheStats,
 )
 
-
-class Checked:
-    """Proxy calling ``check_integrity()`` after every method call on the manager."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.m = KVCacheManager(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self.m, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.m.check_integrity()
-
-        return call
+Checked = CheckedKVCacheManager
 
 
 def run_prompt(m: Checked, seq: str, tokens: list[int], salt: str | None = None) -> list[int]:
