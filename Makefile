@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/pagedserve/v1/*.pr
 setup: $(VENV)/.installed
 
 model: setup
-	$(PY) -m pagedserve.cluster.model_store --model default
+	$(PY) -m pagedserve.worker.model_store --model default
 
 serve: model
 	$(VENV)/bin/pagedserve serve
@@ -29,7 +29,8 @@ serve: model
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy cluster scheduler worker kernels
+	$(VENV)/bin/mypy cluster scheduler worker kernels sim
+	$(VENV)/bin/lint-imports
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

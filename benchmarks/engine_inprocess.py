@@ -18,10 +18,11 @@ import time
 from serving import PROMPTS
 from transformers import AutoTokenizer
 
-from pagedserve.cluster.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
-from pagedserve.cluster.model_store import resolve_model
+from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.worker import Worker
 
 
@@ -44,7 +45,8 @@ def main() -> None:
     )
     info = worker.get_info()
     sched = Scheduler(
-        SchedulerConfig(), [WorkerSpec(0, info.num_blocks, info.block_size)], info.max_model_len
+        SchedulerConfig(max_model_len=info.max_model_len),
+        [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     for i in range(args.num_requests):

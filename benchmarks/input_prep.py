@@ -14,7 +14,7 @@ import time
 import torch
 
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.worker.input_batch import RequestState, prepare_inputs
+from pagedserve.worker.input_batch import SequenceState, prepare_inputs
 
 
 def main(num_seqs: int = 256, block_size: int = 16, repeats: int = 10) -> None:
@@ -22,7 +22,7 @@ def main(num_seqs: int = 256, block_size: int = 16, repeats: int = 10) -> None:
     for ctx in (1024, 8192, 32768):
         nb = ctx // block_size
         states = [
-            RequestState(f"r{i}", list(range(ctx)), ctx - 1, list(range(i, i + nb)), ctx - 1,
+            SequenceState(f"r{i}", list(range(ctx)), ctx - 1, list(range(i, i + nb)), ctx - 1,
                          sampling, 0, 0)
             for i in range(num_seqs)
         ]  # fmt: skip

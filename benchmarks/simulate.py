@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from pagedserve.cluster import simulate_cmd
-from pagedserve.cluster.simulate_plots import plot_all
-from pagedserve.scheduler.simulator import SimConfig, simulate
+from pagedserve.sim import cli as sim_cli
+from pagedserve.sim.plots import plot_all
+from pagedserve.sim.simulator import SimConfig, simulate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -43,21 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     opts = ap.parse_args(argv)
 
     parser = argparse.ArgumentParser()
-    simulate_cmd.add_arguments(parser)
+    sim_cli.add_arguments(parser)
     args = parser.parse_args(
         ["--num-requests", str(opts.num_requests), "--seed", str(opts.seed),
          "--sweep-block-size", "1,2,4,8,16,32", "--plot", opts.out]
     )  # fmt: skip
     t0 = time.perf_counter()
-    out = simulate_cmd.compute(args)
-    workload = simulate_cmd.build_workload(args)
+    out = sim_cli.compute(args)
+    workload = sim_cli.build_workload(args)
     base = SimConfig(**out["config"])
     pow2 = simulate(
         workload, dataclasses.replace(base, allocator="contiguous", reserve="max_tokens")
     )
     wall = time.perf_counter() - t0
 
-    simulate_cmd.print_text(out)
+    sim_cli.print_text(out)
     paged = out["results"]["paged"].report
     contig = out["results"]["contiguous"].report
     r = out["ratios"]
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     results = dict(out["results"])
     results["contiguous_max_tokens"] = pow2
     plot_all(results, out["sweep"], opts.out, out["snapshot_step"], args.block_size, "simulate_")
-    payload = simulate_cmd.to_json(out)
+    payload = sim_cli.to_json(out)
     payload["results"]["contiguous_max_tokens"] = p2.to_dict()
-    payload["ratios_vs_max_tokens"] = simulate_cmd.ratios(paged, p2)
+    payload["ratios_vs_max_tokens"] = sim_cli.ratios(paged, p2)
     payload["targets"] = targets
     payload["wall_time_s"] = round(wall, 2)
     payload["python"] = platform.python_version()

@@ -93,11 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     cache_kwargs: dict[str, Any] = {"num_blocks": args.num_blocks}
     if args.kv_cache_memory is not None:
         cache_kwargs["kv_cache_memory"] = args.kv_cache_memory
-    cache = CacheConfig(
-        block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        **cache_kwargs,
-    )
+    cache = CacheConfig(block_size=args.block_size, **cache_kwargs)
     cpus = args.cpus_per_worker
     if cpus is None:
         cpus = max(1, (os.cpu_count() or 1) // args.workers)
@@ -105,7 +101,9 @@ def _serve(args: argparse.Namespace) -> int:
         model=ModelConfig(model=args.model, max_model_len=args.max_model_len),
         cache=cache,
         scheduler=SchedulerConfig(
-            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            enable_prefix_caching=not args.no_prefix_caching,
         ),
         server=ServerConfig(host=args.host, port=args.port),
         ray_address=args.address,
@@ -193,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_stats(sub)
     try:
-        from pagedserve.cluster import simulate_cmd
+        from pagedserve.sim import cli as simulate_cmd
     except ImportError:  # pragma: no cover - present in every install
         simulate_cmd = None  # type: ignore[assignment]
     if simulate_cmd is not None:
@@ -209,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in handlers:
             return handlers[args.command](args)
-        from pagedserve.cluster import simulate_cmd
+        from pagedserve.sim import cli as simulate_cmd
 
         return int(simulate_cmd.run(args))
     except grpc.RpcError as exc:

@@ -5,9 +5,10 @@ Runs in the driver process on a ``grpc.aio`` server next to the standard health 
 streaming call of the scheduler actor's ``generate``; a client that disconnects or calls
 ``Abort`` gets its request aborted and its KV blocks freed.
 
-Status codes: malformed requests -> INVALID_ARGUMENT; a request larger than any worker's KV
-pool -> RESOURCE_EXHAUSTED; a request id already in flight -> ALREADY_EXISTS; the cluster
-failing mid-request -> UNAVAILABLE / INTERNAL with a message.
+Status codes come from :mod:`pagedserve.scheduler.errors` (one lookup, ``err.status``):
+malformed requests -> INVALID_ARGUMENT; a request larger than any worker's KV pool ->
+RESOURCE_EXHAUSTED; a request id already in flight -> ALREADY_EXISTS; no live worker or an
+unreachable scheduler -> UNAVAILABLE; anything else -> INTERNAL with a message.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.scheduler.errors import (
+    ClusterUnavailable,
+    DuplicateRequest,
+    InvalidRequest,
+    RequestRejected,
+    ServingError,
+)
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import DEFAULT_MAX_TOKENS, SamplingParams
-from pagedserve.scheduler.scheduler import ClusterUnavailable, DuplicateRequest, RequestRejected
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -59,10 +66,6 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_kv_slots: int
-
-
-class InvalidRequest(ValueError):
-    """A request the frontend refuses with INVALID_ARGUMENT."""
 
 
 class PortUnavailable(RuntimeError):
@@ -215,24 +218,25 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return request_id, prompt, sampling
 
     # ------------------------------------------------------------------ RPCs
+    async def _abort_with(self, context: Any, err: ServingError) -> None:
+        """End the call with the error's own status (see pagedserve.scheduler.errors)."""
+        if isinstance(err, ClusterUnavailable):
+            await self._set_serving(False)
+        await context.abort(grpc.StatusCode[err.status], str(err))
+
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         try:
             request_id, prompt, sampling = await asyncio.to_thread(self._validate, request)
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            return
-        needed = len(prompt) + sampling.max_tokens  # per choice: choices can take turns
-        if needed > self._info.max_kv_slots:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"a sequence of this request needs up to {needed} KV slots; the largest "
-                f"worker pool holds {self._info.max_kv_slots}",
-            )
-            return
-        if request_id in self._in_flight:
-            await context.abort(
-                grpc.StatusCode.ALREADY_EXISTS, f"request_id {request_id!r} is in flight"
-            )
+            needed = len(prompt) + sampling.max_tokens  # per choice: choices can take turns
+            if needed > self._info.max_kv_slots:
+                raise RequestRejected(
+                    f"a sequence of this request needs up to {needed} KV slots; the largest "
+                    f"worker pool holds {self._info.max_kv_slots}"
+                )
+            if request_id in self._in_flight:
+                raise DuplicateRequest(f"request_id {request_id!r} is in flight")
+        except ServingError as exc:
+            await self._abort_with(context, exc)
             return
         self._in_flight.add(request_id)
         detoks = [
@@ -259,15 +263,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     break
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if hasattr(exc, "cause") else exc
-            if isinstance(cause, DuplicateRequest):
-                await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(cause))
-            elif isinstance(cause, ClusterUnavailable):
-                await self._set_serving(False)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(cause))
-            elif isinstance(cause, RequestRejected):
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(cause))
-            elif isinstance(cause, ValueError):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(cause))
+            if isinstance(cause, ServingError):
+                await self._abort_with(context, cause)
             else:
                 log.exception("request %s failed", request_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {cause!r}")
@@ -342,14 +339,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model=self._info.name,
             max_model_len=self._info.max_model_len,
         )
-        for wid, num_blocks, free, block_size, running, alive in st.workers:
+        for w in st.workers:
             resp.workers.add(
-                worker_id=wid,
-                num_blocks=num_blocks,
-                num_free_blocks=free,
-                block_size=block_size,
-                num_requests_running=running,
-                alive=alive,
+                worker_id=w.worker_id,
+                num_blocks=w.num_blocks,
+                num_free_blocks=w.num_free_blocks,
+                block_size=w.block_size,
+                num_requests_running=w.num_running,
+                alive=w.alive,
             )
         return resp
 

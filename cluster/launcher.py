@@ -1,8 +1,8 @@
 """Bring a pagedserve cluster up and down: Ray, worker actors, scheduler actor, frontend.
 
 Embedded mode (``ClusterConfig.ray_address is None``) starts a local Ray instance in the
-driver (``ray.init(address="local")``) with the loopback and auth settings measured in
-MACHINE-NOTES; otherwise the driver joins an existing cluster.
+driver (``ray.init(address="local")``) on loopback with token auth off (see ``RAY_ENV``);
+otherwise the driver joins an existing cluster.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from pagedserve.scheduler.scheduler import WorkerSpec
 
 log = logging.getLogger(__name__)
 
-# Environment for an embedded, loopback-only Ray (see MACHINE-NOTES "Ray 2.60 on one machine").
+# Environment for an embedded, loopback-only Ray: Ray advertises the interface address even
+# when told 127.0.0.1 unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0; 2.60 turns token auth on.
 RAY_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_AUTH_MODE": "disabled",
@@ -115,9 +116,9 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     import ray
     from transformers import AutoTokenizer
 
-    from pagedserve.cluster.model_store import resolve_model
     from pagedserve.scheduler.actor import SchedulerActor
     from pagedserve.worker.arch import ModelArch
+    from pagedserve.worker.model_store import resolve_model
     from pagedserve.worker.worker import Worker
 
     check_port_free(config.server.host, config.server.port)
@@ -144,16 +145,11 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
         max_model_len = min(i.max_model_len for i in infos)
         specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
+        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         scheduler = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000)
-            .remote(
-                config.scheduler,
-                workers,
-                specs,
-                max_model_len,
-                config.cache.enable_prefix_caching,
-            )
+            .remote(sched_cfg, workers, specs)
         )
         await scheduler.ready.remote()
         info = ModelInfo(

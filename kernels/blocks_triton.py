@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.common_triton import check_triton_device, next_pow2
+from pagedserve.kernels.common_triton import cdiv, check_triton_device, next_pow2
 
 
 @triton.jit
@@ -52,7 +52,7 @@ def copy_blocks(
     ptrs = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=device)
     block_elems = caches[0][0].numel()
     tile = min(2048, next_pow2(block_elems))
-    grid = (len(caches), num_pairs, triton.cdiv(block_elems, tile))
+    grid = (len(caches), num_pairs, cdiv(block_elems, tile))
     _copy_blocks_kernel[grid](
         ptrs,
         caches[0],

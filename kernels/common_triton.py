@@ -11,15 +11,24 @@ import functools
 import torch
 import triton
 
+from pagedserve.kernels._math import cdiv, next_pow2
+
+__all__ = [
+    "MAX_HEAD_DIM",
+    "cdiv",
+    "check_head_dim",
+    "check_triton_device",
+    "compute_in_fp32",
+    "dot_precision",
+    "interpreting",
+    "next_pow2",
+    "sm_count",
+]
+
 
 def interpreting() -> bool:
     """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return bool(triton.knobs.runtime.interpret)
-
-
-def next_pow2(n: int) -> int:
-    """Smallest power of two ``>= max(n, 1)``."""
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @functools.lru_cache(maxsize=16)

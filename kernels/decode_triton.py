@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.common_triton import (
+    cdiv,
     check_head_dim,
     check_triton_device,
     compute_in_fp32,
@@ -199,11 +200,11 @@ def choose_num_splits(
     work), never below one tile per split and never above ``max_splits``.
     ``tokens_per_split`` is a multiple of ``block_n``.
     """
-    n_tiles = max(1, triton.cdiv(max_seq_len, block_n))
-    wanted = triton.cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
+    n_tiles = max(1, cdiv(max_seq_len, block_n))
+    wanted = cdiv(2 * num_sms, max(1, num_seqs * num_kv_heads))
     splits = max(1, min(wanted, n_tiles, max_splits))
-    tiles_per_split = triton.cdiv(n_tiles, splits)
-    splits = triton.cdiv(n_tiles, tiles_per_split)
+    tiles_per_split = cdiv(n_tiles, splits)
+    splits = cdiv(n_tiles, tiles_per_split)
     return splits, tiles_per_split * block_n
 
 
@@ -254,7 +255,7 @@ def paged_decode_attention(
         )
     else:
         splits = max(1, min(int(num_splits), limit))
-        per_split = triton.cdiv(triton.cdiv(max(bound, 1), splits), block_n) * block_n
+        per_split = cdiv(cdiv(max(bound, 1), splits), block_n) * block_n
 
     if splits == 1:
         part_out = part_lse = out  # unused placeholders

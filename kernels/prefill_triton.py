@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.common_triton import (
+    cdiv,
     check_head_dim,
     check_triton_device,
     compute_in_fp32,
@@ -185,7 +186,7 @@ def paged_prefill_attention(
     block_m = max(block_m or cfg_m, next_pow2(group))
     block_n = block_n or cfg_n
     tokens_m = block_m // group
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, tokens_m))
+    grid = (num_seqs, num_kv_heads, cdiv(max_query_len, tokens_m))
     _prefill_kernel[grid](
         query,
         key_cache,

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels._math import cdiv
+
 # Up to this many KV heads the decode path multiplies against a block-diagonal query
 # (num_kv_heads x redundant FLOPs, but no transposes of the gathered K/V).
 _BLOCK_DIAG_MAX_KV_HEADS = 4
@@ -98,7 +100,7 @@ def paged_decode_attention(
     device = query.device
     lens = seq_lens.to(device=device, dtype=torch.int64)
     max_len = int(lens.max())
-    n_blk = max(1, -(-max_len // block_size))
+    n_blk = max(1, cdiv(max_len, block_size))
     ids = _clamp_blocks(block_tables[:, :n_blk].to(device), num_blocks).reshape(-1)
     length = n_blk * block_size
     row = block_size * num_kv_heads * head_dim
@@ -150,7 +152,7 @@ def _prefill_one(
     q_len, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = key_cache.shape
     group = num_heads // num_kv_heads
-    n_blk = -(-seq_len // block_size)
+    n_blk = cdiv(seq_len, block_size)
     ids = _clamp_blocks(table[:n_blk], num_blocks)
     k = _gather_tokens(key_cache, ids)[:seq_len].float()  # [L, Hkv, D]
     v = _gather_tokens(value_cache, ids)[:seq_len].float()

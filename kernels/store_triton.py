@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.kernels.common_triton import check_triton_device, next_pow2
+from pagedserve.kernels.common_triton import cdiv, check_triton_device, next_pow2
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def store_kv_cache(
         value = value.contiguous()
     row = num_kv_heads * head_dim
     tile = tile or min(1024, next_pow2(row))
-    grid = (num_tokens, triton.cdiv(row, tile))
+    grid = (num_tokens, cdiv(row, tile))
     _store_kv_kernel[grid](
         key,
         value,

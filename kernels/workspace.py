@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels._math import next_pow2
+
 __all__ = ["DecodeWorkspace"]
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 class DecodeWorkspace:
@@ -39,7 +37,7 @@ class DecodeWorkspace:
         self.num_heads = int(num_heads)
         self.head_dim = int(head_dim)
         self.max_splits = int(max_splits)
-        dim_pad = max(16, _next_pow2(head_dim))
+        dim_pad = max(16, next_pow2(head_dim))
         self.part_out = torch.empty(
             max_num_seqs, num_heads, max_splits, dim_pad, dtype=torch.float32, device=device
         )

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
@@ -31,11 +31,9 @@ class SchedulerActor:
     """Ray actor wrapping :class:`Scheduler` (create with ``ray.remote(num_cpus=0)``).
 
     Args:
-        config: scheduler policy.
+        config: scheduler policy, with ``max_model_len`` set.
         workers: Ray actor handles of the workers, index = worker id.
         specs: the KV pool of each worker (from the workers' ``get_info``).
-        max_model_len: longest sequence, tokens.
-        enable_prefix_caching: share full prompt blocks across requests.
         probe_interval_s: how often idle workers are pinged (seconds).
     """
 
@@ -44,12 +42,10 @@ class SchedulerActor:
         config: SchedulerConfig,
         workers: list[Any],
         specs: list[WorkerSpec],
-        max_model_len: int,
-        enable_prefix_caching: bool = True,
         probe_interval_s: float = 2.0,
     ) -> None:
         self._probe_interval_s = probe_interval_s
-        self._scheduler = Scheduler(config, specs, max_model_len, enable_prefix_caching)
+        self._scheduler = Scheduler(config, specs)
         self._workers = workers
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
         self._wakeups: dict[int, asyncio.Event] = {}
@@ -81,7 +77,8 @@ class SchedulerActor:
         request is aborted (its blocks are freed).
 
         Raises:
-            ValueError / RequestRejected: from :meth:`Scheduler.add_request`, before any item.
+            ServingError: from :meth:`Scheduler.add_request` (InvalidRequest,
+                RequestRejected, DuplicateRequest, ClusterUnavailable), before any item.
         """
         await self.ready()
         queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()

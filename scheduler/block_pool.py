@@ -24,10 +24,7 @@ from collections.abc import Iterator, Sequence
 
 from pagedserve.scheduler import block_hash as _bh
 from pagedserve.scheduler.block_hash import BlockHash
-
-
-class IntegrityError(AssertionError):
-    """The block manager's bookkeeping is inconsistent (a bug, never a user error)."""
+from pagedserve.scheduler.errors import IntegrityError
 
 
 class Block:

@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 from pagedserve.scheduler import block_hash as _bh
 from pagedserve.scheduler.block_hash import BlockHash, extra_keys_for_block
-from pagedserve.scheduler.block_pool import Block, BlockPool, IntegrityError
+from pagedserve.scheduler.block_pool import Block, BlockPool
+from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.kv_cache_types import AllocationResult, PrefixCacheStats
 
 __all__ = ["AllocationResult", "IntegrityError", "KVCacheManager", "PrefixCacheStats"]

@@ -2,9 +2,16 @@
 
 One :class:`SchedulerOutput` per worker per step says what to run; the worker answers with a
 :class:`RunnerOutput`. Both are plain frozen dataclasses (Ray pickles them). They carry
-deltas: a request's full token list and block table travel once (``NewRequestData``), after
-that only newly allocated block ids and the step's token count (``CachedRequestData``); the
-worker keeps the rest. This follows vLLM v1's ``SchedulerOutput`` design.
+deltas: a sequence's full token list and block table travel once (``NewSequenceData``),
+after that only its block-table delta and computed-token count (``CachedSequenceData``);
+the worker keeps the rest. This follows vLLM v1's ``SchedulerOutput`` design.
+
+The unit the worker sees is a *sequence*: one choice of a client request, named by its
+``seq_id`` (``f"{request_id}/{choice_index}"``) in every field below and on the worker.
+
+Block-table deltas have one encoding: ``block_table[new_blocks_start:] = new_block_ids``.
+``new_blocks_start`` equals the table's length for a plain append and is one less when
+copy-on-write replaced the last block (its contents arrive through ``blocks_to_copy``).
 """
 
 from __future__ import annotations
@@ -15,11 +22,11 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
-class NewRequestData:
-    """A request the worker has not seen yet (first schedule, or resumed after preemption).
+class NewSequenceData:
+    """A sequence the worker does not hold (first schedule, or resumed after preemption).
 
     Attributes:
-        req_id: scheduler-wide unique id of this sequence (one per choice).
+        seq_id: scheduler-wide unique id of this sequence.
         token_ids: every token known so far: prompt, plus outputs when resumed after a
             recompute preemption.
         num_prompt_tokens: length of the prompt part of ``token_ids``.
@@ -29,7 +36,7 @@ class NewRequestData:
         choice_index: which choice of its parent request this sequence is (seeds sampling).
     """
 
-    req_id: str
+    seq_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
@@ -39,23 +46,21 @@ class NewRequestData:
 
 
 @dataclass(frozen=True)
-class CachedRequestData:
-    """A request the worker already holds; only what changed since its last step.
+class CachedSequenceData:
+    """A sequence the worker already holds; only what changed since its last step.
 
     Attributes:
-        req_id: sequence id.
+        seq_id: sequence id.
+        new_blocks_start: logical block index of ``new_block_ids[0]`` (see the module
+            docstring; with no new blocks it is the table's length).
         new_block_ids: block ids written into the block table since the last step.
         num_computed_tokens: tokens with K/V in the cache before this step.
-        new_blocks_start: logical index of ``new_block_ids[0]``; the worker applies
-            ``block_table[new_blocks_start:] = new_block_ids``. It equals the table's
-            length for a plain append and is one less when copy-on-write replaced the
-            last block (its contents arrive through ``blocks_to_copy``); -1 means append.
     """
 
-    req_id: str
+    seq_id: str
+    new_blocks_start: int
     new_block_ids: list[int]
     num_computed_tokens: int
-    new_blocks_start: int = -1
 
 
 @dataclass(frozen=True)
@@ -64,21 +69,22 @@ class SchedulerOutput:
 
     Attributes:
         step_id: monotonically increasing step counter (per worker).
-        new_requests: requests sent in full.
-        cached_requests: requests the worker holds, with their deltas.
-        num_scheduled_tokens: req_id -> tokens to compute this step (prefill chunk size, or
-            1 for decode). Every scheduled request appears here; the order of this dict is
+        new_seqs: sequences sent in full.
+        cached_seqs: sequences the worker holds, with their deltas.
+        num_scheduled_tokens: seq_id -> tokens to compute this step (prefill chunk size, or
+            1 for decode). Every scheduled sequence appears here; the order of this dict is
             the batch order.
-        finished_req_ids: requests to forget (finished, aborted or preempted) before running.
+        finished_seq_ids: sequences to forget (finished, aborted or preempted) before
+            running.
         blocks_to_copy: (src, dst) physical block pairs to copy before running
             (copy-on-write).
     """
 
     step_id: int
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    cached_seqs: list[CachedSequenceData] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    finished_req_ids: list[str] = field(default_factory=list)
+    finished_seq_ids: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
 
     @property
@@ -87,7 +93,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens and not self.finished_req_ids
+        return not self.num_scheduled_tokens and not self.finished_seq_ids
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class RunnerOutput:
 
     Attributes:
         step_id: the step answered.
-        sampled_token_ids: req_id -> token sampled this step, only for requests whose
+        sampled_token_ids: seq_id -> token sampled this step, only for sequences whose
             prompt is fully computed after the step (a partial prefill chunk samples nothing).
         execute_time_s: wall time of the model step on the worker, seconds.
     """

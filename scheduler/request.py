@@ -40,9 +40,6 @@ class Sequence:
         num_computed_tokens: tokens whose K/V are in the cache.
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         worker_id: the worker holding the sequence's KV blocks (None while waiting).
-        on_worker: the worker holds the sequence's state (sent as NewRequestData).
-        new_block_ids: block ids allocated since the last SchedulerOutput.
-        new_blocks_start: logical block index where ``new_block_ids`` start.
         num_preemptions: how often this sequence was preempted.
     """
 
@@ -60,9 +57,6 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     worker_id: int | None = None
-    on_worker: bool = False
-    new_block_ids: list[int] = field(default_factory=list)
-    new_blocks_start: int = 0
     num_preemptions: int = 0
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 

@@ -28,28 +28,23 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import (
+    ClusterUnavailable,
+    DuplicateRequest,
+    IntegrityError,
+    InvalidRequest,
+    RequestRejected,
+)
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.outputs import (
-    CachedRequestData,
-    NewRequestData,
+    CachedSequenceData,
+    NewSequenceData,
     RunnerOutput,
     SchedulerOutput,
 )
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
-
-
-class RequestRejected(ValueError):
-    """A request that can never be served (e.g. needs more KV blocks than a worker has)."""
-
-
-class DuplicateRequest(ValueError):
-    """A request id that is already in flight."""
-
-
-class ClusterUnavailable(RuntimeError):
-    """No worker is alive to serve the request."""
 
 
 @dataclass(frozen=True)
@@ -69,23 +64,59 @@ class WorkerSpec:
 
 @dataclass
 class _WorkerState:
+    """The scheduler's view of one worker.
+
+    ``resident`` holds the ids of the sequences whose state the worker keeps (sent once as
+    :class:`NewSequenceData`, until they appear in ``finished_seq_ids``).
+    """
+
     spec: WorkerSpec
     kv: KVCacheManager
     running: list[Sequence] = field(default_factory=list)
+    resident: set[str] = field(default_factory=set)
     pending_finished: list[str] = field(default_factory=list)
     next_step_id: int = 0
     alive: bool = True
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    """A snapshot of one worker's pool and batch.
+
+    Attributes:
+        worker_id: the worker's index.
+        num_blocks: physical KV blocks in its pool.
+        num_free_blocks: blocks not held by any sequence (cached-evictable included).
+        block_size: tokens per block.
+        num_running: sequences in its running batch.
+        alive: False once the worker was taken out of service.
+    """
+
+    worker_id: int
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    num_running: int
+    alive: bool
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
-    """A snapshot of the scheduler (counts; ``kv_usage`` is a fraction in [0, 1])."""
+    """A snapshot of the scheduler (counts; prefix-cache figures in tokens).
+
+    Attributes:
+        num_running: running sequences, all workers.
+        num_waiting: sequences in the waiting queue (new or preempted).
+        num_preemptions: preemptions since start.
+        workers: one :class:`WorkerStats` per worker, by worker id.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache.
+        prefix_cache_hits: of those, tokens found cached.
+    """
 
     num_running: int
     num_waiting: int
     num_preemptions: int
-    # per worker: (id, num_blocks, num_free_blocks, block_size, num_running, alive)
-    workers: tuple[tuple[int, int, int, int, int, bool], ...]
+    workers: tuple[WorkerStats, ...]
     prefix_cache_queries: int
     prefix_cache_hits: int
 
@@ -94,27 +125,23 @@ class Scheduler:
     """Owns every sequence and every worker's block metadata; decides what runs each step.
 
     Args:
-        config: token budget and batch limits.
+        config: token budget, batch limits, prefix caching and ``max_model_len`` (which
+            must be set).
         workers: one spec per worker (the size of its KV pool).
-        max_model_len: longest sequence (prompt + output), tokens.
-        enable_prefix_caching: share full prompt blocks across requests.
 
     Raises:
-        ValueError: when no workers are given.
+        ValueError: when no workers are given or ``config.max_model_len`` is unset.
     """
 
-    def __init__(
-        self,
-        config: SchedulerConfig,
-        workers: Iterable[WorkerSpec],
-        max_model_len: int,
-        enable_prefix_caching: bool = True,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig, workers: Iterable[WorkerSpec]) -> None:
+        if config.max_model_len is None:
+            raise ValueError("SchedulerConfig.max_model_len must be set for a Scheduler")
         self.config = config
-        self.max_model_len = max_model_len
+        self.max_model_len: int = config.max_model_len
         self.workers: dict[int, _WorkerState] = {
             w.worker_id: _WorkerState(
-                spec=w, kv=KVCacheManager(w.num_blocks, w.block_size, enable_prefix_caching)
+                spec=w,
+                kv=KVCacheManager(w.num_blocks, w.block_size, config.enable_prefix_caching),
             )
             for w in workers
         }
@@ -138,7 +165,8 @@ class Scheduler:
 
         Raises:
             DuplicateRequest: the request id is in flight.
-            ValueError: empty prompt, or prompt + max_tokens longer than ``max_model_len``.
+            InvalidRequest: empty prompt, or prompt + max_tokens longer than
+                ``max_model_len``.
             RequestRejected: one choice at its longest needs more slots than the largest
                 live worker pool holds (it could never finish, even alone).
             ClusterUnavailable: no worker is alive.
@@ -146,10 +174,10 @@ class Scheduler:
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise InvalidRequest("the prompt is empty")
         prompt_len = len(prompt_token_ids)
         if prompt_len + sampling.max_tokens > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
@@ -223,6 +251,9 @@ class Scheduler:
         kv = ws.kv
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        # Per-step staging (vLLM's req_to_new_blocks): seq_id -> (new_blocks_start,
+        # new_block_ids) of the block-table delta allocated in this step.
+        new_blocks: dict[str, tuple[int, list[int]]] = {}
         blocks_to_copy: list[tuple[int, int]] = []
         preempted = False
 
@@ -230,9 +261,13 @@ class Scheduler:
         while idx < len(ws.running) and budget > 0:
             seq = ws.running[idx]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0:  # cannot happen for a running sequence; be safe
-                idx += 1
-                continue
+            if num_new <= 0:
+                # A running sequence always has its sampled token left to compute: update()
+                # appends a token whenever the prompt is done, and finishes it otherwise.
+                raise IntegrityError(
+                    f"running sequence {seq.seq_id!r} has nothing to compute "
+                    f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
+                )
             while True:
                 result = kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
                 if result is not None:
@@ -244,8 +279,7 @@ class Scheduler:
                     break
             if result is None:  # the sequence preempted itself
                 break
-            seq.new_block_ids = list(result.new_block_ids)
-            seq.new_blocks_start = result.start_index
+            new_blocks[seq.seq_id] = (result.start_index, list(result.new_block_ids))
             blocks_to_copy.extend(result.blocks_to_copy)
             num_scheduled[seq.seq_id] = num_new
             budget -= num_new
@@ -254,8 +288,7 @@ class Scheduler:
         if not preempted:
             budget = self._admit(ws, budget, num_scheduled)
 
-        out = self._build_output(ws, num_scheduled, blocks_to_copy)
-        return out
+        return self._build_output(ws, num_scheduled, new_blocks, blocks_to_copy)
 
     def _admit(self, ws: _WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
         kv = ws.kv
@@ -278,8 +311,6 @@ class Scheduler:
             seq.num_computed_tokens = num_computed
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
-            seq.on_worker = False
-            seq.new_block_ids = []
             ws.running.append(seq)
             num_scheduled[seq.seq_id] = num_new
             budget -= num_new
@@ -289,16 +320,17 @@ class Scheduler:
         self,
         ws: _WorkerState,
         num_scheduled: dict[str, int],
+        new_blocks: dict[str, tuple[int, list[int]]],
         blocks_to_copy: list[tuple[int, int]],
     ) -> SchedulerOutput:
-        new_reqs: list[NewRequestData] = []
-        cached: list[CachedRequestData] = []
+        new_seqs: list[NewSequenceData] = []
+        cached: list[CachedSequenceData] = []
         for seq_id in num_scheduled:
             seq = self.sequences[seq_id]
-            if not seq.on_worker:
-                new_reqs.append(
-                    NewRequestData(
-                        req_id=seq.seq_id,
+            if seq_id not in ws.resident:
+                new_seqs.append(
+                    NewSequenceData(
+                        seq_id=seq.seq_id,
                         token_ids=list(seq.all_token_ids),
                         num_prompt_tokens=seq.num_prompt_tokens,
                         block_ids=list(ws.kv.get_block_ids(seq.seq_id)),
@@ -307,23 +339,23 @@ class Scheduler:
                         choice_index=seq.choice_index,
                     )
                 )
-                seq.on_worker = True
+                ws.resident.add(seq_id)
             else:
+                start, block_ids = new_blocks[seq_id]
                 cached.append(
-                    CachedRequestData(
-                        req_id=seq.seq_id,
-                        new_block_ids=seq.new_block_ids,
+                    CachedSequenceData(
+                        seq_id=seq.seq_id,
+                        new_blocks_start=start,
+                        new_block_ids=block_ids,
                         num_computed_tokens=seq.num_computed_tokens,
-                        new_blocks_start=seq.new_blocks_start,
                     )
                 )
-            seq.new_block_ids = []
         out = SchedulerOutput(
             step_id=ws.next_step_id,
-            new_requests=new_reqs,
-            cached_requests=cached,
+            new_seqs=new_seqs,
+            cached_seqs=cached,
             num_scheduled_tokens=num_scheduled,
-            finished_req_ids=ws.pending_finished,
+            finished_seq_ids=ws.pending_finished,
             blocks_to_copy=blocks_to_copy,
         )
         ws.pending_finished = []
@@ -368,24 +400,28 @@ class Scheduler:
     # ------------------------------------------------------------------ internals
     def _preempt(self, ws: _WorkerState, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, drop worker state, requeue at the front."""
-        ws.running.remove(seq)
-        ws.kv.free(seq.seq_id)
-        ws.pending_finished.append(seq.seq_id)
+        self._release(ws, seq)
         seq.status = SequenceStatus.WAITING
         seq.worker_id = None
-        seq.on_worker = False
         seq.num_computed_tokens = 0
-        seq.new_block_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    @staticmethod
+    def _release(ws: _WorkerState, seq: Sequence) -> None:
+        """Take a running sequence off its worker: batch, blocks, and worker state."""
+        ws.running.remove(seq)
+        ws.kv.free(seq.seq_id)
+        if seq.seq_id in ws.resident:
+            ws.resident.discard(seq.seq_id)
+            ws.pending_finished.append(seq.seq_id)
+
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SequenceStatus.RUNNING:
-            ws = self.workers[seq.worker_id]  # type: ignore[index]
-            ws.running.remove(seq)
-            ws.kv.free(seq.seq_id)
-            ws.pending_finished.append(seq.seq_id)
+            if seq.worker_id is None:
+                raise IntegrityError(f"running sequence {seq.seq_id!r} has no worker")
+            self._release(self.workers[seq.worker_id], seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -415,13 +451,13 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
         workers = tuple(
-            (
-                wid,
-                ws.spec.num_blocks,
-                ws.kv.num_free_blocks,
-                ws.spec.block_size,
-                len(ws.running),
-                ws.alive,
+            WorkerStats(
+                worker_id=wid,
+                num_blocks=ws.spec.num_blocks,
+                num_free_blocks=ws.kv.num_free_blocks,
+                block_size=ws.spec.block_size,
+                num_running=len(ws.running),
+                alive=ws.alive,
             )
             for wid, ws in sorted(self.workers.items())
         )
@@ -452,6 +488,7 @@ class Scheduler:
         for seq in reversed(list(ws.running)):
             self._preempt(ws, seq)
         ws.pending_finished.clear()  # nobody to tell
+        ws.resident.clear()
         outputs: list[SequenceOutput] = []
         if not any(w.alive for w in self.workers.values()):
             for request_id in list(self.requests):
@@ -461,7 +498,7 @@ class Scheduler:
     def fail_step(self, worker_id: int, sched_out: SchedulerOutput) -> list[SequenceOutput]:
         """A live worker raised on a step: abort the requests that were in it.
 
-        The worker drops them at its next step (``finished_req_ids``). Returns their final
+        The worker drops them at its next step (``finished_seq_ids``). Returns their final
         deltas (reason ABORT).
         """
         outputs: list[SequenceOutput] = []

@@ -21,7 +21,7 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model folder (SmolLM2-135M-Instruct), fetched into the cache if needed."""
-    from pagedserve.cluster.model_store import resolve_model
+    from pagedserve.worker.model_store import resolve_model
 
     try:
         return resolve_model("default", progress=False)

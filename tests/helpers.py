@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedserve.scheduler.outputs import (
-    CachedRequestData,
-    NewRequestData,
+    CachedSequenceData,
+    NewSequenceData,
     RunnerOutput,
     SchedulerOutput,
 )
@@ -113,7 +113,7 @@ def build_tiny_model(
 
 @dataclass
 class _Seq:
-    req_id: str
+    seq_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     max_tokens: int
@@ -131,7 +131,7 @@ class FakeScheduler:
     prefill continues with a chunk of at most the remaining budget), then waiting ones
     are admitted in order while budget and ``max_num_seqs`` allow. Blocks come from a
     shuffled free list; finished sequences return theirs (so later ones reuse dirty
-    blocks) and are reported in the next step's ``finished_req_ids``.
+    blocks) and are reported in the next step's ``finished_seq_ids``.
     """
 
     def __init__(
@@ -194,13 +194,16 @@ class FakeScheduler:
                     if not seq.sent:
                         skipped.append(seq)
                     continue
+                start = len(seq.block_ids)
                 new_blocks = self._alloc(seq, seq.num_computed + n)
                 if seq.sent:
-                    cached.append(CachedRequestData(seq.req_id, new_blocks, seq.num_computed))
+                    cached.append(
+                        CachedSequenceData(seq.seq_id, start, new_blocks, seq.num_computed)
+                    )
                 else:
                     new.append(
-                        NewRequestData(
-                            seq.req_id,
+                        NewSequenceData(
+                            seq.seq_id,
                             list(seq.token_ids),
                             seq.num_prompt_tokens,
                             list(seq.block_ids),
@@ -210,7 +213,7 @@ class FakeScheduler:
                     )
                     seq.sent = True
                     running.append(seq)
-                counts[seq.req_id] = n
+                counts[seq.seq_id] = n
                 budget -= n
             waiting.extendleft(reversed(skipped))
             so = SchedulerOutput(self.step_id, new, cached, counts, finished)
@@ -220,10 +223,10 @@ class FakeScheduler:
             self.outputs.append(out)
             finished = []
             for seq in list(running):
-                if seq.req_id not in counts:
+                if seq.seq_id not in counts:
                     continue
-                seq.num_computed += counts[seq.req_id]
-                token = out.sampled_token_ids.get(seq.req_id)
+                seq.num_computed += counts[seq.seq_id]
+                token = out.sampled_token_ids.get(seq.seq_id)
                 if token is None:
                     continue
                 seq.token_ids.append(token)
@@ -231,9 +234,9 @@ class FakeScheduler:
                 if len(seq.outputs) >= seq.max_tokens:
                     running.remove(seq)
                     self.free_blocks.extend(seq.block_ids)
-                    finished.append(seq.req_id)
+                    finished.append(seq.seq_id)
         if finished:
-            self.worker.execute_model(SchedulerOutput(self.step_id, finished_req_ids=finished))
+            self.worker.execute_model(SchedulerOutput(self.step_id, finished_seq_ids=finished))
             self.step_id += 1
         return [s.outputs for s in seqs]
 
@@ -272,16 +275,16 @@ class ScriptedWorker:
         self.script = script or {}
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        for rid in so.finished_req_ids:
+        for rid in so.finished_seq_ids:
             self.tables.pop(rid, None)
             self.tokens.pop(rid, None)
-        for nr in so.new_requests:
-            self.tables[nr.req_id] = list(nr.block_ids)
-            self.tokens[nr.req_id] = list(nr.token_ids)
-        for cr in so.cached_requests:
-            table = self.tables[cr.req_id]
-            start = len(table) if cr.new_blocks_start < 0 else cr.new_blocks_start
-            table[start:] = cr.new_block_ids
+        for nr in so.new_seqs:
+            self.tables[nr.seq_id] = list(nr.block_ids)
+            self.tokens[nr.seq_id] = list(nr.token_ids)
+        for cr in so.cached_seqs:
+            table = self.tables[cr.seq_id]
+            assert 0 <= cr.new_blocks_start <= len(table)
+            table[cr.new_blocks_start :] = cr.new_block_ids
         sampled = {}
         for rid, n in so.num_scheduled_tokens.items():
             computed = self._computed(so, rid)
@@ -296,11 +299,11 @@ class ScriptedWorker:
 
     @staticmethod
     def _computed(so: SchedulerOutput, rid: str) -> int:
-        for nr in so.new_requests:
-            if nr.req_id == rid:
+        for nr in so.new_seqs:
+            if nr.seq_id == rid:
                 return nr.num_computed_tokens
-        for cr in so.cached_requests:
-            if cr.req_id == rid:
+        for cr in so.cached_seqs:
+            if cr.seq_id == rid:
                 return cr.num_computed_tokens
         raise AssertionError(rid)
 

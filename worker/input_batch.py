@@ -1,10 +1,10 @@
-"""Per-request worker state and the flattening of one step into model inputs.
+"""Per-sequence worker state and the flattening of one step into model inputs.
 
-The worker keeps, for every request the scheduler has sent it, the full token list, the
+The worker keeps, for every sequence the scheduler has sent it, the full token list, the
 block table and the number of tokens whose K/V are cached (vLLM v1 keeps the same
 "persistent batch" state on its workers so the scheduler only sends deltas).
 :func:`prepare_inputs` turns the scheduled chunks ``[num_computed, num_computed + n)`` of
-a list of requests into the flat tensors the model and the paged kernels take.
+a list of sequences into the flat tensors the model and the paged kernels take.
 """
 
 from __future__ import annotations
@@ -79,11 +79,11 @@ class BlockTableRow:
 
 
 @dataclass
-class RequestState:
+class SequenceState:
     """What a worker remembers about one sequence between steps (mutable).
 
     Attributes:
-        req_id: sequence id.
+        seq_id: sequence id.
         token_ids: prompt + outputs known to the worker (it appends what it samples).
         num_prompt_tokens: length of the prompt part of ``token_ids``.
         block_ids: block table (physical block ids in logical order).
@@ -93,7 +93,7 @@ class RequestState:
         seed: sampling seed (the user's, or drawn once by the worker).
     """
 
-    req_id: str
+    seq_id: str
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: BlockTableRow
@@ -128,18 +128,18 @@ class ModelInputs:
         attn_metadata: slots, block tables and lengths for the paged kernels.
         logits_indices: int64 ``[num_samples]`` rows (last token of a chunk) whose logits
             are sampled: the chunks that complete their sequence's known tokens.
-        sample_req_ids: the requests those rows belong to, same order.
+        sample_seq_ids: the sequences those rows belong to, same order.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor
-    sample_req_ids: tuple[str, ...]
+    sample_seq_ids: tuple[str, ...]
 
 
 def prepare_inputs(
-    scheduled: Sequence[tuple[RequestState, int]],
+    scheduled: Sequence[tuple[SequenceState, int]],
     block_size: int,
     num_blocks: int,
     device: torch.device,
@@ -147,14 +147,14 @@ def prepare_inputs(
     """Flatten scheduled chunks into model inputs.
 
     Args:
-        scheduled: ``(state, n)`` pairs in batch order; the chunk of each request is
+        scheduled: ``(state, n)`` pairs in batch order; the chunk of each sequence is
             tokens ``[state.num_computed_tokens, state.num_computed_tokens + n)``.
         block_size: tokens per KV block.
         num_blocks: pool size, to reject out-of-range block ids.
         device: where the tensors go.
 
     Returns:
-        :class:`ModelInputs`; slot of token at position p of a request is
+        :class:`ModelInputs`; slot of token at position p of a sequence is
         ``block_ids[p // block_size] * block_size + p % block_size``.
 
     Raises:
@@ -168,16 +168,16 @@ def prepare_inputs(
     for state, n in scheduled:
         start, end = state.num_computed_tokens, state.num_computed_tokens + n
         if n < 1:
-            raise ValueError(f"request {state.req_id}: scheduled {n} tokens (must be >= 1)")
+            raise ValueError(f"sequence {state.seq_id}: scheduled {n} tokens (must be >= 1)")
         if end > len(state.token_ids):
             raise ValueError(
-                f"request {state.req_id}: chunk [{start}, {end}) is past its "
+                f"sequence {state.seq_id}: chunk [{start}, {end}) is past its "
                 f"{len(state.token_ids)} known tokens"
             )
         blocks = -(-end // block_size)
         if len(state.block_ids) < blocks:
             raise ValueError(
-                f"request {state.req_id}: {end} tokens need {blocks} blocks, block table "
+                f"sequence {state.seq_id}: {end} tokens need {blocks} blocks, block table "
                 f"has {len(state.block_ids)}"
             )
         query_lens.append(n)
@@ -188,7 +188,7 @@ def prepare_inputs(
         total += n
         if end == len(state.token_ids):
             logits_rows.append(total - 1)
-            sample_ids.append(state.req_id)
+            sample_ids.append(state.seq_id)
 
     width = max((len(t) for t in tables), default=0)
     table_np = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
@@ -204,7 +204,7 @@ def prepare_inputs(
     cu_seqlens_q = torch.zeros(len(query_lens) + 1, dtype=torch.int64)
     torch.cumsum(q_lens, 0, out=cu_seqlens_q[1:])
     seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-    # position = start of the request's chunk + offset of the token inside the chunk
+    # position = start of the sequence's chunk + offset of the token inside the chunk
     offset_in_chunk = torch.arange(total) - cu_seqlens_q[:-1].repeat_interleave(q_lens)
     positions = torch.tensor(starts, dtype=torch.int64).repeat_interleave(q_lens)
     positions += offset_in_chunk
@@ -223,5 +223,5 @@ def prepare_inputs(
         positions=positions.to(device),
         attn_metadata=meta,
         logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(device),
-        sample_req_ids=tuple(sample_ids),
+        sample_seq_ids=tuple(sample_ids),
     )

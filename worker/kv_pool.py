@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.cluster.config import CacheConfig
 from pagedserve.worker.arch import ModelArch
+from pagedserve.worker.config import CacheConfig
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:

@@ -2,13 +2,13 @@
 
 Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 
-1. forget ``finished_req_ids`` (finished, aborted or preempted);
-2. add ``new_requests`` with their full token lists and block tables;
-3. apply ``cached_requests`` deltas (appended block ids, num_computed_tokens);
+1. forget ``finished_seq_ids`` (finished, aborted or preempted);
+2. add ``new_seqs`` with their full token lists and block tables;
+3. apply ``cached_seqs`` deltas (appended block ids, num_computed_tokens);
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
-5. flatten the chunks ``[num_computed, num_computed + n)`` of the requests in
+5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
-6. sample for the requests whose known tokens are all computed after the step, append
+6. sample for the sequences whose known tokens are all computed after the step, append
    the sampled token to the worker's copy of their token list, advance
    ``num_computed_tokens`` by the chunk, and return the tokens.
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import kernels
-from pagedserve.cluster.config import WorkerConfig
-from pagedserve.cluster.model_store import resolve_model
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.worker.arch import ModelArch
-from pagedserve.worker.input_batch import BlockTableRow, RequestState, prepare_inputs
+from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
 
@@ -81,7 +81,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    """Holds the model, the KV pool and per-request state of one worker.
+    """Holds the model, the KV pool and per-sequence state of one worker.
 
     Args:
         config: the worker's configuration (model, cache, device, threads, backend).
@@ -112,7 +112,7 @@ class ModelRunner:
         )
         self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
         self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
+        self.seqs: dict[str, SequenceState] = {}
 
     def get_info(self) -> WorkerInfo:
         """Static facts about this worker (see :class:`WorkerInfo`)."""
@@ -129,13 +129,13 @@ class ModelRunner:
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        """Steps 1-3 of the module docstring. Raises ValueError for unknown requests."""
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for new in so.new_requests:
+        """Steps 1-3 of the module docstring. Raises ValueError for unknown sequences."""
+        for seq_id in so.finished_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in so.new_seqs:
             seed = new.sampling.seed
-            self.requests[new.req_id] = RequestState(
-                req_id=new.req_id,
+            self.seqs[new.seq_id] = SequenceState(
+                seq_id=new.seq_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 block_ids=BlockTableRow(new.block_ids),
@@ -144,24 +144,22 @@ class ModelRunner:
                 choice_index=new.choice_index,
                 seed=secrets.randbits(63) if seed is None else seed,
             )
-        for cached in so.cached_requests:
-            state = self.requests.get(cached.req_id)
+        for cached in so.cached_seqs:
+            state = self.seqs.get(cached.seq_id)
             if state is None:
-                raise ValueError(f"cached request {cached.req_id!r} is unknown to this worker")
+                raise ValueError(f"cached sequence {cached.seq_id!r} is unknown to this worker")
             start = cached.new_blocks_start
-            if start < 0:
-                state.block_ids.extend(cached.new_block_ids)
-            elif start <= len(state.block_ids):
-                state.block_ids.assign(start, cached.new_block_ids)  # CoW may replace the last
-            else:
+            if not (0 <= start <= len(state.block_ids)):
                 raise ValueError(
-                    f"request {cached.req_id!r}: new_blocks_start {start} is past its "
+                    f"sequence {cached.seq_id!r}: new_blocks_start {start} is outside its "
                     f"block table ({len(state.block_ids)} blocks)"
                 )
+            # table[start:] = new ids: an append, or copy-on-write replacing the last entry
+            state.block_ids.assign(start, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-        unknown = [r for r in so.num_scheduled_tokens if r not in self.requests]
+        unknown = [r for r in so.num_scheduled_tokens if r not in self.seqs]
         if unknown:
-            raise ValueError(f"scheduled requests unknown to this worker: {unknown}")
+            raise ValueError(f"scheduled sequences unknown to this worker: {unknown}")
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
@@ -169,7 +167,7 @@ class ModelRunner:
 
         Raises:
             ValueError: on a SchedulerOutput inconsistent with the worker's state (unknown
-                request, chunk past the known tokens, short block table, bad block id,
+                sequence, chunk past the known tokens, short block table, bad block id,
                 position beyond ``max_model_len``).
         """
         start = time.perf_counter()
@@ -182,11 +180,11 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             return RunnerOutput(so.step_id, {}, time.perf_counter() - start)
 
-        scheduled = [(self.requests[r], n) for r, n in so.num_scheduled_tokens.items()]
+        scheduled = [(self.seqs[r], n) for r, n in so.num_scheduled_tokens.items()]
         for state, n in scheduled:
             if state.num_computed_tokens + n > self.max_model_len:
                 raise ValueError(
-                    f"request {state.req_id} reaches {state.num_computed_tokens + n} tokens, "
+                    f"sequence {state.seq_id} reaches {state.num_computed_tokens + n} tokens, "
                     f"beyond max_model_len {self.max_model_len}"
                 )
         inputs = prepare_inputs(
@@ -199,11 +197,11 @@ class ModelRunner:
             inputs.attn_metadata,
             inputs.logits_indices,
         )
-        states = [self.requests[r] for r in inputs.sample_req_ids]
+        states = [self.seqs[r] for r in inputs.sample_seq_ids]
         tokens = self.sampler(logits, [s.sampling_row() for s in states])
         for state, n in scheduled:
             state.num_computed_tokens += n
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
-        sampled = dict(zip(inputs.sample_req_ids, tokens))
+        sampled = dict(zip(inputs.sample_seq_ids, tokens))
         return RunnerOutput(so.step_id, sampled, time.perf_counter() - start)

@@ -7,8 +7,8 @@ tests construct it directly. All model and cache work is delegated to
 
 from __future__ import annotations
 
-from pagedserve.cluster.config import WorkerConfig
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
 
 

@@ -36,7 +36,7 @@ class LoopThread:
 
 @pytest.fixture(scope="session")
 def served_model_dir() -> str:
-    from pagedserve.cluster.model_store import resolve_model
+    from pagedserve.worker.model_store import resolve_model
 
     return str(resolve_model("default", progress=False))
 

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from helpers import hf_greedy
 
-from pagedserve.cluster.config import CacheConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.worker import Worker
 
 MAX_NEW = 12
@@ -38,9 +39,10 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
     )
     info = worker.get_info()
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
+        SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=info.max_model_len
+        ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
-        max_model_len=info.max_model_len,
     )
     sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
     for i, p in enumerate(prompts):
@@ -95,7 +97,9 @@ def test_prefix_cache_hit_gives_cold_prefill_tokens(tiny_llama_dir: Path, expect
         )
     )
     info = worker.get_info()
-    sched = Scheduler(SchedulerConfig(), [WorkerSpec(0, info.num_blocks, 4)], info.max_model_len)
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=info.max_model_len), [WorkerSpec(0, info.num_blocks, 4)]
+    )
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     results = {}
     for rid, prompt in (("a", PROMPTS[1]), ("b", PROMPTS[1]), ("c", PROMPTS[3])):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import FakeScheduler, hf_greedy, until_eos
 
-from pagedserve.cluster.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.worker import Worker
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

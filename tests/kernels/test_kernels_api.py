@@ -126,6 +126,23 @@ def test_block_ops_reject_bad_arguments():
         kernels.scatter_blocks(kcs, vcs, torch.zeros(1, dtype=torch.int64), packed)
 
 
+@pytest.mark.parametrize(
+    "mapping, fragment",
+    [
+        ([[1, 2], [2, 3]], "both a source and a destination"),
+        ([[1, 2], [3, 2]], "repeated destination"),
+        ([[1, 9]], "must be in"),
+        ([[-1, 2]], "must be in"),
+    ],
+)
+def test_copy_blocks_rejects_ambiguous_mappings(mapping, fragment):
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(6, 4, 2, 16, generator=g)
+    v = torch.randn(6, 4, 2, 16, generator=g)
+    with pytest.raises(ValueError, match=fragment):
+        kernels.copy_blocks([k], [v], torch.tensor(mapping, dtype=torch.int64), backend="torch")
+
+
 def test_backend_selection(monkeypatch):
     cpu = torch.device("cpu")
     assert kernels.resolve_backend("auto", cpu) == "torch"

@@ -244,3 +244,25 @@ def test_block_size_128(device):
     out = _prefill(case, query, q_lens, 0.125)
     expected = dense_prefill(case, query, q_lens, 0.125)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------- strided queries
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_permuted_query_gives_the_same_output(device, backend):
+    g = torch.Generator().manual_seed(0)
+    shape = (6, 4, 2, 16)  # num_blocks, block_size, kv_heads, head_dim
+    k = torch.randn(shape, generator=g).to(device)
+    v = torch.randn(shape, generator=g).to(device)
+    q = torch.randn(2, 16, 4, device=device)  # [num_seqs, head_dim, num_heads]
+    query = q.permute(0, 2, 1)  # [num_seqs, num_heads, head_dim], not contiguous
+    assert not query.is_contiguous()
+    tables = torch.tensor([[3, 1], [0, 5]], dtype=torch.int32, device=device)
+    seq_lens = torch.tensor([6, 3], dtype=torch.int32, device=device)
+    out = kernels.paged_decode_attention(query, k, v, tables, seq_lens, 0.25, backend=backend)
+    ref = kernels.paged_decode_attention(
+        query.contiguous(), k, v, tables, seq_lens, 0.25, backend="torch"
+    )
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32, device=device)
+    out = kernels.paged_prefill_attention(query, k, v, tables, cu, seq_lens, 0.25, backend)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pagedserve.scheduler.block_hash import hash_block_tokens
-from pagedserve.scheduler.block_pool import Block, BlockPool, FreeBlockQueue, IntegrityError
+from pagedserve.scheduler.block_pool import Block, BlockPool, FreeBlockQueue
+from pagedserve.scheduler.errors import IntegrityError
 
 
 def ids(blocks) -> list[int]:

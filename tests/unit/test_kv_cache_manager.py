@@ -1,4 +1,4 @@
-"""KVCacheManager: allocation, growth, fork / copy-on-write, free, errors, the seeds' numbers.
+"""KVCacheManager: allocation, growth, fork / copy-on-write, free, errors, the PagedAttention paper's examples.
 
 Every test drives the manager through ``Checked``, which runs ``check_integrity()`` after
 every call.

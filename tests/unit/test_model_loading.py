@@ -111,3 +111,19 @@ def test_bf16_load_keeps_fp32_rope_tables(tiny_llama_dir: Path) -> None:
     ref = load_file(tiny_llama_dir / "model.safetensors")
     fused = model.layers[1].self_attn.qkv_proj.weight
     torch.testing.assert_close(fused[96:128].float(), ref["model.layers.1.self_attn.k_proj.weight"].bfloat16().float())  # fmt: skip
+
+
+def test_weights_follow_the_safetensors_index(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    from pagedserve.cluster.config import CacheConfig, ModelConfig, WorkerConfig
+    from pagedserve.worker.worker import Worker
+
+    folder = tmp_path / "with_extra"
+    shutil.copytree(tiny_llama_dir, folder)
+    weights = next(folder.glob("*.safetensors")).name
+    index = {"metadata": {}, "weight_map": {"model.embed_tokens.weight": weights}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, folder / "consolidated.safetensors")
+    worker = Worker(
+        WorkerConfig(model=ModelConfig(model=str(folder)), cache=CacheConfig(num_blocks=8))
+    )
+    assert worker.get_info().num_blocks == 8

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from helpers import GREEDY, FakeScheduler
 
-from pagedserve.cluster.config import CacheConfig, ModelConfig, WorkerConfig
-from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedserve.scheduler.outputs import CachedSequenceData, NewSequenceData, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.kv_pool import bytes_per_block
 from pagedserve.worker.worker import Worker
 
@@ -85,14 +85,14 @@ def test_unseeded_requests_draw_distinct_seeds(worker: Worker) -> None:
     assert outs[0] != outs[1]  # two requests draw two seeds
 
 
-def new_req(req_id: str, blocks: list[int], computed: int = 0) -> NewRequestData:
-    return NewRequestData(req_id, PROMPT, len(PROMPT), blocks, computed, GREEDY)
+def new_req(seq_id: str, blocks: list[int], computed: int = 0) -> NewSequenceData:
+    return NewSequenceData(seq_id, PROMPT, len(PROMPT), blocks, computed, GREEDY)
 
 
 @pytest.mark.parametrize(
     ("so", "match"),
     [
-        (SchedulerOutput(1, cached_requests=[CachedRequestData("ghost", [], 0)]), "unknown"),
+        (SchedulerOutput(1, cached_seqs=[CachedSequenceData("ghost", 0, [], 0)]), "unknown"),
         (SchedulerOutput(1, num_scheduled_tokens={"ghost": 1}), "unknown"),
         (
             SchedulerOutput(1, [new_req("a", [0, 1, 2])], num_scheduled_tokens={"a": 12}),
@@ -115,14 +115,14 @@ def new_req(req_id: str, blocks: list[int], computed: int = 0) -> NewRequestData
 def test_contract_violations_raise(worker: Worker, so: SchedulerOutput, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         worker.execute_model(so)
-    worker.execute_model(SchedulerOutput(2, finished_req_ids=["a"]))
+    worker.execute_model(SchedulerOutput(2, finished_seq_ids=["a"]))
 
 
 def test_max_model_len_enforced(worker: Worker) -> None:
-    long = NewRequestData("long", list(range(70)), 70, list(range(18)), 0, GREEDY)
+    long = NewSequenceData("long", list(range(70)), 70, list(range(18)), 0, GREEDY)
     with pytest.raises(ValueError, match="beyond max_model_len 64"):
         worker.execute_model(SchedulerOutput(1, [long], num_scheduled_tokens={"long": 65}))
-    worker.execute_model(SchedulerOutput(2, finished_req_ids=["long"]))
+    worker.execute_model(SchedulerOutput(2, finished_seq_ids=["long"]))
 
 
 def test_device_and_length_errors(tiny_llama_dir: Path) -> None:

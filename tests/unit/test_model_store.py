@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve.cluster import model_store
-from pagedserve.cluster.config import ModelConfig
-from pagedserve.cluster.model_store import (
+from pagedserve.worker import model_store
+from pagedserve.worker.config import ModelConfig
+from pagedserve.worker.model_store import (
     ModelStoreError,
     cache_root,
     convert_gguf,

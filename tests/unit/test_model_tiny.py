@@ -13,9 +13,9 @@ import pytest
 import torch
 from helpers import GREEDY, FakeScheduler, build_tiny_model, hf_greedy
 
-from pagedserve.cluster.config import CacheConfig, ModelConfig, WorkerConfig
-from pagedserve.scheduler.outputs import CachedRequestData, NewRequestData, SchedulerOutput
-from pagedserve.worker.input_batch import RequestState, prepare_inputs
+from pagedserve.scheduler.outputs import CachedSequenceData, NewSequenceData, SchedulerOutput
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.input_batch import SequenceState, prepare_inputs
 from pagedserve.worker.worker import Worker
 
 BLOCK_SIZE = 4
@@ -61,7 +61,7 @@ def test_batched_greedy_equals_hf(tiny_llama_dir: Path, hf_expected: list[list[i
     sched = FakeScheduler(worker, BLOCK_SIZE, NUM_BLOCKS, token_budget=512)
     assert sched.generate(PROMPTS, MAX_NEW) == hf_expected
     # All prompts were prefilled together in the first step.
-    assert len(sched.history[0].new_requests) == len(PROMPTS)
+    assert len(sched.history[0].new_seqs) == len(PROMPTS)
     # The outputs depend on the prompt (the test would catch a cache that ignores context).
     assert len({tuple(o[:4]) for o in hf_expected}) == len(PROMPTS)
 
@@ -93,7 +93,7 @@ def test_prefill_logits_close_to_hf(tiny_llama_dir: Path, hf_tiny) -> None:
     worker = make_worker(tiny_llama_dir)
     runner = worker.runner
     prompt = PROMPTS[4]
-    state = RequestState(
+    state = SequenceState(
         "x", list(prompt), len(prompt), list(range(40, 40 - 10, -1)), 0, GREEDY, 0, 0
     )
     inputs = prepare_inputs([(state, len(prompt))], BLOCK_SIZE, NUM_BLOCKS, runner.device)
@@ -120,17 +120,15 @@ def test_copy_on_write_fork_and_prefix_sharing(
     a_blocks = [17, 88]
     so0 = SchedulerOutput(
         0,
-        new_requests=[NewRequestData("a", prompt, len(prompt), a_blocks, 0, GREEDY, 0)],
+        new_seqs=[NewSequenceData("a", prompt, len(prompt), a_blocks, 0, GREEDY, 0)],
         num_scheduled_tokens={"a": len(prompt)},
     )
     first = worker.execute_model(so0).sampled_token_ids["a"]
     b_blocks = [17, 51]
     so1 = SchedulerOutput(
         1,
-        new_requests=[
-            NewRequestData("b", prompt, len(prompt), b_blocks, len(prompt) - 1, GREEDY, 1)
-        ],
-        cached_requests=[CachedRequestData("a", [], len(prompt))],
+        new_seqs=[NewSequenceData("b", prompt, len(prompt), b_blocks, len(prompt) - 1, GREEDY, 1)],
+        cached_seqs=[CachedSequenceData("a", len(a_blocks), [], len(prompt))],
         num_scheduled_tokens={"a": 1, "b": 1},
         blocks_to_copy=[(88, 51)],
     )
@@ -144,10 +142,11 @@ def test_copy_on_write_fork_and_prefix_sharing(
         for rid in ("a", "b"):
             need = -(-(computed[rid] + 1) // BLOCK_SIZE) - len(blocks[rid])
             new_ids = [100 + step * 2 + (rid == "b")] if need > 0 else []
+            start = len(blocks[rid])
             blocks[rid].extend(new_ids)
-            cached.append(CachedRequestData(rid, new_ids, computed[rid]))
+            cached.append(CachedSequenceData(rid, start, new_ids, computed[rid]))
         sampled = worker.execute_model(
-            SchedulerOutput(step, cached_requests=cached, num_scheduled_tokens={"a": 1, "b": 1})
+            SchedulerOutput(step, cached_seqs=cached, num_scheduled_tokens={"a": 1, "b": 1})
         ).sampled_token_ids
         for rid in ("a", "b"):
             outs[rid].append(sampled[rid])
@@ -158,7 +157,7 @@ def test_copy_on_write_fork_and_prefix_sharing(
     # the remaining 3 prompt tokens into a fresh block.
     hit = SchedulerOutput(
         MAX_NEW + 1,
-        new_requests=[NewRequestData("c", prompt, len(prompt), [17, 155], 4, GREEDY, 0)],
+        new_seqs=[NewSequenceData("c", prompt, len(prompt), [17, 155], 4, GREEDY, 0)],
         num_scheduled_tokens={"c": 3},
     )
     assert worker.execute_model(hit).sampled_token_ids == {"c": hf_expected[3][0]}

@@ -103,3 +103,11 @@ def test_mixed_batch_and_errors() -> None:
     assert Sampler()(torch.empty(0, 3), []) == []
     with pytest.raises(ValueError, match="rows"):
         Sampler()(logits, rows[:1])
+
+
+def test_tiny_temperature_is_greedy() -> None:
+    from pagedserve.scheduler.sampling_params import SamplingParams
+
+    assert SamplingParams(temperature=1e-300).greedy
+    assert SamplingRow(temperature=1e-300).greedy
+    assert not SamplingParams(temperature=1e-3).greedy

@@ -5,19 +5,24 @@ from __future__ import annotations
 import pytest
 from helpers import ScriptedWorker as FakeWorker
 
-from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import DuplicateRequest, InvalidRequest, RequestRejected
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import RequestRejected, Scheduler, WorkerSpec
+from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
 EOS = 2
 
 
 def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, chunked=True, caching=True):
     cfg = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=caching,
+        max_model_len=256,
     )
-    return Scheduler(cfg, [WorkerSpec(0, num_blocks, block_size)], 256, caching)
+    return Scheduler(cfg, [WorkerSpec(0, num_blocks, block_size)])
 
 
 def run(s: Scheduler, w: FakeWorker, max_steps=200):
@@ -41,8 +46,8 @@ def test_single_request_blocks_and_tokens():
     s.add_request("a", [5, 6, 7, 8, 9], greedy(4), [EOS])
     so = s.schedule(0)
     assert so.num_scheduled_tokens == {"a/0": 5}
-    assert so.new_requests[0].block_ids == [0, 1]
-    assert so.new_requests[0].num_computed_tokens == 0
+    assert so.new_seqs[0].block_ids == [0, 1]
+    assert so.new_seqs[0].num_computed_tokens == 0
     outs, _ = [], None
     outs = s.update(0, so, w.execute(so))
     assert [o.new_token_ids for o in outs] == [(105,)]
@@ -79,7 +84,7 @@ def test_chunked_prefill_respects_budget():
     assert s.update(0, so1, w.execute(so1)) == []
     so2 = s.schedule(0)
     assert so2.num_scheduled_tokens == {"a/0": 4}
-    assert so2.cached_requests[0].num_computed_tokens == 4
+    assert so2.cached_seqs[0].num_computed_tokens == 4
     assert s.update(0, so2, w.execute(so2)) == []
     so3 = s.schedule(0)
     assert so3.num_scheduled_tokens == {"a/0": 2}
@@ -114,7 +119,7 @@ def test_preemption_by_recompute_and_resume():
     outs, steps = run(s, w)
     assert s.num_preemptions >= 1
     # b (newest) was preempted, so some step re-sent b in full with its outputs as prompt
-    resent = [nr for st in steps for nr in st.new_requests if nr.req_id == "b/0"]
+    resent = [nr for st in steps for nr in st.new_seqs if nr.seq_id == "b/0"]
     assert len(resent) >= 2
     assert len(resent[-1].token_ids) > 6 and resent[-1].num_prompt_tokens == 6
     toks = {}
@@ -132,7 +137,7 @@ def test_prefix_cache_hit_reports_cached_tokens():
     run(s, w)
     s.add_request("b", prompt, greedy(1), [EOS])
     so = s.schedule(0)
-    assert so.new_requests[0].num_computed_tokens == 8
+    assert so.new_seqs[0].num_computed_tokens == 8
     assert so.num_scheduled_tokens == {"b/0": 1}
     outs = s.update(0, so, w.execute(so))
     assert outs[0].num_cached_tokens == 8 and outs[0].finish_reason is FinishReason.LENGTH
@@ -150,7 +155,7 @@ def test_abort_in_every_state_returns_blocks():
     assert s.abort_request("run") == []
     assert s.abort_request("unknown") == []
     so = s.schedule(0)
-    assert so.finished_req_ids == ["run/0"]
+    assert so.finished_seq_ids == ["run/0"]
     s.check_integrity()
     assert s.workers[0].kv.num_free_blocks == 16
     assert not s.has_work(0)
@@ -158,14 +163,14 @@ def test_abort_in_every_state_returns_blocks():
 
 def test_rejects_bad_requests():
     s = make(num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(InvalidRequest, match="empty"):
         s.add_request("x", [], greedy(1))
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(InvalidRequest, match="max_model_len"):
         s.add_request("x", [1] * 250, greedy(10))
     with pytest.raises(RequestRejected, match="KV slots"):
         s.add_request("x", [1] * 10, greedy(10))
     s.add_request("y", [1], greedy(1))
-    with pytest.raises(ValueError, match="in flight"):
+    with pytest.raises(DuplicateRequest, match="in flight"):
         s.add_request("y", [1], greedy(1))
 
 

@@ -13,11 +13,12 @@ import pytest
 import ray
 from helpers import ScriptedWorker
 
-from pagedserve.cluster.config import SchedulerConfig
 from pagedserve.scheduler.actor import SchedulerActor
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import ClusterUnavailable, DuplicateRequest
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import ClusterUnavailable, DuplicateRequest, WorkerSpec
+from pagedserve.scheduler.scheduler import WorkerSpec
 
 
 class Remote:
@@ -56,7 +57,10 @@ class FakeHandle:
 def make_actor(handles, num_blocks=32, block_size=4):
     specs = [WorkerSpec(i, num_blocks, block_size) for i in range(len(handles))]
     return SchedulerActor(
-        SchedulerConfig(max_num_batched_tokens=64), handles, specs, 256, probe_interval_s=0.05
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
+        handles,
+        specs,
+        probe_interval_s=0.05,
     )
 
 
@@ -122,7 +126,7 @@ def test_dead_worker_sequences_are_recomputed_on_a_live_one():
             toks = [t for o in res for t in o.new_token_ids]
             assert toks == [104, 105, 106, 107, 108, 109]
         stats = await actor.get_stats()
-        assert [w[5] for w in stats.workers] == [False, True]
+        assert [w.alive for w in stats.workers] == [False, True]
         assert await actor.num_live_workers() == 1
         await actor.check_integrity()
         await actor.shutdown()
@@ -133,7 +137,7 @@ def test_dead_worker_sequences_are_recomputed_on_a_live_one():
 def test_last_worker_dying_aborts_everything_and_refuses_new_requests():
     async def scenario():
         actor = make_actor([FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=1)])
-        config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64)
+        config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
         actor._scheduler.config = config  # one running, the rest waiting
         streams = [actor.generate(f"r{i}", [1, 2, 3], greedy(10), []) for i in range(3)]
         results = await asyncio.gather(*(collect(s) for s in streams))
@@ -171,7 +175,7 @@ def test_idle_worker_death_is_noticed_by_the_probe():
             if await actor.num_live_workers() == 1:
                 break
             await asyncio.sleep(0.02)
-        assert [w[5] for w in (await actor.get_stats()).workers] == [False, True]
+        assert [w.alive for w in (await actor.get_stats()).workers] == [False, True]
         res = await collect(actor.generate("a", [1, 2, 3], greedy(2), []))
         assert [t for o in res for t in o.new_token_ids] == [103, 104]
         assert handles[0].steps == 0

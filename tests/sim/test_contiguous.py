@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.scheduler.contiguous import ContiguousAllocator, ContiguousRun
+from pagedserve.sim.contiguous import ContiguousAllocator, ContiguousRun
 
 
 def test_first_fit_exact_offsets() -> None:

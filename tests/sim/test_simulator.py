@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedserve.scheduler.sim_backends import FREE, RESERVED, Group, PagedBackend
-from pagedserve.scheduler.simulator import SimConfig, simulate, sweep_block_sizes
-from pagedserve.scheduler.workload import WorkloadRequest as R
+from pagedserve.sim.backends import FREE, RESERVED, Group, PagedBackend
+from pagedserve.sim.simulator import SimConfig, simulate, sweep_block_sizes
+from pagedserve.sim.workload import WorkloadRequest as R
 
 
 def paged(**kw) -> SimConfig:

@@ -2,7 +2,7 @@
 baseline behind one small interface (admit / grow / release / measure / snapshot).
 
 Both model the same KV memory of ``num_slots`` token slots. Timing convention (shared with
-:mod:`pagedserve.scheduler.simulator`): a request in flight has generated ``g`` tokens per
+:mod:`pagedserve.sim.simulator`): a request in flight has generated ``g`` tokens per
 sample and holds KV for ``w = prompt_len + g - 1`` tokens per sample (the newest token's KV
 is written by the next step). Admission prefills ``L = prompt_len + g``
 tokens (``g = 0`` fresh, ``g > 0`` when resuming after recompute preemption, vLLM paper §4.5:
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.scheduler.contiguous import ContiguousAllocator
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
-from pagedserve.scheduler.workload import WorkloadRequest
+from pagedserve.sim.contiguous import ContiguousAllocator
+from pagedserve.sim.workload import WorkloadRequest
 
 FREE = -1
 """Snapshot value of a free slot."""

@@ -27,14 +27,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from pagedserve.scheduler.contiguous import RESERVE_MODES
-from pagedserve.scheduler.sim_backends import (
+from pagedserve.sim.backends import (
     MAX_SAMPLES,
     ContiguousBackend,
     Group,
     PagedBackend,
 )
-from pagedserve.scheduler.workload import WorkloadRequest
+from pagedserve.sim.contiguous import RESERVE_MODES
+from pagedserve.sim.workload import WorkloadRequest
 
 ALLOCATORS = ("paged", "contiguous")
 
@@ -161,7 +161,7 @@ class SimResult:
         held: slots held at each step.
         live: slots holding written KV at each step.
         snapshot: slot map at ``config.snapshot_step`` (one int per slot: the owning request's
-            workload index, ``RESERVED`` or ``FREE`` from :mod:`.sim_backends`), or None.
+            workload index, ``RESERVED`` or ``FREE`` from :mod:`.backends`), or None.
     """
 
     report: SimReport

