@@ -43,6 +43,9 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--model", default="default", help="'default', an HF folder or a .gguf file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument(
+        "--http-port", type=int, default=8000, help="HTTP port (/metrics, /health); 0 = free port"
+    )
     p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
     p.add_argument("--block-size", type=int, default=16)
     g = p.add_mutually_exclusive_group()
@@ -86,9 +89,18 @@ def _add_stats(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import os
-
     from pagedserve.cluster.launcher import serve_forever
+
+    config = serve_config(args)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_forever(config))
+    return 0
+
+
+def serve_config(args: argparse.Namespace) -> ClusterConfig:
+    """The :class:`ClusterConfig` of parsed ``serve`` arguments (also used by
+    ``python -m pagedserve.cluster.job serve``)."""
+    import os
 
     cache_kwargs: dict[str, Any] = {"num_blocks": args.num_blocks}
     if args.kv_cache_memory is not None:
@@ -105,16 +117,14 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
         ),
-        server=ServerConfig(host=args.host, port=args.port),
+        server=ServerConfig(host=args.host, port=args.port, http_port=args.http_port),
         ray_address=args.address,
         num_workers=args.workers,
         cpus_per_worker=cpus,
         device=args.device,
         attention_backend=args.attention_backend,
     )
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(config))
-    return 0
+    return config
 
 
 def _generate(args: argparse.Namespace) -> int:

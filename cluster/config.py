@@ -18,21 +18,30 @@ __all__ = ["CacheConfig", "ClusterConfig", "ModelConfig", "SchedulerConfig", "Se
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """The gRPC frontend.
+    """The frontends: gRPC, and HTTP (``/metrics``, ``/health``) on the same host.
 
     Attributes:
         host: interface to bind (127.0.0.1 by default; never 0.0.0.0 unless asked).
-        port: TCP port; 0 picks a free one.
+        port: gRPC TCP port; 0 picks a free one.
         max_message_bytes: gRPC send/receive limit.
+        http_port: HTTP TCP port; 0 picks a free one; None serves no HTTP (the library
+            default, so embedded clusters take no fixed port; ``pagedserve serve`` defaults
+            to 8000).
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
     max_message_bytes: int = 16 << 20
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None:
+            if not (0 <= self.http_port <= 65535):
+                raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+            if self.http_port == self.port != 0:
+                raise ValueError(f"http_port and port are both {self.port}")
 
 
 @dataclass(frozen=True)

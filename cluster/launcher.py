@@ -21,6 +21,8 @@ from pagedserve.cluster.frontend import (
     check_port_free,
     start_server,
 )
+from pagedserve.cluster.http_server import HttpServer, create_app
+from pagedserve.cluster.metrics import MetricsExporter
 from pagedserve.scheduler.scheduler import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,17 @@ class ClusterHandle:
     info: ModelInfo
     owns_ray: bool
     health_task: asyncio.Task[None] | None = None
+    http: HttpServer | None = None
 
     @property
     def address(self) -> str:
         """``host:port`` of the gRPC frontend."""
         return f"{self.config.server.host}:{self.port}"
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the HTTP frontend (/metrics, /health); None without one."""
+        return None if self.http is None else f"{self.config.server.host}:{self.http.port}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Stop the frontend, abort requests, kill the actors and (if owned) Ray."""
@@ -83,6 +91,8 @@ class ClusterHandle:
 
         if self.health_task is not None:
             self.health_task.cancel()
+        if self.http is not None:
+            await self.http.stop(grace_s)
         await self.server.stop(grace_s)
         try:
             await asyncio.wait_for(self.scheduler.shutdown.remote(), timeout=10)
@@ -122,6 +132,8 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     from pagedserve.worker.worker import Worker
 
     check_port_free(config.server.host, config.server.port)
+    if config.server.http_port is not None:
+        check_port_free(config.server.host, config.server.http_port)
     model_dir = resolve_model(config.model, progress=True)
     model_cfg = dataclasses.replace(config.model, model=str(model_dir))
     config = dataclasses.replace(config, model=model_cfg)
@@ -160,14 +172,45 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             max_kv_slots=max(s.num_blocks * s.block_size for s in specs),
         )
         servicer = GenerationServicer(scheduler, tokenizer, info)
-        server, port = await start_server(config.server, servicer)
+        http = await _start_http(config, scheduler, info)
+        try:
+            server, port = await start_server(config.server, servicer)
+        except BaseException:
+            if http is not None:
+                await http.stop()
+            raise
     except BaseException:
         if owns_ray:
             ray.shutdown()
         raise
     log.info("serving %s on %s:%d", model_dir, config.server.host, port)
     health_task = asyncio.get_running_loop().create_task(servicer.watch_health())
-    return ClusterHandle(config, scheduler, workers, server, port, info, owns_ray, health_task)
+    return ClusterHandle(
+        config, scheduler, workers, server, port, info, owns_ray, health_task, http
+    )
+
+
+async def _start_http(config: ClusterConfig, scheduler: Any, info: ModelInfo) -> HttpServer | None:
+    """Start the HTTP frontend (/metrics, /health) when ``http_port`` is set.
+
+    Raises:
+        PortUnavailable: the HTTP port cannot be bound.
+    """
+    from pathlib import Path
+
+    from pagedserve.cluster.frontend import PortUnavailable
+
+    if config.server.http_port is None:
+        return None
+    exporter = MetricsExporter(scheduler, model_name=Path(info.name).name or info.name)
+    http = HttpServer(create_app(scheduler, exporter), config.server.host, config.server.http_port)
+    try:
+        await http.start()
+    except OSError as exc:
+        raise PortUnavailable(
+            f"cannot bind {config.server.host}:{config.server.http_port}: {exc.strerror}"
+        ) from exc
+    return http
 
 
 async def serve_forever(config: ClusterConfig) -> None:
@@ -176,6 +219,8 @@ async def serve_forever(config: ClusterConfig) -> None:
 
     handle = await start_cluster(config)
     print(f"pagedserve: serving on {handle.address} (Ctrl-C to stop)", flush=True)
+    if handle.http_address is not None:
+        print(f"pagedserve: metrics on http://{handle.http_address}/metrics", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
@@ -123,6 +124,10 @@ class SchedulerActor:
     async def get_stats(self) -> SchedulerStats:
         """A snapshot of queue lengths and per-worker block pools."""
         return self._scheduler.stats()
+
+    async def get_metrics(self) -> MetricsSnapshot:
+        """Gauges, counters and histograms for the metrics exporter (one pull per scrape)."""
+        return self._scheduler.metrics_snapshot()
 
     async def check_integrity(self) -> bool:
         """Run every pool's integrity check; raises on a violation, else True."""

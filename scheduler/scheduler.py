@@ -37,6 +37,7 @@ from pagedserve.scheduler.errors import (
     RequestRejected,
 )
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+from pagedserve.scheduler.metrics import MetricsSnapshot, SchedulerMetrics
 from pagedserve.scheduler.outputs import (
     CachedSequenceData,
     NewSequenceData,
@@ -151,6 +152,7 @@ class Scheduler:
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
         self.num_preemptions = 0
+        self.metrics = SchedulerMetrics(self.max_model_len)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -312,6 +314,7 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
             ws.running.append(seq)
+            self.metrics.on_scheduled(seq)
             num_scheduled[seq.seq_id] = num_new
             budget -= num_new
         return budget
@@ -373,6 +376,7 @@ class Scheduler:
         ws = self.workers[worker_id]
         outputs: list[SequenceOutput] = []
         finished_requests: set[str] = set()
+        self.metrics.on_step(sum(sched_out.num_scheduled_tokens.values()))
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
             seq = self.sequences.get(seq_id)
             if (
@@ -387,6 +391,7 @@ class Scheduler:
                 ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
                 continue
             seq.append_token(token)
+            self.metrics.on_token(seq)
             ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
             reason = seq.check_stop()
             if reason is not None:
@@ -406,6 +411,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.metrics.on_preempted("recompute")
         self.waiting.appendleft(seq)
 
     @staticmethod
@@ -427,6 +433,7 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.worker_id = None
+        self.metrics.on_finished(seq, reason)
 
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)
@@ -474,6 +481,11 @@ class Scheduler:
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
         )
+
+    def metrics_snapshot(self) -> MetricsSnapshot:
+        """Gauges (:meth:`stats`) with the counters and histograms of
+        :attr:`metrics`, for the Prometheus exporter."""
+        return self.metrics.snapshot(self.stats(), "recompute", self.config.enable_prefix_caching)
 
     def mark_worker_dead(self, worker_id: int) -> list[SequenceOutput]:
         """Take a dead worker out of service; nothing accepted is lost.

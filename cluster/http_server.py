@@ -1,0 +1,150 @@
+"""The HTTP frontend: one ASGI app (FastAPI) served by uvicorn in the frontend's event loop.
+
+Routes today: ``GET /metrics`` (Prometheus text format, :mod:`pagedserve.cluster.metrics`)
+and ``GET /health`` (200 while a worker is alive, 503 otherwise). The app is built by
+:func:`create_app` and may take more routes (``app.include_router``) before
+:meth:`HttpServer.start`; gRPC stays on its own port next to it.
+
+uvicorn runs as a task of the running loop (no thread, no process); its own signal handling
+is switched off because the launcher owns SIGINT / SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedserve.cluster.metrics import MetricsExporter
+
+log = logging.getLogger(__name__)
+
+
+def create_app(scheduler: Any, exporter: MetricsExporter, health_timeout_s: float = 5.0) -> FastAPI:
+    """The ASGI app with ``/metrics`` and ``/health``.
+
+    Args:
+        scheduler: the SchedulerActor handle (``num_live_workers`` for /health).
+        exporter: renders /metrics from the scheduler's snapshot.
+        health_timeout_s: how long /health waits for the scheduler, seconds.
+    """
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        try:
+            body = await exporter.render()
+        except Exception as exc:  # scheduler gone or stuck: say so, do not 500
+            log.warning("metrics scrape failed: %r", exc)
+            return PlainTextResponse(f"scheduler unavailable: {exc!r}\n", status_code=503)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            live = await asyncio.wait_for(
+                scheduler.num_live_workers.remote(), timeout=health_timeout_s
+            )
+        except Exception as exc:
+            return PlainTextResponse(f"scheduler unavailable: {exc!r}\n", status_code=503)
+        if live <= 0:
+            return PlainTextResponse("no live worker\n", status_code=503)
+        return PlainTextResponse("ok\n")
+
+    return app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers (the launcher's loop handles the signals)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready TCP socket on ``host:port`` (0 picks a free port).
+
+    Raises:
+        OSError: the address cannot be bound (in use, or not a local interface).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # SO_REUSEADDR only skips TIME_WAIT leftovers; a live listener still refuses the bind.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class HttpServer:
+    """Serves an ASGI app on ``host:port`` from the running event loop.
+
+    Args:
+        app: the ASGI app (see :func:`create_app`).
+        host: interface to bind.
+        port: TCP port; 0 picks a free one (see :attr:`port` after :meth:`start`).
+    """
+
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, timeout_s: float = 10.0) -> int:
+        """Bind and start serving; returns the bound port.
+
+        Raises:
+            OSError: the port cannot be bound.
+            RuntimeError: uvicorn did not start within ``timeout_s`` seconds.
+        """
+        sock = bind_socket(self.host, self.port)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            lifespan="off",
+            log_config=None,  # leave the process's logging setup alone
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not self._server.started:
+            if self._task.done() or asyncio.get_running_loop().time() > deadline:
+                sock.close()
+                await self.stop()
+                raise RuntimeError(f"HTTP server on {self.host}:{self.port} did not start")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, let in-flight requests finish (bounded), then return."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+        except TimeoutError:
+            self._server.force_exit = True
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        except Exception:
+            log.debug("HTTP server ended with an error", exc_info=True)
+        self._server = None
+        self._task = None
