@@ -21,9 +21,8 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedserve.cluster.metrics import MetricsExporter
+from pagedserve.cluster.metrics import CONTENT_TYPE, MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ def create_app(scheduler: Any, exporter: MetricsExporter, health_timeout_s: floa
         except Exception as exc:  # scheduler gone or stuck: say so, do not 500
             log.warning("metrics scrape failed: %r", exc)
             return PlainTextResponse(f"scheduler unavailable: {exc!r}\n", status_code=503)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(body, media_type=CONTENT_TYPE)
 
     @app.get("/health")
     async def health() -> Response:

@@ -213,8 +213,9 @@ async def _start_http(config: ClusterConfig, scheduler: Any, info: ModelInfo) ->
     return http
 
 
-async def serve_forever(config: ClusterConfig) -> None:
-    """Run the cluster until cancelled (Ctrl-C / SIGTERM), then stop it cleanly."""
+async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
+    """Run the cluster until cancelled (Ctrl-C / SIGTERM), then stop it cleanly, giving
+    in-flight calls ``grace_s`` seconds."""
     import signal
 
     handle = await start_cluster(config)
@@ -229,4 +230,4 @@ async def serve_forever(config: ClusterConfig) -> None:
         await stop.wait()
     finally:
         print("pagedserve: shutting down", flush=True)
-        await handle.stop()
+        await handle.stop(grace_s)

@@ -30,6 +30,8 @@ from prometheus_client.registry import Collector
 from pagedserve.scheduler.metrics import HistogramSnapshot, MetricsSnapshot
 
 PREFIX = "pagedserve:"
+# The classic text format every Prometheus 2.x reads (prometheus-client's "latest" is 1.0.0).
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # Histogram name (without prefix) -> help text (units in the name).
 HISTOGRAMS = {
