@@ -48,7 +48,7 @@ def cluster(served_model_dir: str) -> Iterator[tuple[ClusterHandle, LoopThread]]
     config = ClusterConfig(
         model=ModelConfig(model=served_model_dir, max_model_len=4096),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
-        server=ServerConfig(host="127.0.0.1", port=0),
+        server=ServerConfig(host="127.0.0.1", port=0, http_port=0),
         num_workers=1,
         cpus_per_worker=2,
         device="cpu",
