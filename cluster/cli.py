@@ -169,12 +169,21 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}"
     )
-    table = Table("worker", "num_blocks", "num_free_blocks", "block_size", "running", "alive")
+    table = Table(
+        "worker",
+        "num_blocks",
+        "num_free_blocks",
+        "num_used_blocks",
+        "block_size",
+        "running",
+        "alive",
+    )
     for w in st["workers"]:
         table.add_row(
             str(w["worker_id"]),
             str(w["num_blocks"]),
             str(w["num_free_blocks"]),
+            str(w["num_used_blocks"]),
             str(w["block_size"]),
             str(w["num_requests_running"]),
             "yes" if w["alive"] else "no",

@@ -229,6 +229,7 @@ class Client:
                     "worker_id": w.worker_id,
                     "num_blocks": w.num_blocks,
                     "num_free_blocks": w.num_free_blocks,
+                    "num_used_blocks": w.num_used_blocks,
                     "block_size": w.block_size,
                     "num_requests_running": w.num_requests_running,
                     "alive": w.alive,

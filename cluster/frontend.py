@@ -344,6 +344,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 worker_id=w.worker_id,
                 num_blocks=w.num_blocks,
                 num_free_blocks=w.num_free_blocks,
+                num_used_blocks=w.num_used_blocks,
                 block_size=w.block_size,
                 num_requests_running=w.num_running,
                 alive=w.alive,

@@ -10,6 +10,9 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted (recompute) and re-queued
+    # A choice of an n > 1 request waiting for choice 0's prefill: it is forked from it
+    # (sharing the prompt's blocks) when that prefill completes; it is in no queue.
+    PENDING_FORK = "pending_fork"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -41,6 +44,8 @@ class Sequence:
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         worker_id: the worker holding the sequence's KV blocks (None while waiting).
         num_preemptions: how often this sequence was preempted.
+        fork_children: the request's other choices (status ``PENDING_FORK``) that fork
+            from this sequence once its prompt is computed (n > 1 parallel sampling).
     """
 
     seq_id: str
@@ -58,6 +63,7 @@ class Sequence:
     num_cached_tokens: int = 0
     worker_id: int | None = None
     num_preemptions: int = 0
+    fork_children: list[Sequence] = field(default_factory=list, repr=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -19,6 +19,17 @@ One step for one worker (vLLM v1 ``Scheduler.schedule`` shape, Orca iteration-le
 After the worker answers, :meth:`Scheduler.update` appends sampled tokens, checks stop
 conditions, registers newly full blocks in the prefix cache, frees finished sequences and
 returns the deltas for the frontend.
+
+Parallel sampling (n > 1) shares the prompt's KV (PagedAttention paper §4.3): a request
+enters as one sequence (choice 0) that prefills the prompt; its other choices wait as
+``PENDING_FORK`` and, when the prefill completes, fork from it at ``prompt_len - 1``
+tokens: they share every prompt block that holds no slot they write (``ref_count`` n) and
+recompute the last prompt token to sample their own first token, so each choice draws
+exactly as an independent sequence would (seeded per choice and output position). The
+block holding that last slot, when shared, is copied on the first write of every holder
+but the last (``blocks_to_copy``). From then on each choice is a sequence of its own:
+it streams, finishes, frees its own references and is preempted (recompute; its full
+prompt blocks are usually still cached and held by its siblings) on its own.
 """
 
 from __future__ import annotations
@@ -87,6 +98,8 @@ class WorkerStats:
         worker_id: the worker's index.
         num_blocks: physical KV blocks in its pool.
         num_free_blocks: blocks not held by any sequence (cached-evictable included).
+        num_used_blocks: blocks held by at least one block table (``num_blocks -
+            num_free_blocks``; a block shared by n sequences counts once).
         block_size: tokens per block.
         num_running: sequences in its running batch.
         alive: False once the worker was taken out of service.
@@ -95,6 +108,7 @@ class WorkerStats:
     worker_id: int
     num_blocks: int
     num_free_blocks: int
+    num_used_blocks: int
     block_size: int
     num_running: int
     alive: bool
@@ -106,7 +120,8 @@ class SchedulerStats:
 
     Attributes:
         num_running: running sequences, all workers.
-        num_waiting: sequences in the waiting queue (new or preempted).
+        num_waiting: sequences in the waiting queue (new or preempted), plus choices
+            waiting for their request's prompt to fork from.
         num_preemptions: preemptions since start.
         workers: one :class:`WorkerStats` per worker, by worker id.
         prefix_cache_queries: prompt tokens looked up in the prefix cache.
@@ -161,7 +176,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         arrival_s: float | None = None,
     ) -> list[Sequence]:
-        """Queue a request: one sequence per choice (``sampling.n``).
+        """Queue a request: one sequence per choice (``sampling.n``); choice 0 is queued,
+        the others wait to fork from it (see the module docstring).
 
         Raises:
             DuplicateRequest: the request id is in flight.
@@ -185,8 +201,8 @@ class Scheduler:
         live = [w for w in self.workers.values() if w.alive]
         if not live:
             raise ClusterUnavailable("no worker is alive")
-        # Choices are independent sequences: each must fit alone (preemption lets them
-        # take turns), so the bound is per sequence, not n times it.
+        # Each choice must fit alone (after the fork, preemption lets them take turns), so
+        # the bound is per sequence, not n times it.
         capacity = max(w.spec.num_blocks * w.spec.block_size for w in live)
         if max_total > capacity:
             raise RequestRejected(
@@ -211,7 +227,10 @@ class Scheduler:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
-            self.waiting.append(seq)
+        for child in seqs[1:]:
+            child.status = SequenceStatus.PENDING_FORK
+        seqs[0].fork_children = seqs[1:]
+        self.waiting.append(seqs[0])
         return seqs
 
     def abort_request(
@@ -292,10 +311,17 @@ class Scheduler:
 
     def _admit(self, ws: _WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
         kv = ws.kv
-        while self.waiting and budget > 0 and len(ws.running) < self.config.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        # Choices still to fork from running sequences hold their seats in the batch.
+        seats = len(ws.running) + sum(len(s.fork_children) for s in ws.running)
+        while self.waiting and budget > 0 and seats < max_seqs:
             seq = self.waiting[0]
+            width = 1 + len(seq.fork_children)
+            if seats + width > max_seqs and seats > 0:
+                break  # n > max_num_seqs still runs, alone
             tokens = seq.all_token_ids
-            computed_blocks, num_computed = kv.get_computed_blocks(tokens, count=False)
+            salt = seq.sampling.cache_salt
+            computed_blocks, num_computed = kv.get_computed_blocks(tokens, salt, count=False)
             num_new = len(tokens) - num_computed
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -314,6 +340,7 @@ class Scheduler:
             ws.running.append(seq)
             num_scheduled[seq.seq_id] = num_new
             budget -= num_new
+            seats += width
         return budget
 
     def _build_output(
@@ -382,12 +409,15 @@ class Scheduler:
             ):
                 continue  # aborted, preempted or moved while the step ran
             seq.num_computed_tokens += num_new
+            salt = seq.sampling.cache_salt
             token = runner_out.sampled_token_ids.get(seq_id)
             if token is None:
-                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 continue
             seq.append_token(token)
-            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+            if seq.fork_children:
+                self._fork_children(ws, seq)
             reason = seq.check_stop()
             if reason is not None:
                 self._finish(seq, reason)
@@ -398,6 +428,26 @@ class Scheduler:
         return outputs
 
     # ------------------------------------------------------------------ internals
+    def _fork_children(self, ws: _WorkerState, parent: Sequence) -> None:
+        """Start the pending choices of ``parent``'s request, which just computed its prompt.
+
+        Each child shares the blocks of the prompt's first ``prompt_len - 1`` tokens and
+        recomputes the last prompt token (so it samples its own first token from its own
+        logits); it joins the running batch after its parent.
+        """
+        num_shared = parent.num_prompt_tokens - 1
+        for child in parent.fork_children:
+            if num_shared > 0:
+                ws.kv.fork(parent.seq_id, child.seq_id, num_shared)
+            # NOTE: with a 1-token prompt nothing is shared; the child's first step
+            # allocates its table like a new sequence (allocate_slots on an unknown id).
+            child.status = SequenceStatus.RUNNING
+            child.worker_id = ws.spec.worker_id
+            child.num_computed_tokens = num_shared
+            child.num_cached_tokens = parent.num_cached_tokens
+            ws.running.append(child)
+        parent.fork_children = []
+
     def _preempt(self, ws: _WorkerState, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, drop worker state, requeue at the front."""
         self._release(ws, seq)
@@ -418,7 +468,22 @@ class Scheduler:
             ws.pending_finished.append(seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.fork_children:
+            # Ends before its prompt was computed (abort): the next choice takes over as
+            # the one that prefills, in this sequence's place in the queue.
+            heir, *rest = seq.fork_children
+            seq.fork_children = []
+            heir.fork_children = rest
+            heir.status = SequenceStatus.WAITING
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.insert(self.waiting.index(seq), heir)
+            else:
+                self.waiting.appendleft(heir)
+        if seq.status is SequenceStatus.PENDING_FORK:
+            for other in self.requests.get(seq.request_id, []):
+                if seq in other.fork_children:
+                    other.fork_children.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
             if seq.worker_id is None:
                 raise IntegrityError(f"running sequence {seq.seq_id!r} has no worker")
             self._release(self.workers[seq.worker_id], seq)
@@ -455,6 +520,7 @@ class Scheduler:
                 worker_id=wid,
                 num_blocks=ws.spec.num_blocks,
                 num_free_blocks=ws.kv.num_free_blocks,
+                num_used_blocks=ws.spec.num_blocks - ws.kv.num_free_blocks,
                 block_size=ws.spec.block_size,
                 num_running=len(ws.running),
                 alive=ws.alive,
@@ -468,7 +534,8 @@ class Scheduler:
             hits += st.hits_tokens
         return SchedulerStats(
             num_running=sum(len(ws.running) for ws in self.workers.values()),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting)
+            + sum(len(s.fork_children) for s in self.sequences.values()),
             num_preemptions=self.num_preemptions,
             workers=workers,
             prefix_cache_queries=queries,

@@ -223,6 +223,7 @@ def test_stats_health_and_reflection(address):
         st = wait_all_free(c)
     assert st["workers"][0]["num_blocks"] == NUM_BLOCKS
     assert st["workers"][0]["block_size"] == 16
+    assert st["workers"][0]["num_used_blocks"] == 0
     with grpc.insecure_channel(address) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=10

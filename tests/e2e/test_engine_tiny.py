@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import hf_greedy
+from helpers import FakeScheduler, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ PROMPTS = [
 ]
 
 
-def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 1):
+def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 1, sampling=None):
     worker = Worker(
         WorkerConfig(
             model=ModelConfig(model=str(model_dir)),
@@ -44,7 +44,8 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
-    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
+    if sampling is None:
+        sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, sampling, info.eos_token_ids)
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -121,3 +122,29 @@ def test_n_choices_greedy_all_equal_hf(tiny_llama_dir: Path, expected) -> None:
     for i in range(2):
         for c in range(3):
             assert tokens[(f"r{i}", c)] == expected[i]
+
+
+def test_forked_choices_sample_like_independent_sequences(tiny_llama_dir: Path) -> None:
+    """n=4 seeded sampling by fork (one prefill, shared prompt blocks) gives every choice
+    the tokens an independent sequence with that choice index gets, also when the pool is
+    so small that forked choices are preempted and recomputed."""
+    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=7, ignore_eos=True, n=4)
+    prompts = PROMPTS[:2]
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(tiny_llama_dir)),
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            device="cpu",
+        )
+    )
+    single = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=7, ignore_eos=True)
+    independent = FakeScheduler(worker, 4, 64).generate(
+        [p for p in prompts for _ in range(4)], MAX_NEW, single, choice_indices=[0, 1, 2, 3] * 2
+    )
+    assert len({tuple(t) for t in independent[:4]}) == 4  # the choices differ
+    for num_blocks, preempted in ((64, False), (13, True)):
+        tokens, sched, _ = run_engine(tiny_llama_dir, num_blocks, 64, prompts, sampling=sampling)
+        assert (sched.num_preemptions > 0) is preempted
+        for i in range(2):
+            for c in range(4):
+                assert tokens[(f"r{i}", c)] == independent[4 * i + c], (num_blocks, i, c)
