@@ -22,6 +22,23 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class SampleLogprobs:
+    """Log probabilities at one output position of a sequence (fp32 log-softmax of the raw
+    logits: before penalties, temperature and top-k/top-p, as vLLM's default).
+
+    Attributes:
+        token_id: the token generated at this position.
+        logprob: its log probability (natural log, <= 0).
+        top: the most likely ``(token_id, logprob)`` pairs, best first (as many as the
+            request's ``logprobs``; with beam search, the ``2 * beam_width`` candidates).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class NewSequenceData:
     """A sequence the worker does not hold (first schedule, or resumed after preemption).
 
@@ -105,8 +122,11 @@ class RunnerOutput:
         sampled_token_ids: seq_id -> token sampled this step, only for sequences whose
             prompt is fully computed after the step (a partial prefill chunk samples nothing).
         execute_time_s: wall time of the model step on the worker, seconds.
+        logprobs: seq_id -> log probabilities of the token sampled this step, for the
+            sequences whose request asked for ``logprobs``.
     """
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     execute_time_s: float = 0.0
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)

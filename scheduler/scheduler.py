@@ -415,6 +415,10 @@ class Scheduler:
                 ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 continue
             seq.append_token(token)
+            lp = runner_out.logprobs.get(seq_id)
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp.logprob
             ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
             if seq.fork_children:
                 self._fork_children(ws, seq)
@@ -502,6 +506,7 @@ class Scheduler:
 
     @staticmethod
     def _delta(seq: Sequence, new_tokens: tuple[int, ...]) -> SequenceOutput:
+        want_lp = seq.sampling.logprobs is not None
         return SequenceOutput(
             request_id=seq.request_id,
             choice_index=seq.choice_index,
@@ -510,6 +515,9 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=tuple(seq.logprobs[-len(new_tokens) :]) if want_lp and new_tokens else (),
+            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+            stop_reason=seq.stop_reason,
         )
 
     # ------------------------------------------------------------------ introspection

@@ -8,7 +8,9 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
-6. sample for the sequences whose known tokens are all computed after the step, append
+6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), sample
+   for the sequences whose known tokens are all computed after the step (logprobs from
+   the raw logits for those that ask), append
    the sampled token to the worker's copy of their token list, advance
    ``num_computed_tokens`` by the chunk, and return the tokens.
 
@@ -25,11 +27,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import kernels
-from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs, SchedulerOutput
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
@@ -198,10 +201,32 @@ class ModelRunner:
             inputs.logits_indices,
         )
         states = [self.seqs[r] for r in inputs.sample_seq_ids]
-        tokens = self.sampler(logits, [s.sampling_row() for s in states])
+        processed = process_logits(
+            logits,
+            [s.sampling for s in states],
+            [s.token_ids for s in states],
+            [s.num_prompt_tokens for s in states],
+            self.arch.eos_token_ids,
+        )
+        tokens = self.sampler(processed, [s.sampling_row() for s in states])
+        logprobs = self._logprobs(logits, states, tokens)
         for state, n in scheduled:
             state.num_computed_tokens += n
         for state, token in zip(states, tokens):
             state.token_ids.append(token)
         sampled = dict(zip(inputs.sample_seq_ids, tokens))
-        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start)
+        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start, logprobs)
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, states: list[SequenceState], tokens: list[int]
+    ) -> dict[str, SampleLogprobs]:
+        """Logprobs (raw logits) of the sampled tokens of sequences that asked for them."""
+        rows = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
+        found = compute_logprobs(
+            logits,
+            rows,
+            [tokens[i] for i in rows],
+            [states[i].sampling.logprobs or 0 for i in rows],
+        )
+        return {states[i].seq_id: lp for i, lp in zip(rows, found)}

@@ -313,3 +313,46 @@ def test_prefix_stats_count_a_blocked_request_once():
     run(s, w)
     st = s.stats()
     assert st.prefix_cache_queries == 24
+
+
+def test_cache_salt_isolates_prefix_blocks():
+    s, w = make(block_size=4), FakeWorker()
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
+    s.add_request("a", prompt, greedy(1, cache_salt="alice"), [EOS])
+    run(s, w)
+    hits = {}
+    for rid, salt in (("b", "bob"), ("c", None), ("d", "alice")):
+        s.add_request(rid, prompt, greedy(1, cache_salt=salt), [EOS])
+        so = s.schedule(0)
+        hits[rid] = so.new_seqs[0].num_computed_tokens
+        s.update(0, so, w.execute(so))
+    assert hits == {"b": 0, "c": 0, "d": 8}
+
+
+def test_min_tokens_defers_stops_and_stop_token_is_reported():
+    s = make()
+    w = FakeWorker(script={"a": [EOS, 42, 5, 42], "b": [7, 42]})
+    s.add_request("a", [1, 3], greedy(8, min_tokens=3, stop_token_ids=(42,)), [EOS])
+    s.add_request("b", [1, 3], greedy(8, stop_token_ids=(42,)), [EOS])
+    outs, _ = run(s, w)
+    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    assert final["a"].num_output_tokens == 4 and final["a"].stop_reason == 42
+    assert final["b"].num_output_tokens == 2 and final["b"].stop_reason == 42
+    assert {o.finish_reason for o in final.values()} == {FinishReason.STOP}
+
+
+def test_logprobs_flow_into_deltas_with_cumulative_sum():
+    from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs
+
+    s = make()
+    s.add_request("a", [1, 3], greedy(2, logprobs=1), [EOS])
+    s.add_request("b", [1, 3], greedy(2), [EOS])
+    got = []
+    for step, (ta, tb) in enumerate([(7, 8), (9, 10)]):
+        so = s.schedule(0)
+        lp = SampleLogprobs(ta, -0.5 * (step + 1), ((ta, -0.5 * (step + 1)),))
+        ro = RunnerOutput(so.step_id, {"a/0": ta, "b/0": tb}, logprobs={"a/0": lp})
+        got.append({o.request_id: o for o in s.update(0, so, ro)})
+    assert [g["a"].cumulative_logprob for g in got] == [-0.5, -1.5]
+    assert [g["a"].logprobs[0].logprob for g in got] == [-0.5, -1.0]
+    assert got[1]["b"].logprobs == () and got[1]["b"].cumulative_logprob is None
