@@ -48,6 +48,8 @@ class Sequence:
         logprobs: per output token, its log probabilities (when the request asks).
         cumulative_logprob: sum of the output tokens' logprobs (when known).
         stop_reason: the stop token id that ended the sequence (not set for EOS).
+        unsent_token_ids: tokens appended by the scheduler (beam search) that the worker
+            holding the sequence has not been told yet.
         fork_children: the request's other choices (status ``PENDING_FORK``) that fork
             from this sequence once its prompt is computed (n > 1 parallel sampling).
     """
@@ -70,6 +72,7 @@ class Sequence:
     logprobs: list[SampleLogprobs] = field(default_factory=list, repr=False)
     cumulative_logprob: float = 0.0
     stop_reason: int | None = None
+    unsent_token_ids: list[int] = field(default_factory=list, repr=False)
     fork_children: list[Sequence] = field(default_factory=list, repr=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 

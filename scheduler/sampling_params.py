@@ -137,6 +137,11 @@ class SamplingParams:
                     "repetition/presence/frequency penalties and min_tokens are not supported "
                     "with beam search (beam_width)"
                 )
+            if self.logprobs is not None:
+                raise ValueError(
+                    "logprobs is not supported with beam search (beam_width); each choice "
+                    "carries cumulative_logprob and score"
+                )
 
     @property
     def penalized(self) -> bool:

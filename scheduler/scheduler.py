@@ -30,6 +30,15 @@ block holding that last slot, when shared, is copied on the first write of every
 but the last (``blocks_to_copy``). From then on each choice is a sequence of its own:
 it streams, finishes, frees its own references and is preempted (recompute; its full
 prompt blocks are usually still cached and held by its siblings) on its own.
+
+Beam search (``beam_width`` K > 1; rule in :mod:`pagedserve.scheduler.beam_search`): the
+request starts as one sequence. A beam whose tokens are all computed reports its top
+candidates (the worker samples nothing for it); once every running beam of the request
+has reported, the scheduler picks the next K beams. A parent's first continuation keeps
+its sequence (the chosen token reaches the worker as ``CachedSequenceData.new_token_ids``),
+each further one forks from it (shared blocks, copy-on-write of the partial last block)
+and parents without continuations are freed at once. The result (the n best finished
+beams) is emitted when the search ends: one final delta per choice, best first.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
@@ -136,6 +146,21 @@ class SchedulerStats:
     prefix_cache_hits: int
 
 
+@dataclass
+class _BeamRequest:
+    """Scheduler-side state of one beam-search request.
+
+    ``beams`` are its running beams in running order (best first); ``pending`` holds the
+    candidates of the beams that reported this round.
+    """
+
+    search: BeamSearch
+    beams: list[Sequence]
+    pending: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    next_id: int = 1
+    num_cached_tokens: int = 0
+
+
 class Scheduler:
     """Owns every sequence and every worker's block metadata; decides what runs each step.
 
@@ -165,7 +190,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
+        self.beam_requests: dict[str, _BeamRequest] = {}
         self.num_preemptions = 0
+        self._wake_others = False
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -211,6 +238,10 @@ class Scheduler:
             )
         arrival = time.monotonic() if arrival_s is None else arrival_s
         eos = frozenset(eos_token_ids)
+        if sampling.use_beam_search:
+            return self._add_beam_request(
+                request_id, prompt_token_ids, sampling, eos, max_total, arrival
+            )
         seqs = [
             Sequence(
                 seq_id=f"{request_id}/{i}",
@@ -248,6 +279,8 @@ class Scheduler:
 
         Returns the final deltas; empty when nothing was in flight.
         """
+        if request_id in self.beam_requests:
+            return self._abort_beam_request(request_id, reason)
         outputs = []
         for seq in self.requests.get(request_id, []):
             if choice_index is not None and seq.choice_index != choice_index:
@@ -280,6 +313,9 @@ class Scheduler:
         while idx < len(ws.running) and budget > 0:
             seq = ws.running[idx]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0 and self._awaits_beam_step(seq):
+                idx += 1  # reported its candidates; waits for its sibling beams
+                continue
             if num_new <= 0:
                 # A running sequence always has its sampled token left to compute: update()
                 # appends a token whenever the prompt is done, and finishes it otherwise.
@@ -375,8 +411,10 @@ class Scheduler:
                         new_blocks_start=start,
                         new_block_ids=block_ids,
                         num_computed_tokens=seq.num_computed_tokens,
+                        new_token_ids=seq.unsent_token_ids,
                     )
                 )
+            seq.unsent_token_ids = []  # new_seqs carry every token
         out = SchedulerOutput(
             step_id=ws.next_step_id,
             new_seqs=new_seqs,
@@ -410,6 +448,12 @@ class Scheduler:
                 continue  # aborted, preempted or moved while the step ran
             seq.num_computed_tokens += num_new
             salt = seq.sampling.cache_salt
+            if seq.sampling.use_beam_search:
+                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                candidates = runner_out.beam_candidates.get(seq_id)
+                if candidates is not None:
+                    outputs.extend(self._beam_report(seq, candidates))
+                continue
             token = runner_out.sampled_token_ids.get(seq_id)
             if token is None:
                 ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
@@ -452,6 +496,178 @@ class Scheduler:
             ws.running.append(child)
         parent.fork_children = []
 
+    # ------------------------------------------------------------------ beam search
+    def _add_beam_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos: frozenset[int],
+        max_total: int,
+        arrival: float,
+    ) -> list[Sequence]:
+        seq = Sequence(
+            seq_id=f"{request_id}/0",
+            request_id=request_id,
+            choice_index=0,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            eos_token_ids=eos,
+            max_total_tokens=max_total,
+            arrival_s=arrival,
+        )
+        live_eos = frozenset() if sampling.ignore_eos else eos
+        search = BeamSearch(
+            sampling.beam_width,
+            sampling.max_tokens,
+            sampling.length_penalty,
+            live_eos | frozenset(sampling.stop_token_ids),
+            len(live_eos),
+        )
+        self.beam_requests[request_id] = _BeamRequest(search, [seq])
+        self.requests[request_id] = [seq]
+        self.sequences[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return [seq]
+
+    def _awaits_beam_step(self, seq: Sequence) -> bool:
+        br = self.beam_requests.get(seq.request_id)
+        return br is not None and seq.seq_id in br.pending
+
+    def _beam_report(
+        self, seq: Sequence, candidates: tuple[tuple[int, float], ...]
+    ) -> list[SequenceOutput]:
+        """Store one beam's candidates; run the beam step once every beam reported."""
+        br = self.beam_requests[seq.request_id]
+        if seq.num_preemptions == 0 and seq is br.beams[0] and not seq.output_token_ids:
+            br.num_cached_tokens = seq.num_cached_tokens
+        br.pending[seq.seq_id] = candidates
+        if any(b.seq_id not in br.pending for b in br.beams):
+            return []
+        inputs = [
+            BeamInput(b.output_token_ids, b.cumulative_logprob, br.pending[b.seq_id])
+            for b in br.beams
+        ]
+        br.pending.clear()
+        conts = br.search.step(inputs)
+        if br.search.done:
+            return self._finish_beam_request(seq.request_id)
+        self._wake_others = True  # beams may live on other workers' running lists
+        claimed: set[int] = set()
+        plan: list[tuple[Sequence, int, float]] = []
+        for c in conts:
+            parent = br.beams[c.parent]
+            if c.parent in claimed:
+                # NOTE: fork before the parent appends its own token below: the child
+                # shares the parent's table as computed so far.
+                plan.append((self._fork_beam(br, parent), c.token_id, c.cumulative_logprob))
+            else:
+                claimed.add(c.parent)
+                plan.append((parent, c.token_id, c.cumulative_logprob))
+        for pos, beam in enumerate(br.beams):
+            if pos not in claimed:
+                self._drop_beam(beam)
+        for beam, token, cum in plan:
+            beam.append_token(token)
+            beam.unsent_token_ids.append(token)
+            beam.cumulative_logprob = cum
+        br.beams = [beam for beam, _, _ in plan]
+        return []
+
+    def _fork_beam(self, br: _BeamRequest, parent: Sequence) -> Sequence:
+        """A new beam with the parent's tokens, sharing its blocks when it is running."""
+        child = Sequence(
+            seq_id=f"{parent.request_id}/{br.next_id}",
+            request_id=parent.request_id,
+            choice_index=0,
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling=parent.sampling,
+            eos_token_ids=parent.eos_token_ids,
+            max_total_tokens=parent.max_total_tokens,
+            arrival_s=parent.arrival_s,
+        )
+        br.next_id += 1
+        for token in parent.output_token_ids:
+            child.append_token(token)
+        if parent.status is SequenceStatus.RUNNING and parent.worker_id is not None:
+            ws = self.workers[parent.worker_id]
+            ws.kv.fork(parent.seq_id, child.seq_id)
+            child.status = SequenceStatus.RUNNING
+            child.worker_id = parent.worker_id
+            child.num_computed_tokens = parent.num_computed_tokens
+            ws.running.append(child)
+        else:  # the parent waits (preempted): so does the child, recomputing its tokens
+            self.waiting.appendleft(child)
+        self.sequences[child.seq_id] = child
+        self.requests[parent.request_id].append(child)
+        return child
+
+    def _drop_beam(self, beam: Sequence) -> None:
+        """Free a pruned beam's blocks at once and forget it."""
+        self._finish(beam, FinishReason.ABORT)
+        self.requests[beam.request_id].remove(beam)
+        self.sequences.pop(beam.seq_id, None)
+
+    def _finish_beam_request(self, request_id: str) -> list[SequenceOutput]:
+        """Free every beam and emit the n best finished beams, best first."""
+        br = self.beam_requests.pop(request_id)
+        seqs = self.requests.pop(request_id)
+        for beam in seqs:
+            if beam.status is not SequenceStatus.FINISHED:
+                self._finish(beam, FinishReason.LENGTH)
+            self.sequences.pop(beam.seq_id, None)
+        first = seqs[0]
+        eos = first.eos_token_ids
+        outputs = []
+        for i, hyp in enumerate(br.search.best(first.sampling.n)):
+            last = hyp.token_ids[-1]
+            stop_id = last if hyp.stopped and last in first.sampling.stop_token_ids else None
+            if stop_id is not None and last in eos and not first.sampling.ignore_eos:
+                stop_id = None  # EOS is not a stop reason
+            outputs.append(
+                SequenceOutput(
+                    request_id=request_id,
+                    choice_index=i,
+                    new_token_ids=hyp.token_ids,
+                    finish_reason=FinishReason.STOP if hyp.stopped else FinishReason.LENGTH,
+                    num_prompt_tokens=first.num_prompt_tokens,
+                    num_output_tokens=len(hyp.token_ids),
+                    num_cached_tokens=br.num_cached_tokens,
+                    cumulative_logprob=hyp.cumulative_logprob,
+                    stop_reason=stop_id,
+                    score=hyp.score,
+                )
+            )
+        return outputs
+
+    def _abort_beam_request(self, request_id: str, reason: FinishReason) -> list[SequenceOutput]:
+        """End a beam request early: every beam freed, one empty final delta per choice."""
+        br = self.beam_requests.pop(request_id)
+        seqs = self.requests.pop(request_id)
+        for beam in seqs:
+            if beam.status is not SequenceStatus.FINISHED:
+                self._finish(beam, reason)
+            self.sequences.pop(beam.seq_id, None)
+        first = seqs[0]
+        return [
+            SequenceOutput(
+                request_id=request_id,
+                choice_index=i,
+                new_token_ids=(),
+                finish_reason=reason,
+                num_prompt_tokens=first.num_prompt_tokens,
+                num_output_tokens=0,
+                num_cached_tokens=br.num_cached_tokens,
+            )
+            for i in range(first.sampling.n)
+        ]
+
+    def drain_wakeups(self) -> bool:
+        """True once after a beam step changed sequences that may run on other workers."""
+        wake, self._wake_others = self._wake_others, False
+        return wake
+
+    # ------------------------------------------------------------------ internals
     def _preempt(self, ws: _WorkerState, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, drop worker state, requeue at the front."""
         self._release(ws, seq)
@@ -466,7 +682,9 @@ class Scheduler:
     def _release(ws: _WorkerState, seq: Sequence) -> None:
         """Take a running sequence off its worker: batch, blocks, and worker state."""
         ws.running.remove(seq)
-        ws.kv.free(seq.seq_id)
+        seq.unsent_token_ids = []  # a resumed sequence is sent in full
+        if ws.kv.has_seq(seq.seq_id):  # a forked 1-token-prompt choice may hold none yet
+            ws.kv.free(seq.seq_id)
         if seq.seq_id in ws.resident:
             ws.resident.discard(seq.seq_id)
             ws.pending_finished.append(seq.seq_id)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import kernels
+from pagedserve.scheduler.beam_search import num_beam_candidates
 from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs, SchedulerOutput
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.config import WorkerConfig
@@ -160,6 +161,7 @@ class ModelRunner:
             # table[start:] = new ids: an append, or copy-on-write replacing the last entry
             state.block_ids.assign(start, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.token_ids.extend(cached.new_token_ids)  # chosen by beam search
         unknown = [r for r in so.num_scheduled_tokens if r not in self.seqs]
         if unknown:
             raise ValueError(f"scheduled sequences unknown to this worker: {unknown}")
@@ -210,12 +212,30 @@ class ModelRunner:
         )
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
+        beams = self._beam_candidates(logits, states)
         for state, n in scheduled:
             state.num_computed_tokens += n
+        sampled = {}
         for state, token in zip(states, tokens):
-            state.token_ids.append(token)
-        sampled = dict(zip(inputs.sample_seq_ids, tokens))
-        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start, logprobs)
+            if state.seq_id not in beams:  # beam search: the scheduler chooses the token
+                state.token_ids.append(token)
+                sampled[state.seq_id] = token
+        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start, logprobs, beams)
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, states: list[SequenceState]
+    ) -> dict[str, tuple[tuple[int, float], ...]]:
+        """Top candidates (raw-logit log-softmax) of beam-search sequences."""
+        rows = [i for i, s in enumerate(states) if s.sampling.use_beam_search]
+        if not rows:
+            return {}
+        counts = []
+        for i in rows:
+            sp = states[i].sampling
+            num_eos = 0 if sp.ignore_eos else len(self.arch.eos_token_ids)
+            counts.append(num_beam_candidates(sp.beam_width, num_eos))
+        found = compute_logprobs(logits, rows, [0] * len(rows), counts)
+        return {states[i].seq_id: lp.top for i, lp in zip(rows, found)}
 
     @staticmethod
     def _logprobs(
