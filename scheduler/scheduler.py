@@ -239,6 +239,15 @@ class Scheduler:
         arrival = time.monotonic() if arrival_s is None else arrival_s
         eos = frozenset(eos_token_ids)
         if sampling.use_beam_search:
+            # NOTE: beams step together (a beam that reported waits for its siblings while
+            # holding its blocks), so all K must fit at once, not just one at a time.
+            bs = max(w.spec.block_size for w in live)
+            need = sampling.beam_width * -(-max_total // bs)
+            if need > max(w.spec.num_blocks for w in live):
+                raise RequestRejected(
+                    f"beam search with beam_width {sampling.beam_width} needs up to {need} KV "
+                    "blocks at once, more than a worker's pool holds"
+                )
             return self._add_beam_request(
                 request_id, prompt_token_ids, sampling, eos, max_total, arrival
             )
