@@ -73,9 +73,18 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--n", type=int, default=None, help="choices (default 1, or --beam-width)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="report the top N (0..20)")
+    p.add_argument("--repetition-penalty", type=float, default=None)
+    p.add_argument("--presence-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None)
+    p.add_argument("--min-tokens", type=int, default=None)
+    p.add_argument("--include-stop-str-in-output", action="store_true")
+    p.add_argument("--beam-width", type=int, default=None, help="> 1 = beam search")
+    p.add_argument("--length-penalty", type=float, default=None)
+    p.add_argument("--cache-salt", default=None)
     p.add_argument("--request-id", default="")
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
@@ -140,6 +149,15 @@ def _generate(args: argparse.Namespace) -> int:
         "stop": args.stop,
         "ignore_eos": args.ignore_eos or None,
         "request_id": args.request_id,
+        "logprobs": args.logprobs,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "min_tokens": args.min_tokens,
+        "include_stop_str_in_output": args.include_stop_str_in_output or None,
+        "beam_width": args.beam_width,
+        "length_penalty": args.length_penalty,
+        "cache_salt": args.cache_salt,
     }
     if args.chat:
         kwargs["chat"] = [{"role": "user", "content": args.prompt}]
@@ -150,14 +168,15 @@ def _generate(args: argparse.Namespace) -> int:
         if args.output == "json":
             print(json.dumps(client.generate(prompt, **kwargs).to_dict()))
             return 0
+        multi = (args.n or args.beam_width or 1) > 1
         for d in client.stream(prompt, **kwargs):
-            prefix = f"[{d.index}] " if args.n > 1 else ""
+            prefix = f"[{d.index}] " if multi else ""
             if d.text:
-                sys.stdout.write(prefix + d.text if args.n > 1 else d.text)
+                sys.stdout.write(prefix + d.text if multi else d.text)
                 sys.stdout.flush()
-            if d.finish_reason is not None and args.n > 1:
+            if d.finish_reason is not None and multi:
                 sys.stdout.write("\n")
-        if args.n == 1:
+        if not multi:
             sys.stdout.write("\n")
     return 0
 
@@ -179,12 +198,21 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}"
     )
-    table = Table("worker", "num_blocks", "num_free_blocks", "block_size", "running", "alive")
+    table = Table(
+        "worker",
+        "num_blocks",
+        "num_free_blocks",
+        "num_used_blocks",
+        "block_size",
+        "running",
+        "alive",
+    )
     for w in st["workers"]:
         table.add_row(
             str(w["worker_id"]),
             str(w["num_blocks"]),
             str(w["num_free_blocks"]),
+            str(w["num_used_blocks"]),
             str(w["block_size"]),
             str(w["num_requests_running"]),
             "yes" if w["alive"] else "no",

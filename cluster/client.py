@@ -32,7 +32,13 @@ FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class Delta:
-    """One stream item: new tokens/text of choice ``index``; ``finish_reason`` on the last."""
+    """One stream item: new tokens/text of choice ``index``; ``finish_reason`` on the last.
+
+    ``logprobs`` (one dict ``{token_id, logprob, top_logprobs: [{token_id, logprob}]}`` per
+    token) and ``cumulative_logprob`` are set when the request asked for logprobs;
+    ``score`` for beam search; ``stop_reason`` (the matched stop string or stop token id)
+    on a last item ended by one.
+    """
 
     request_id: str
     index: int
@@ -40,16 +46,41 @@ class Delta:
     text: str
     finish_reason: str | None
     usage: dict[str, int] | None
+    logprobs: tuple[dict[str, Any], ...] = ()
+    cumulative_logprob: float | None = None
+    score: float | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
 class Choice:
-    """A finished choice: all token ids and text, and why it ended."""
+    """A finished choice: all token ids and text, why it ended, and its logprobs/score."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[str, Any]] | None = None
+    cumulative_logprob: float | None = None
+    score: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form; logprob and score keys only when the request produced them."""
+        out: dict[str, Any] = {
+            "index": self.index,
+            "token_ids": self.token_ids,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stop_reason": self.stop_reason,
+        }
+        if self.cumulative_logprob is not None:
+            out["cumulative_logprob"] = self.cumulative_logprob
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.score is not None:
+            out["score"] = self.score
+        return out
 
 
 @dataclass
@@ -64,15 +95,7 @@ class Result:
         """The JSON shape printed by ``pagedserve generate --output json``."""
         return {
             "request_id": self.request_id,
-            "choices": [
-                {
-                    "index": c.index,
-                    "token_ids": c.token_ids,
-                    "text": c.text,
-                    "finish_reason": c.finish_reason,
-                }
-                for c in self.choices
-            ],
+            "choices": [c.to_dict() for c in self.choices],
             "usage": self.usage,
         }
 
@@ -93,6 +116,15 @@ def build_request(
     stop_token_ids: Sequence[int] = (),
     ignore_eos: bool | None = None,
     return_token_ids: bool = True,
+    logprobs: int | None = None,
+    repetition_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    min_tokens: int | None = None,
+    include_stop_str_in_output: bool | None = None,
+    cache_salt: str | None = None,
+    beam_width: int | None = None,
+    length_penalty: float | None = None,
 ) -> Any:
     """Build a ``GenerateRequest``; exactly one of prompt / token_ids / chat.
 
@@ -119,6 +151,15 @@ def build_request(
         ("seed", seed),
         ("n", n),
         ("ignore_eos", ignore_eos),
+        ("logprobs", logprobs),
+        ("repetition_penalty", repetition_penalty),
+        ("presence_penalty", presence_penalty),
+        ("frequency_penalty", frequency_penalty),
+        ("min_tokens", min_tokens),
+        ("include_stop_str_in_output", include_stop_str_in_output),
+        ("cache_salt", cache_salt),
+        ("beam_width", beam_width),
+        ("length_penalty", length_penalty),
     ):
         if value is not None:
             setattr(s, name, value)
@@ -182,6 +223,7 @@ class Client:
                     "completion_tokens": msg.usage.completion_tokens,
                     "cached_tokens": msg.usage.cached_tokens,
                 }
+            kind = msg.stop_reason.WhichOneof("kind")
             yield Delta(
                 request_id=msg.request_id,
                 index=msg.index,
@@ -189,6 +231,21 @@ class Client:
                 text=msg.delta_text,
                 finish_reason=FINISH_REASONS[msg.finish_reason],
                 usage=usage,
+                logprobs=tuple(
+                    {
+                        "token_id": lp.token_id,
+                        "logprob": lp.logprob,
+                        "top_logprobs": [
+                            {"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs
+                        ],
+                    }
+                    for lp in msg.logprobs
+                ),
+                cumulative_logprob=(
+                    msg.cumulative_logprob if msg.HasField("cumulative_logprob") else None
+                ),
+                score=msg.score if msg.HasField("score") else None,
+                stop_reason=getattr(msg.stop_reason, kind) if kind else None,
             )
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
@@ -196,18 +253,27 @@ class Client:
         choices: dict[int, Choice] = {}
         request_id = kwargs.get("request_id", "")
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        want_logprobs = kwargs.get("logprobs") is not None
         for d in self.stream(prompt, **kwargs):
             request_id = d.request_id
             c = choices.setdefault(d.index, Choice(index=d.index))
             c.token_ids.extend(d.token_ids)
             c.text += d.text
+            if want_logprobs:
+                c.logprobs = (c.logprobs or []) + list(d.logprobs)
+            if d.cumulative_logprob is not None:
+                c.cumulative_logprob = d.cumulative_logprob
+            if d.score is not None:
+                c.score = d.score
             if d.finish_reason is not None:
                 c.finish_reason = d.finish_reason
+                c.stop_reason = d.stop_reason
                 assert d.usage is not None
                 usage["prompt_tokens"] = d.usage["prompt_tokens"]
                 usage["cached_tokens"] = max(usage["cached_tokens"], d.usage["cached_tokens"])
                 usage["completion_tokens"] += d.usage["completion_tokens"]
-        return Result(request_id, [choices[i] for i in sorted(choices)], usage)
+        ordered = [choices[i] for i in sorted(choices)]
+        return Result(request_id, ordered, usage)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight; True when it was."""
@@ -229,6 +295,7 @@ class Client:
                     "worker_id": w.worker_id,
                     "num_blocks": w.num_blocks,
                     "num_free_blocks": w.num_free_blocks,
+                    "num_used_blocks": w.num_used_blocks,
                     "block_size": w.block_size,
                     "num_requests_running": w.num_requests_running,
                     "alive": w.alive,

@@ -21,12 +21,15 @@ class TextDelta:
 
     Attributes:
         text: new text to send (may be empty).
-        stopped: a stop string matched; the choice must end now (the stop string and
-            anything after it are not part of the text).
+        stopped: a stop string matched; the choice must end now (anything after the
+            stop string, and the stop string itself unless it is kept, is not part of
+            the text).
+        stop: the stop string that matched (on the delta that stopped).
     """
 
     text: str
     stopped: bool
+    stop: str | None = None
 
 
 class IncrementalDetokenizer:
@@ -36,10 +39,15 @@ class IncrementalDetokenizer:
         tokenizer: a ``tokenizers.Tokenizer`` (``PreTrainedTokenizerFast.backend_tokenizer``).
         stop: stop strings (non-empty).
         skip_special_tokens: drop special tokens such as EOS from the text.
+        include_stop_str: keep a matched stop string at the end of the text.
     """
 
     def __init__(
-        self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True
+        self,
+        tokenizer: Any,
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
@@ -48,6 +56,8 @@ class IncrementalDetokenizer:
         self._text = ""  # all text decoded so far (up to a stop match)
         self._sent = 0  # characters of _text already returned
         self._stopped = False
+        self._include_stop = include_stop_str
+        self._matched: str | None = None
 
     @property
     def text(self) -> str:
@@ -68,22 +78,25 @@ class IncrementalDetokenizer:
             if chunk:
                 search_from = max(0, len(self._text) - self._hold)
                 self._text += chunk
-                cut = self._find_stop(search_from)
-                if cut is not None:
+                found = self._find_stop(search_from)
+                if found is not None:
+                    cut, self._matched = found
+                    if self._include_stop:
+                        cut += len(self._matched)
                     self._text = self._text[:cut]
                     self._stopped = True
                     break
         end = len(self._text) if (final or self._stopped) else len(self._text) - self._hold
         if end <= self._sent:
-            return TextDelta("", self._stopped)
+            return TextDelta("", self._stopped, self._matched)
         delta = self._text[self._sent : end]
         self._sent = end
-        return TextDelta(delta, self._stopped)
+        return TextDelta(delta, self._stopped, self._matched)
 
-    def _find_stop(self, start: int) -> int | None:
-        best: int | None = None
+    def _find_stop(self, start: int) -> tuple[int, str] | None:
+        best: tuple[int, str] | None = None
         for s in self._stop:
             pos = self._text.find(s, start)
-            if pos != -1 and (best is None or pos < best):
-                best = pos
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
         return best

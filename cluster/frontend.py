@@ -100,14 +100,22 @@ def sampling_from_proto(msg: Any, max_model_len: int) -> SamplingParams:
     def opt(name: str, default: Any) -> Any:
         return getattr(msg, name) if msg.HasField(name) else default
 
-    for name in ("temperature", "top_p"):
+    for name in (
+        "temperature",
+        "top_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "length_penalty",
+    ):
         if msg.HasField(name) and not math.isfinite(getattr(msg, name)):
             raise InvalidRequest(f"{name} must be a finite number")
     if len(msg.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
     if any(len(s) > MAX_STOP_CHARS for s in msg.stop):
         raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters")
-    n = opt("n", 1)
+    beam_width = opt("beam_width", 1)
+    n = opt("n", beam_width if beam_width > 1 else 1)
     if n > MAX_N:
         raise InvalidRequest(f"n must be <= {MAX_N}, got {n}")
     max_tokens = opt("max_tokens", DEFAULT_MAX_TOKENS)
@@ -125,6 +133,15 @@ def sampling_from_proto(msg: Any, max_model_len: int) -> SamplingParams:
             stop=tuple(msg.stop),
             stop_token_ids=tuple(int(t) for t in msg.stop_token_ids),
             ignore_eos=opt("ignore_eos", False),
+            logprobs=opt("logprobs", None),
+            repetition_penalty=float(opt("repetition_penalty", 1.0)),
+            presence_penalty=float(opt("presence_penalty", 0.0)),
+            frequency_penalty=float(opt("frequency_penalty", 0.0)),
+            min_tokens=opt("min_tokens", 0),
+            include_stop_str_in_output=opt("include_stop_str_in_output", False),
+            cache_salt=opt("cache_salt", None),
+            beam_width=beam_width,
+            length_penalty=float(opt("length_penalty", 1.0)),
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
@@ -240,7 +257,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             return
         self._in_flight.add(request_id)
         detoks = [
-            IncrementalDetokenizer(self._tokenizer.backend_tokenizer, sampling.stop)
+            IncrementalDetokenizer(
+                self._tokenizer.backend_tokenizer,
+                sampling.stop,
+                include_stop_str=sampling.include_stop_str_in_output,
+            )
             for _ in range(sampling.n)
         ]
         done = [False] * sampling.n
@@ -253,7 +274,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 for out in batch:
                     if done[out.choice_index]:
                         continue
-                    msg = self._to_proto(request_id, out, detoks[out.choice_index], request)
+                    msg = self._to_proto(
+                        request_id, out, detoks[out.choice_index], request, sampling
+                    )
                     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                         done[out.choice_index] = True
                         if out.finish_reason is None:  # a stop string ended the choice
@@ -308,14 +331,34 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await asyncio.sleep(interval_s)
 
     def _to_proto(
-        self, request_id: str, out: SequenceOutput, detok: IncrementalDetokenizer, request: Any
+        self,
+        request_id: str,
+        out: SequenceOutput,
+        detok: IncrementalDetokenizer,
+        request: Any,
+        sampling: SamplingParams,
     ) -> Any:
         final = out.finish_reason is not None
-        delta = detok.step(out.new_token_ids, final=final)
+        text_ids = out.new_token_ids
+        if out.stop_reason is not None and not sampling.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # a stop token id ends the delta; its text is left out
+        delta = detok.step(text_ids, final=final)
         msg = pb.GenerateResponse(request_id=request_id, index=out.choice_index)
         if request.return_token_ids:
             msg.delta_token_ids.extend(out.new_token_ids)
         msg.delta_text = delta.text
+        for lp in out.logprobs:
+            item = msg.logprobs.add(token_id=lp.token_id, logprob=lp.logprob)
+            for tid, value in lp.top:
+                item.top_logprobs.add(token_id=tid, logprob=value)
+        if out.cumulative_logprob is not None:
+            msg.cumulative_logprob = out.cumulative_logprob
+        if out.score is not None:
+            msg.score = out.score
+        if delta.stop is not None:
+            msg.stop_reason.stop = delta.stop
+        elif out.stop_reason is not None:
+            msg.stop_reason.token_id = out.stop_reason
         reason = FinishReason.STOP if delta.stopped else out.finish_reason
         if reason is not None:
             msg.finish_reason = reason.value
@@ -344,6 +387,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 worker_id=w.worker_id,
                 num_blocks=w.num_blocks,
                 num_free_blocks=w.num_free_blocks,
+                num_used_blocks=w.num_used_blocks,
                 block_size=w.block_size,
                 num_requests_running=w.num_running,
                 alive=w.alive,

@@ -193,7 +193,7 @@ class SchedulerActor:
                 self._in_step.discard(worker_id)
             outputs = sched.update(worker_id, sched_out, runner_out)
             self._dispatch(outputs)
-            if any(o.finish_reason is not None for o in outputs):
+            if any(o.finish_reason is not None for o in outputs) or sched.drain_wakeups():
                 self._wake_all()  # freed blocks may let another worker admit
 
     async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:

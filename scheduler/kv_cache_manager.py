@@ -324,24 +324,40 @@ class KVCacheManager:
         self._seqs[seq_id] = _SeqState(blocks, num_total_tokens, hashes)
         return AllocationResult([b.block_id for b in blocks], [], False, 0)
 
-    def fork(self, parent_seq_id: str, child_seq_id: str) -> None:
-        """Give ``child_seq_id`` the parent's whole block table (``ref_count + 1`` each).
+    def fork(self, parent_seq_id: str, child_seq_id: str, num_tokens: int | None = None) -> None:
+        """Give ``child_seq_id`` the head of the parent's block table (``ref_count + 1`` each).
 
         Used for parallel sampling (n > 1) and beam search (paper section 4.3); the first write
         of either into a shared partial block triggers copy-on-write.
 
+        Args:
+            parent_seq_id: the sequence to share from.
+            child_seq_id: the new sequence.
+            num_tokens: token slots the child gets (default: all the parent's). With fewer,
+                the child shares only the blocks covering ``[0, num_tokens)``; a child that
+                recomputes the parent's last token (n > 1 forks at ``prompt_len - 1``) then
+                copies the block it writes instead of writing into the shared one.
+
         Raises:
             KeyError: unknown parent.
-            ValueError: the child already exists.
+            ValueError: the child already exists, or ``num_tokens`` is outside
+                ``[1, parent's reserved slots]``.
         """
         parent = self._seqs[parent_seq_id]
         if child_seq_id in self._seqs:
             raise ValueError(f"sequence {child_seq_id!r} already exists")
+        n = parent.num_tokens if num_tokens is None else num_tokens
+        if not 1 <= n <= parent.num_tokens:
+            raise ValueError(
+                f"num_tokens must be in [1, {parent.num_tokens}] to fork {parent_seq_id!r}, "
+                f"got {num_tokens}"
+            )
+        shared = parent.blocks[: _cdiv(n, self.block_size)]
         touch = self._pool.touch
-        for b in parent.blocks:
+        for b in shared:
             touch(b)
         self._seqs[child_seq_id] = _SeqState(
-            list(parent.blocks), parent.num_tokens, list(parent.block_hashes)
+            list(shared), n, list(parent.block_hashes[: n // self.block_size])
         )
 
     def free(self, seq_id: str) -> None:

@@ -22,6 +22,23 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class SampleLogprobs:
+    """Log probabilities at one output position of a sequence (fp32 log-softmax of the raw
+    logits: before penalties, temperature and top-k/top-p, as vLLM's default).
+
+    Attributes:
+        token_id: the token generated at this position.
+        logprob: its log probability (natural log, <= 0).
+        top: the most likely ``(token_id, logprob)`` pairs, best first (as many as the
+            request's ``logprobs``; with beam search, the ``2 * beam_width`` candidates).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class NewSequenceData:
     """A sequence the worker does not hold (first schedule, or resumed after preemption).
 
@@ -55,12 +72,15 @@ class CachedSequenceData:
             docstring; with no new blocks it is the table's length).
         new_block_ids: block ids written into the block table since the last step.
         num_computed_tokens: tokens with K/V in the cache before this step.
+        new_token_ids: tokens the scheduler appended that the worker did not sample (the
+            tokens beam search chose); the worker appends them before the step.
     """
 
     seq_id: str
     new_blocks_start: int
     new_block_ids: list[int]
     num_computed_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -105,8 +125,15 @@ class RunnerOutput:
         sampled_token_ids: seq_id -> token sampled this step, only for sequences whose
             prompt is fully computed after the step (a partial prefill chunk samples nothing).
         execute_time_s: wall time of the model step on the worker, seconds.
+        logprobs: seq_id -> log probabilities of the token sampled this step, for the
+            sequences whose request asked for ``logprobs``.
+        beam_candidates: seq_id -> the ``(token_id, logprob)`` pairs (best first, fp32
+            log-softmax of the raw logits) of a beam-search sequence whose tokens are all
+            computed; such sequences sample nothing and appear only here.
     """
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     execute_time_s: float = 0.0
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    beam_candidates: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.outputs import SampleLogprobs
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet, or preempted (recompute) and re-queued
+    # A choice of an n > 1 request waiting for choice 0's prefill: it is forked from it
+    # (sharing the prompt's blocks) when that prefill completes; it is in no queue.
+    PENDING_FORK = "pending_fork"
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -41,6 +45,13 @@ class Sequence:
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         worker_id: the worker holding the sequence's KV blocks (None while waiting).
         num_preemptions: how often this sequence was preempted.
+        logprobs: per output token, its log probabilities (when the request asks).
+        cumulative_logprob: sum of the output tokens' logprobs (when known).
+        stop_reason: the stop token id that ended the sequence (not set for EOS).
+        unsent_token_ids: tokens appended by the scheduler (beam search) that the worker
+            holding the sequence has not been told yet.
+        fork_children: the request's other choices (status ``PENDING_FORK``) that fork
+            from this sequence once its prompt is computed (n > 1 parallel sampling).
     """
 
     seq_id: str
@@ -58,6 +69,11 @@ class Sequence:
     num_cached_tokens: int = 0
     worker_id: int | None = None
     num_preemptions: int = 0
+    logprobs: list[SampleLogprobs] = field(default_factory=list, repr=False)
+    cumulative_logprob: float = 0.0
+    stop_reason: int | None = None
+    unsent_token_ids: list[int] = field(default_factory=list, repr=False)
+    fork_children: list[Sequence] = field(default_factory=list, repr=False)
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -81,12 +97,18 @@ class Sequence:
         self._all_token_ids.append(token_id)
 
     def check_stop(self) -> FinishReason | None:
-        """Stop condition after the latest appended token (EOS, stop ids, length)."""
+        """Stop condition after the latest appended token (EOS, stop ids, length).
+
+        EOS and stop token ids count only from ``sampling.min_tokens`` outputs on; a stop
+        token id sets :attr:`stop_reason`.
+        """
         last = self.output_token_ids[-1]
-        if not self.sampling.ignore_eos and last in self.eos_token_ids:
-            return FinishReason.STOP
-        if last in self.sampling.stop_token_ids:
-            return FinishReason.STOP
+        if len(self.output_token_ids) >= self.sampling.min_tokens:
+            if not self.sampling.ignore_eos and last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in self.sampling.stop_token_ids:
+                self.stop_reason = last
+                return FinishReason.STOP
         if len(self.output_token_ids) >= self.sampling.max_tokens:
             return FinishReason.LENGTH
         if self.num_tokens >= self.max_total_tokens:
@@ -106,6 +128,10 @@ class SequenceOutput:
         num_prompt_tokens: prompt length (tokens).
         num_output_tokens: output tokens so far.
         num_cached_tokens: prompt tokens served from the prefix cache.
+        logprobs: log probabilities of ``new_token_ids`` (when the request asks).
+        cumulative_logprob: sum of the choice's token logprobs so far (when it asks).
+        stop_reason: on the last delta: the stop token id that ended the choice.
+        score: beam search: the beam's length-penalized score (on its only delta).
     """
 
     request_id: str
@@ -115,3 +141,7 @@ class SequenceOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int
+    logprobs: tuple[SampleLogprobs, ...] = ()
+    cumulative_logprob: float | None = None
+    stop_reason: int | None = None
+    score: float | None = None

@@ -19,6 +19,26 @@ One step for one worker (vLLM v1 ``Scheduler.schedule`` shape, Orca iteration-le
 After the worker answers, :meth:`Scheduler.update` appends sampled tokens, checks stop
 conditions, registers newly full blocks in the prefix cache, frees finished sequences and
 returns the deltas for the frontend.
+
+Parallel sampling (n > 1) shares the prompt's KV (PagedAttention paper §4.3): a request
+enters as one sequence (choice 0) that prefills the prompt; its other choices wait as
+``PENDING_FORK`` and, when the prefill completes, fork from it at ``prompt_len - 1``
+tokens: they share every prompt block that holds no slot they write (``ref_count`` n) and
+recompute the last prompt token to sample their own first token, so each choice draws
+exactly as an independent sequence would (seeded per choice and output position). The
+block holding that last slot, when shared, is copied on the first write of every holder
+but the last (``blocks_to_copy``). From then on each choice is a sequence of its own:
+it streams, finishes, frees its own references and is preempted (recompute; its full
+prompt blocks are usually still cached and held by its siblings) on its own.
+
+Beam search (``beam_width`` K > 1; rule in :mod:`pagedserve.scheduler.beam_search`): the
+request starts as one sequence. A beam whose tokens are all computed reports its top
+candidates (the worker samples nothing for it); once every running beam of the request
+has reported, the scheduler picks the next K beams. A parent's first continuation keeps
+its sequence (the chosen token reaches the worker as ``CachedSequenceData.new_token_ids``),
+each further one forks from it (shared blocks, copy-on-write of the partial last block)
+and parents without continuations are freed at once. The result (the n best finished
+beams) is emitted when the search ends: one final delta per choice, best first.
 """
 
 from __future__ import annotations
@@ -28,6 +48,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
@@ -88,6 +109,8 @@ class WorkerStats:
         worker_id: the worker's index.
         num_blocks: physical KV blocks in its pool.
         num_free_blocks: blocks not held by any sequence (cached-evictable included).
+        num_used_blocks: blocks held by at least one block table (``num_blocks -
+            num_free_blocks``; a block shared by n sequences counts once).
         block_size: tokens per block.
         num_running: sequences in its running batch.
         alive: False once the worker was taken out of service.
@@ -96,6 +119,7 @@ class WorkerStats:
     worker_id: int
     num_blocks: int
     num_free_blocks: int
+    num_used_blocks: int
     block_size: int
     num_running: int
     alive: bool
@@ -107,7 +131,8 @@ class SchedulerStats:
 
     Attributes:
         num_running: running sequences, all workers.
-        num_waiting: sequences in the waiting queue (new or preempted).
+        num_waiting: sequences in the waiting queue (new or preempted), plus choices
+            waiting for their request's prompt to fork from.
         num_preemptions: preemptions since start.
         workers: one :class:`WorkerStats` per worker, by worker id.
         prefix_cache_queries: prompt tokens looked up in the prefix cache.
@@ -120,6 +145,21 @@ class SchedulerStats:
     workers: tuple[WorkerStats, ...]
     prefix_cache_queries: int
     prefix_cache_hits: int
+
+
+@dataclass
+class _BeamRequest:
+    """Scheduler-side state of one beam-search request.
+
+    ``beams`` are its running beams in running order (best first); ``pending`` holds the
+    candidates of the beams that reported this round.
+    """
+
+    search: BeamSearch
+    beams: list[Sequence]
+    pending: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    next_id: int = 1
+    num_cached_tokens: int = 0
 
 
 class Scheduler:
@@ -151,8 +191,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
+        self.beam_requests: dict[str, _BeamRequest] = {}
         self.num_preemptions = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
+        self._wake_others = False
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -163,7 +205,8 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         arrival_s: float | None = None,
     ) -> list[Sequence]:
-        """Queue a request: one sequence per choice (``sampling.n``).
+        """Queue a request: one sequence per choice (``sampling.n``); choice 0 is queued,
+        the others wait to fork from it (see the module docstring).
 
         Raises:
             DuplicateRequest: the request id is in flight.
@@ -187,8 +230,8 @@ class Scheduler:
         live = [w for w in self.workers.values() if w.alive]
         if not live:
             raise ClusterUnavailable("no worker is alive")
-        # Choices are independent sequences: each must fit alone (preemption lets them
-        # take turns), so the bound is per sequence, not n times it.
+        # Each choice must fit alone (after the fork, preemption lets them take turns), so
+        # the bound is per sequence, not n times it.
         capacity = max(w.spec.num_blocks * w.spec.block_size for w in live)
         if max_total > capacity:
             raise RequestRejected(
@@ -197,6 +240,19 @@ class Scheduler:
             )
         arrival = time.monotonic() if arrival_s is None else arrival_s
         eos = frozenset(eos_token_ids)
+        if sampling.use_beam_search:
+            # NOTE: beams step together (a beam that reported waits for its siblings while
+            # holding its blocks), so all K must fit at once, not just one at a time.
+            bs = max(w.spec.block_size for w in live)
+            need = sampling.beam_width * -(-max_total // bs)
+            if need > max(w.spec.num_blocks for w in live):
+                raise RequestRejected(
+                    f"beam search with beam_width {sampling.beam_width} needs up to {need} KV "
+                    "blocks at once, more than a worker's pool holds"
+                )
+            return self._add_beam_request(
+                request_id, prompt_token_ids, sampling, eos, max_total, arrival
+            )
         seqs = [
             Sequence(
                 seq_id=f"{request_id}/{i}",
@@ -213,7 +269,10 @@ class Scheduler:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
-            self.waiting.append(seq)
+        for child in seqs[1:]:
+            child.status = SequenceStatus.PENDING_FORK
+        seqs[0].fork_children = seqs[1:]
+        self.waiting.append(seqs[0])
         return seqs
 
     def abort_request(
@@ -231,6 +290,8 @@ class Scheduler:
 
         Returns the final deltas; empty when nothing was in flight.
         """
+        if request_id in self.beam_requests:
+            return self._abort_beam_request(request_id, reason)
         outputs = []
         for seq in self.requests.get(request_id, []):
             if choice_index is not None and seq.choice_index != choice_index:
@@ -263,6 +324,9 @@ class Scheduler:
         while idx < len(ws.running) and budget > 0:
             seq = ws.running[idx]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0 and self._awaits_beam_step(seq):
+                idx += 1  # reported its candidates; waits for its sibling beams
+                continue
             if num_new <= 0:
                 # A running sequence always has its sampled token left to compute: update()
                 # appends a token whenever the prompt is done, and finishes it otherwise.
@@ -294,10 +358,17 @@ class Scheduler:
 
     def _admit(self, ws: _WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
         kv = ws.kv
-        while self.waiting and budget > 0 and len(ws.running) < self.config.max_num_seqs:
+        max_seqs = self.config.max_num_seqs
+        # Choices still to fork from running sequences hold their seats in the batch.
+        seats = len(ws.running) + sum(len(s.fork_children) for s in ws.running)
+        while self.waiting and budget > 0 and seats < max_seqs:
             seq = self.waiting[0]
+            width = 1 + len(seq.fork_children)
+            if seats + width > max_seqs and seats > 0:
+                break  # n > max_num_seqs still runs, alone
             tokens = seq.all_token_ids
-            computed_blocks, num_computed = kv.get_computed_blocks(tokens, count=False)
+            salt = seq.sampling.cache_salt
+            computed_blocks, num_computed = kv.get_computed_blocks(tokens, salt, count=False)
             num_new = len(tokens) - num_computed
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
@@ -317,6 +388,7 @@ class Scheduler:
             self.metrics.on_scheduled(seq)
             num_scheduled[seq.seq_id] = num_new
             budget -= num_new
+            seats += width
         return budget
 
     def _build_output(
@@ -351,8 +423,10 @@ class Scheduler:
                         new_blocks_start=start,
                         new_block_ids=block_ids,
                         num_computed_tokens=seq.num_computed_tokens,
+                        new_token_ids=seq.unsent_token_ids,
                     )
                 )
+            seq.unsent_token_ids = []  # new_seqs carry every token
         out = SchedulerOutput(
             step_id=ws.next_step_id,
             new_seqs=new_seqs,
@@ -386,13 +460,26 @@ class Scheduler:
             ):
                 continue  # aborted, preempted or moved while the step ran
             seq.num_computed_tokens += num_new
+            salt = seq.sampling.cache_salt
+            if seq.sampling.use_beam_search:
+                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                candidates = runner_out.beam_candidates.get(seq_id)
+                if candidates is not None:
+                    outputs.extend(self._beam_report(seq, candidates))
+                continue
             token = runner_out.sampled_token_ids.get(seq_id)
             if token is None:
-                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 continue
             seq.append_token(token)
             self.metrics.on_token(seq)
-            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens)
+            lp = runner_out.logprobs.get(seq_id)
+            if lp is not None:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp.logprob
+            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+            if seq.fork_children:
+                self._fork_children(ws, seq)
             reason = seq.check_stop()
             if reason is not None:
                 self._finish(seq, reason)
@@ -401,6 +488,198 @@ class Scheduler:
         for request_id in finished_requests:
             self._forget_if_done(request_id)
         return outputs
+
+    # ------------------------------------------------------------------ internals
+    def _fork_children(self, ws: _WorkerState, parent: Sequence) -> None:
+        """Start the pending choices of ``parent``'s request, which just computed its prompt.
+
+        Each child shares the blocks of the prompt's first ``prompt_len - 1`` tokens and
+        recomputes the last prompt token (so it samples its own first token from its own
+        logits); it joins the running batch after its parent.
+        """
+        num_shared = parent.num_prompt_tokens - 1
+        for child in parent.fork_children:
+            if num_shared > 0:
+                ws.kv.fork(parent.seq_id, child.seq_id, num_shared)
+            # NOTE: with a 1-token prompt nothing is shared; the child's first step
+            # allocates its table like a new sequence (allocate_slots on an unknown id).
+            child.status = SequenceStatus.RUNNING
+            child.worker_id = ws.spec.worker_id
+            child.num_computed_tokens = num_shared
+            child.num_cached_tokens = parent.num_cached_tokens
+            ws.running.append(child)
+        parent.fork_children = []
+
+    # ------------------------------------------------------------------ beam search
+    def _add_beam_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos: frozenset[int],
+        max_total: int,
+        arrival: float,
+    ) -> list[Sequence]:
+        seq = Sequence(
+            seq_id=f"{request_id}/0",
+            request_id=request_id,
+            choice_index=0,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling=sampling,
+            eos_token_ids=eos,
+            max_total_tokens=max_total,
+            arrival_s=arrival,
+        )
+        live_eos = frozenset() if sampling.ignore_eos else eos
+        search = BeamSearch(
+            sampling.beam_width,
+            sampling.max_tokens,
+            sampling.length_penalty,
+            live_eos | frozenset(sampling.stop_token_ids),
+            len(live_eos),
+        )
+        self.beam_requests[request_id] = _BeamRequest(search, [seq])
+        self.requests[request_id] = [seq]
+        self.sequences[seq.seq_id] = seq
+        self.waiting.append(seq)
+        return [seq]
+
+    def _awaits_beam_step(self, seq: Sequence) -> bool:
+        br = self.beam_requests.get(seq.request_id)
+        return br is not None and seq.seq_id in br.pending
+
+    def _beam_report(
+        self, seq: Sequence, candidates: tuple[tuple[int, float], ...]
+    ) -> list[SequenceOutput]:
+        """Store one beam's candidates; run the beam step once every beam reported."""
+        br = self.beam_requests[seq.request_id]
+        if seq.num_preemptions == 0 and seq is br.beams[0] and not seq.output_token_ids:
+            br.num_cached_tokens = seq.num_cached_tokens
+        br.pending[seq.seq_id] = candidates
+        if any(b.seq_id not in br.pending for b in br.beams):
+            return []
+        inputs = [
+            BeamInput(b.output_token_ids, b.cumulative_logprob, br.pending[b.seq_id])
+            for b in br.beams
+        ]
+        br.pending.clear()
+        conts = br.search.step(inputs)
+        if br.search.done:
+            return self._finish_beam_request(seq.request_id)
+        self._wake_others = True  # beams may live on other workers' running lists
+        claimed: set[int] = set()
+        plan: list[tuple[Sequence, int, float]] = []
+        for c in conts:
+            parent = br.beams[c.parent]
+            if c.parent in claimed:
+                # NOTE: fork before the parent appends its own token below: the child
+                # shares the parent's table as computed so far.
+                plan.append((self._fork_beam(br, parent), c.token_id, c.cumulative_logprob))
+            else:
+                claimed.add(c.parent)
+                plan.append((parent, c.token_id, c.cumulative_logprob))
+        for pos, beam in enumerate(br.beams):
+            if pos not in claimed:
+                self._drop_beam(beam)
+        for beam, token, cum in plan:
+            beam.append_token(token)
+            beam.unsent_token_ids.append(token)
+            beam.cumulative_logprob = cum
+        br.beams = [beam for beam, _, _ in plan]
+        return []
+
+    def _fork_beam(self, br: _BeamRequest, parent: Sequence) -> Sequence:
+        """A new beam with the parent's tokens, sharing its blocks when it is running."""
+        child = Sequence(
+            seq_id=f"{parent.request_id}/{br.next_id}",
+            request_id=parent.request_id,
+            choice_index=0,
+            prompt_token_ids=parent.prompt_token_ids,
+            sampling=parent.sampling,
+            eos_token_ids=parent.eos_token_ids,
+            max_total_tokens=parent.max_total_tokens,
+            arrival_s=parent.arrival_s,
+        )
+        br.next_id += 1
+        for token in parent.output_token_ids:
+            child.append_token(token)
+        if parent.status is SequenceStatus.RUNNING and parent.worker_id is not None:
+            ws = self.workers[parent.worker_id]
+            ws.kv.fork(parent.seq_id, child.seq_id)
+            child.status = SequenceStatus.RUNNING
+            child.worker_id = parent.worker_id
+            child.num_computed_tokens = parent.num_computed_tokens
+            ws.running.append(child)
+        else:  # the parent waits (preempted): so does the child, recomputing its tokens
+            self.waiting.appendleft(child)
+        self.sequences[child.seq_id] = child
+        self.requests[parent.request_id].append(child)
+        return child
+
+    def _drop_beam(self, beam: Sequence) -> None:
+        """Free a pruned beam's blocks at once and forget it."""
+        self._finish(beam, FinishReason.ABORT)
+        self.requests[beam.request_id].remove(beam)
+        self.sequences.pop(beam.seq_id, None)
+
+    def _finish_beam_request(self, request_id: str) -> list[SequenceOutput]:
+        """Free every beam and emit the n best finished beams, best first."""
+        br = self.beam_requests.pop(request_id)
+        seqs = self.requests.pop(request_id)
+        for beam in seqs:
+            if beam.status is not SequenceStatus.FINISHED:
+                self._finish(beam, FinishReason.LENGTH)
+            self.sequences.pop(beam.seq_id, None)
+        first = seqs[0]
+        eos = first.eos_token_ids
+        outputs = []
+        for i, hyp in enumerate(br.search.best(first.sampling.n)):
+            last = hyp.token_ids[-1]
+            stop_id = last if hyp.stopped and last in first.sampling.stop_token_ids else None
+            if stop_id is not None and last in eos and not first.sampling.ignore_eos:
+                stop_id = None  # EOS is not a stop reason
+            outputs.append(
+                SequenceOutput(
+                    request_id=request_id,
+                    choice_index=i,
+                    new_token_ids=hyp.token_ids,
+                    finish_reason=FinishReason.STOP if hyp.stopped else FinishReason.LENGTH,
+                    num_prompt_tokens=first.num_prompt_tokens,
+                    num_output_tokens=len(hyp.token_ids),
+                    num_cached_tokens=br.num_cached_tokens,
+                    cumulative_logprob=hyp.cumulative_logprob,
+                    stop_reason=stop_id,
+                    score=hyp.score,
+                )
+            )
+        return outputs
+
+    def _abort_beam_request(self, request_id: str, reason: FinishReason) -> list[SequenceOutput]:
+        """End a beam request early: every beam freed, one empty final delta per choice."""
+        br = self.beam_requests.pop(request_id)
+        seqs = self.requests.pop(request_id)
+        for beam in seqs:
+            if beam.status is not SequenceStatus.FINISHED:
+                self._finish(beam, reason)
+            self.sequences.pop(beam.seq_id, None)
+        first = seqs[0]
+        return [
+            SequenceOutput(
+                request_id=request_id,
+                choice_index=i,
+                new_token_ids=(),
+                finish_reason=reason,
+                num_prompt_tokens=first.num_prompt_tokens,
+                num_output_tokens=0,
+                num_cached_tokens=br.num_cached_tokens,
+            )
+            for i in range(first.sampling.n)
+        ]
+
+    def drain_wakeups(self) -> bool:
+        """True once after a beam step changed sequences that may run on other workers."""
+        wake, self._wake_others = self._wake_others, False
+        return wake
 
     # ------------------------------------------------------------------ internals
     def _preempt(self, ws: _WorkerState, seq: Sequence) -> None:
@@ -418,13 +697,30 @@ class Scheduler:
     def _release(ws: _WorkerState, seq: Sequence) -> None:
         """Take a running sequence off its worker: batch, blocks, and worker state."""
         ws.running.remove(seq)
-        ws.kv.free(seq.seq_id)
+        seq.unsent_token_ids = []  # a resumed sequence is sent in full
+        if ws.kv.has_seq(seq.seq_id):  # a forked 1-token-prompt choice may hold none yet
+            ws.kv.free(seq.seq_id)
         if seq.seq_id in ws.resident:
             ws.resident.discard(seq.seq_id)
             ws.pending_finished.append(seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.fork_children:
+            # Ends before its prompt was computed (abort): the next choice takes over as
+            # the one that prefills, in this sequence's place in the queue.
+            heir, *rest = seq.fork_children
+            seq.fork_children = []
+            heir.fork_children = rest
+            heir.status = SequenceStatus.WAITING
+            if seq.status is SequenceStatus.WAITING:
+                self.waiting.insert(self.waiting.index(seq), heir)
+            else:
+                self.waiting.appendleft(heir)
+        if seq.status is SequenceStatus.PENDING_FORK:
+            for other in self.requests.get(seq.request_id, []):
+                if seq in other.fork_children:
+                    other.fork_children.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
             if seq.worker_id is None:
                 raise IntegrityError(f"running sequence {seq.seq_id!r} has no worker")
             self._release(self.workers[seq.worker_id], seq)
@@ -444,6 +740,7 @@ class Scheduler:
 
     @staticmethod
     def _delta(seq: Sequence, new_tokens: tuple[int, ...]) -> SequenceOutput:
+        want_lp = seq.sampling.logprobs is not None
         return SequenceOutput(
             request_id=seq.request_id,
             choice_index=seq.choice_index,
@@ -452,6 +749,9 @@ class Scheduler:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
+            logprobs=tuple(seq.logprobs[-len(new_tokens) :]) if want_lp and new_tokens else (),
+            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+            stop_reason=seq.stop_reason,
         )
 
     # ------------------------------------------------------------------ introspection
@@ -462,6 +762,7 @@ class Scheduler:
                 worker_id=wid,
                 num_blocks=ws.spec.num_blocks,
                 num_free_blocks=ws.kv.num_free_blocks,
+                num_used_blocks=ws.spec.num_blocks - ws.kv.num_free_blocks,
                 block_size=ws.spec.block_size,
                 num_running=len(ws.running),
                 alive=ws.alive,
@@ -475,7 +776,8 @@ class Scheduler:
             hits += st.hits_tokens
         return SchedulerStats(
             num_running=sum(len(ws.running) for ws in self.workers.values()),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting)
+            + sum(len(s.fork_children) for s in self.sequences.values()),
             num_preemptions=self.num_preemptions,
             workers=workers,
             prefix_cache_queries=queries,

@@ -118,6 +118,7 @@ class _Seq:
     num_prompt_tokens: int
     max_tokens: int
     sampling: SamplingParams
+    choice_index: int = 0
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     sent: bool = False
@@ -169,16 +170,19 @@ class FakeScheduler:
         sampling: SamplingParams = GREEDY,
         prefix: str = "req",
         num_prompt_tokens: list[int] | None = None,
+        choice_indices: list[int] | None = None,
     ) -> list[list[int]]:
         """Run ``prompts`` to ``max_tokens`` new outputs each; return them in order.
 
         ``num_prompt_tokens`` marks how much of each prompt is prompt (the rest being
         earlier outputs), as when a preempted request is resumed by recomputation.
+        ``choice_indices`` gives each sequence its choice index (seeds sampling; default 0).
         """
         lens = num_prompt_tokens or [len(p) for p in prompts]
+        choices = choice_indices or [0] * len(prompts)
         seqs = [
-            _Seq(f"{prefix}-{i}", list(p), n, max_tokens, sampling)
-            for i, (p, n) in enumerate(zip(prompts, lens))
+            _Seq(f"{prefix}-{i}", list(p), n, max_tokens, sampling, c)
+            for i, (p, n, c) in enumerate(zip(prompts, lens, choices))
         ]
         waiting, running = deque(seqs), []
         finished: list[str] = []
@@ -209,6 +213,7 @@ class FakeScheduler:
                             list(seq.block_ids),
                             seq.num_computed,
                             seq.sampling,
+                            seq.choice_index,
                         )
                     )
                     seq.sent = True

@@ -8,7 +8,9 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
-6. sample for the sequences whose known tokens are all computed after the step, append
+6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), sample
+   for the sequences whose known tokens are all computed after the step (logprobs from
+   the raw logits for those that ask), append
    the sampled token to the worker's copy of their token list, advance
    ``num_computed_tokens`` by the chunk, and return the tokens.
 
@@ -25,11 +27,13 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import kernels
-from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.scheduler.beam_search import num_beam_candidates
+from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs, SchedulerOutput
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
@@ -157,6 +161,7 @@ class ModelRunner:
             # table[start:] = new ids: an append, or copy-on-write replacing the last entry
             state.block_ids.assign(start, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+            state.token_ids.extend(cached.new_token_ids)  # chosen by beam search
         unknown = [r for r in so.num_scheduled_tokens if r not in self.seqs]
         if unknown:
             raise ValueError(f"scheduled sequences unknown to this worker: {unknown}")
@@ -198,10 +203,50 @@ class ModelRunner:
             inputs.logits_indices,
         )
         states = [self.seqs[r] for r in inputs.sample_seq_ids]
-        tokens = self.sampler(logits, [s.sampling_row() for s in states])
+        processed = process_logits(
+            logits,
+            [s.sampling for s in states],
+            [s.token_ids for s in states],
+            [s.num_prompt_tokens for s in states],
+            self.arch.eos_token_ids,
+        )
+        tokens = self.sampler(processed, [s.sampling_row() for s in states])
+        logprobs = self._logprobs(logits, states, tokens)
+        beams = self._beam_candidates(logits, states)
         for state, n in scheduled:
             state.num_computed_tokens += n
+        sampled = {}
         for state, token in zip(states, tokens):
-            state.token_ids.append(token)
-        sampled = dict(zip(inputs.sample_seq_ids, tokens))
-        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start)
+            if state.seq_id not in beams:  # beam search: the scheduler chooses the token
+                state.token_ids.append(token)
+                sampled[state.seq_id] = token
+        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start, logprobs, beams)
+
+    def _beam_candidates(
+        self, logits: torch.Tensor, states: list[SequenceState]
+    ) -> dict[str, tuple[tuple[int, float], ...]]:
+        """Top candidates (raw-logit log-softmax) of beam-search sequences."""
+        rows = [i for i, s in enumerate(states) if s.sampling.use_beam_search]
+        if not rows:
+            return {}
+        counts = []
+        for i in rows:
+            sp = states[i].sampling
+            num_eos = 0 if sp.ignore_eos else len(self.arch.eos_token_ids)
+            counts.append(num_beam_candidates(sp.beam_width, num_eos))
+        found = compute_logprobs(logits, rows, [0] * len(rows), counts)
+        return {states[i].seq_id: lp.top for i, lp in zip(rows, found)}
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, states: list[SequenceState], tokens: list[int]
+    ) -> dict[str, SampleLogprobs]:
+        """Logprobs (raw logits) of the sampled tokens of sequences that asked for them."""
+        rows = [i for i, s in enumerate(states) if s.sampling.logprobs is not None]
+        found = compute_logprobs(
+            logits,
+            rows,
+            [tokens[i] for i in rows],
+            [states[i].sampling.logprobs or 0 for i in rows],
+        )
+        return {states[i].seq_id: lp for i, lp in zip(rows, found)}

@@ -145,6 +145,16 @@ def test_stop_string_cuts_text(address):
         (dict(max_tokens=10**6), "max_tokens"),
         (dict(n=0), "n must"),
         (dict(stop=[""]), "stop"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(min_tokens=9, max_tokens=8), "min_tokens"),
+        (dict(cache_salt=""), "cache_salt"),
+        (dict(beam_width=17), "beam_width"),
+        (dict(beam_width=2, n=3), "beam_width"),
+        (dict(beam_width=2, length_penalty=float("inf")), "length_penalty"),
     ],
 )
 def test_bad_sampling_values_are_invalid_argument(address, kwargs, fragment):
@@ -223,6 +233,7 @@ def test_stats_health_and_reflection(address):
         st = wait_all_free(c)
     assert st["workers"][0]["num_blocks"] == NUM_BLOCKS
     assert st["workers"][0]["block_size"] == 16
+    assert st["workers"][0]["num_used_blocks"] == 0
     with grpc.insecure_channel(address) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"), timeout=10
@@ -281,3 +292,39 @@ def test_request_id_reuse_after_cancel(address):
                 raise AssertionError(f"attempt {attempt}: id never released")
             assert len(r.choices[0].token_ids) == 2
         wait_all_free(c)
+
+
+def test_logprobs_stop_token_text_and_cache_salt(address, hf):
+    tok, greedy = hf
+    prompt = "The three primary colors are"
+    ids = tok(prompt)["input_ids"]
+    ref = greedy(ids, 6)
+    with Client(address, timeout_s=300) as c:
+        r = c.generate(token_ids=ids, max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+        stop = c.generate(
+            token_ids=ids, max_tokens=6, temperature=0, stop_token_ids=[ref[2]], ignore_eos=True
+        )
+        kept = c.generate(
+            token_ids=ids,
+            max_tokens=6,
+            temperature=0,
+            stop_token_ids=[ref[2]],
+            include_stop_str_in_output=True,
+            ignore_eos=True,
+        )
+        long_prompt = "Shared context for salting. " * 6 + "Say hi:"
+        a = c.generate(long_prompt, max_tokens=1, temperature=0, cache_salt="a")
+        b = c.generate(long_prompt, max_tokens=1, temperature=0, cache_salt="b")
+        a2 = c.generate(long_prompt, max_tokens=1, temperature=0, cache_salt="a")
+        wait_all_free(c)
+    choice = r.choices[0]
+    assert choice.token_ids == ref
+    assert [lp["token_id"] for lp in choice.logprobs] == ref
+    assert all(lp["top_logprobs"][0]["token_id"] == t for lp, t in zip(choice.logprobs, ref))
+    assert choice.cumulative_logprob == pytest.approx(sum(lp["logprob"] for lp in choice.logprobs))
+    assert stop.choices[0].token_ids == ref[:3]
+    assert stop.choices[0].stop_reason == ref[2]
+    assert stop.choices[0].text == tok.decode(ref[:2])
+    assert kept.choices[0].text == tok.decode(ref[:3])
+    assert (a.usage["cached_tokens"], b.usage["cached_tokens"]) == (0, 0)
+    assert a2.usage["cached_tokens"] >= 16

@@ -8,10 +8,11 @@ every block must be free at the end.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
-from helpers import hf_greedy
+from helpers import FakeScheduler, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -29,7 +30,7 @@ PROMPTS = [
 ]
 
 
-def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 1):
+def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 1, sampling=None):
     worker = Worker(
         WorkerConfig(
             model=ModelConfig(model=str(model_dir)),
@@ -44,7 +45,8 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
-    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
+    if sampling is None:
+        sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, sampling, info.eos_token_ids)
     tokens: dict[tuple[str, int], list[int]] = {}
@@ -121,3 +123,106 @@ def test_n_choices_greedy_all_equal_hf(tiny_llama_dir: Path, expected) -> None:
     for i in range(2):
         for c in range(3):
             assert tokens[(f"r{i}", c)] == expected[i]
+
+
+def test_forked_choices_sample_like_independent_sequences(tiny_llama_dir: Path) -> None:
+    """n=4 seeded sampling by fork (one prefill, shared prompt blocks) gives every choice
+    the tokens an independent sequence with that choice index gets, also when the pool is
+    so small that forked choices are preempted and recomputed."""
+    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=7, ignore_eos=True, n=4)
+    prompts = PROMPTS[:2]
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(tiny_llama_dir)),
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            device="cpu",
+        )
+    )
+    single = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=7, ignore_eos=True)
+    independent = FakeScheduler(worker, 4, 64).generate(
+        [p for p in prompts for _ in range(4)], MAX_NEW, single, choice_indices=[0, 1, 2, 3] * 2
+    )
+    assert len({tuple(t) for t in independent[:4]}) == 4  # the choices differ
+    for num_blocks, preempted in ((64, False), (13, True)):
+        tokens, sched, _ = run_engine(tiny_llama_dir, num_blocks, 64, prompts, sampling=sampling)
+        assert (sched.num_preemptions > 0) is preempted
+        for i in range(2):
+            for c in range(4):
+                assert tokens[(f"r{i}", c)] == independent[4 * i + c], (num_blocks, i, c)
+
+
+def _hf_generate(model_dir: Path, prompt: list[int], **kwargs):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    ids = torch.tensor([prompt])
+    return hf.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=MAX_NEW,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+
+
+def test_repetition_penalty_equals_hf_also_after_preemption(tiny_llama_dir: Path) -> None:
+    prompts = PROMPTS[:3]
+    refs = [
+        _hf_generate(tiny_llama_dir, p, repetition_penalty=1.3).sequences[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    sampling = SamplingParams(
+        max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, repetition_penalty=1.3
+    )
+    for num_blocks, preempted in ((64, False), (10, True)):
+        tokens, sched, _ = run_engine(tiny_llama_dir, num_blocks, 6, prompts, sampling=sampling)
+        assert (sched.num_preemptions > 0) is preempted
+        for i, ref in enumerate(refs):
+            assert tokens[(f"r{i}", 0)] == ref, (num_blocks, i)
+
+
+def test_presence_frequency_penalties_survive_preemption(tiny_llama_dir: Path) -> None:
+    kw = dict(max_tokens=MAX_NEW, temperature=0.8, seed=3, ignore_eos=True)
+    penalized = SamplingParams(**kw, presence_penalty=1.5, frequency_penalty=2.0)
+    runs = [
+        run_engine(tiny_llama_dir, nb, 6, PROMPTS[:3], sampling=sp)
+        for nb, sp in ((64, penalized), (10, penalized), (64, SamplingParams(**kw)))
+    ]
+    assert runs[1][1].num_preemptions > 0
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][0] != runs[2][0]  # the penalties change the draws
+    # With a frequency penalty of 2 no token repeats many times in a row.
+    for toks in runs[0][0].values():
+        assert max(len(list(g)) for _, g in itertools.groupby(toks)) <= 3
+
+
+def test_logprobs_equal_hf_output_scores(tiny_llama_dir: Path) -> None:
+    import torch
+
+    prompt = PROMPTS[1]
+    out = _hf_generate(tiny_llama_dir, prompt, output_scores=True)
+    ref_tokens = out.sequences[0, len(prompt) :].tolist()
+    ref_lp = [torch.log_softmax(s[0].float(), dim=-1) for s in out.scores]
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(tiny_llama_dir)),
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            device="cpu",
+        )
+    )
+    sched = FakeScheduler(worker, 4, 64, token_budget=7)
+    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, logprobs=5)
+    assert sched.generate([prompt], MAX_NEW, sampling)[0] == ref_tokens
+    ours = [o.logprobs["req-0"] for o in sched.outputs if "req-0" in o.logprobs]
+    assert len(ours) == MAX_NEW
+    for lp, ref, tok in zip(ours, ref_lp, ref_tokens):
+        assert lp.token_id == tok
+        assert abs(lp.logprob - ref[tok].item()) < 1e-3
+        top = ref.topk(5)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        for (_, v), r in zip(lp.top, top.values.tolist()):
+            assert abs(v - r) < 1e-3

@@ -84,3 +84,54 @@ def test_continuous_batching_greedy_equals_hf(
     assert tokenizer.decode(ours[0]).startswith("The capital of France is Paris.")
     # Most answers run past 32 tokens before any EOS (real text, not post-EOS noise).
     assert sum(len(until_eos(o, eos)) >= 32 for o in ours) >= 3
+
+
+def test_repetition_penalty_and_logprobs_equal_hf(
+    smollm2_dir: Path, prompts: list[list[int]], tokenizer
+) -> None:
+    """Greedy with repetition_penalty=1.3 equals HF ``generate(repetition_penalty=1.3)``
+    token for token; logprobs (raw logits) equal HF's ``output_logits`` within 1e-3."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.scheduler.sampling_params import SamplingParams
+
+    n_new = 24
+    chosen = [prompts[0], prompts[3], prompts[4]]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, attn_implementation="eager").eval()
+    refs = []
+    for p in chosen:
+        ids = torch.tensor([p])
+        with torch.inference_mode():
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n_new,
+                do_sample=False,
+                repetition_penalty=1.3,
+                eos_token_id=None,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        lps = [torch.log_softmax(x[0].float(), dim=-1) for x in out.logits]
+        refs.append((out.sequences[0, len(p) :].tolist(), lps))
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(smollm2_dir), max_model_len=1024),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=32),
+            device="cpu",
+        )
+    )
+    sched = FakeScheduler(worker, BLOCK_SIZE, 32, token_budget=64)
+    sampling = SamplingParams(max_tokens=n_new, temperature=0.0, repetition_penalty=1.3, logprobs=3)
+    ours = sched.generate(chosen, n_new, sampling)
+    for i, (mine, (ref, ref_lps)) in enumerate(zip(ours, refs)):
+        assert mine == ref, f"prompt {i}: {tokenizer.decode(mine)!r} vs {tokenizer.decode(ref)!r}"
+        lps = [o.logprobs[f"req-{i}"] for o in sched.outputs if f"req-{i}" in o.logprobs]
+        for lp, r in zip(lps, ref_lps, strict=True):
+            assert abs(lp.logprob - r[lp.token_id].item()) < 1e-3
+            assert [t for t, _ in lp.top] == r.topk(3).indices.tolist()
+            assert max(abs(v - r[t].item()) for t, v in lp.top) < 1e-3
+    plain = hf_greedy(hf, chosen[1], n_new)
+    assert plain != refs[1][0]  # the penalty changes this continuation

@@ -230,6 +230,24 @@ def test_fork_errors_and_free_of_shared_blocks():
     assert m.num_free_blocks == 8
 
 
+def test_fork_a_head_of_the_table():
+    m = Checked(8, 4)
+    m.allocate_slots("p", 10)  # blocks 0, 1 full; 2 holds 2
+    m.cache_blocks("p", list(range(10)), 10)
+    m.fork("p", "c", 7)  # [0, 7): blocks 0 and 1, the child reserves 3 slots of block 1
+    assert m.get_block_ids("c") == [0, 1] and m.get_num_tokens("c") == 7
+    assert refs(m, [0, 1, 2]) == [2, 2, 1]
+    # Recomputing slot 6 writes into shared block 1: copied first.
+    assert m.allocate_slots("c", 8) == AllocationResult([3], [(1, 3)], True, 1)
+    m.fork("p", "d", 8)  # exactly two blocks: no copy when d writes slot 8
+    assert m.allocate_slots("d", 9) == AllocationResult([4], [], False, 2)
+    assert refs(m, [0, 1, 2, 3, 4]) == [3, 2, 1, 1, 1]
+    for bad in (0, 11):
+        with pytest.raises(ValueError, match="num_tokens"):
+            m.fork("p", "e", bad)
+    assert not m.has_seq("e")
+
+
 def test_num_blocks_needed_matches_allocation():
     m = Checked(16, 4)
     assert m.num_blocks_needed(None, 9) == 3

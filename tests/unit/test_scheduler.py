@@ -174,13 +174,136 @@ def test_rejects_bad_requests():
         s.add_request("y", [1], greedy(1))
 
 
-def test_n_choices_are_separate_sequences():
+def test_n_choices_fork_from_one_prefill_and_share_blocks():
     s, w = make(), FakeWorker()
-    seqs = s.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2, n=3, seed=1), [EOS])
+    seqs = s.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, n=3, seed=1), [EOS])
     assert [q.seq_id for q in seqs] == ["a/0", "a/1", "a/2"]
-    outs, _ = run(s, w)
-    assert sorted(o.choice_index for o in outs if o.finish_reason) == [0, 1, 2]
-    assert s.workers[0].kv.num_free_blocks == 16
+    kv = s.workers[0].kv
+    so = s.schedule(0)  # one prefill for the whole request
+    assert so.num_scheduled_tokens == {"a/0": 6}
+    assert so.new_seqs[0].block_ids == [0, 1]
+    assert s.stats().num_waiting == 2  # the pending choices
+    outs = s.update(0, so, w.execute(so))
+    assert [(o.choice_index, o.new_token_ids) for o in outs] == [(0, (106,))]
+    # Forked at 5 tokens: both blocks shared by the three choices.
+    assert [kv.get_block_ids(f"a/{c}") for c in range(3)] == [[0, 1]] * 3
+    assert (kv.get_ref_count(0), kv.get_ref_count(1)) == (3, 3)
+    assert s.stats().workers[0].num_used_blocks == 2
+    so = s.schedule(0)
+    # Choice 0 appends its first output, choices 1 and 2 recompute the last prompt token:
+    # the shared partial block 1 is copied for every writer but the last one.
+    assert so.num_scheduled_tokens == {"a/0": 1, "a/1": 1, "a/2": 1}
+    assert so.blocks_to_copy == [(1, 2), (1, 3)]
+    assert so.cached_seqs[0].seq_id == "a/0"
+    assert (so.cached_seqs[0].new_blocks_start, so.cached_seqs[0].new_block_ids) == (1, [2])
+    assert [
+        (n.seq_id, n.block_ids, n.num_computed_tokens, n.choice_index) for n in so.new_seqs
+    ] == [
+        ("a/1", [0, 3], 5, 1),
+        ("a/2", [0, 1], 5, 2),
+    ]
+    assert [n.token_ids for n in so.new_seqs] == [[1, 2, 3, 4, 5, 6]] * 2
+    assert [kv.get_ref_count(b) for b in range(4)] == [3, 1, 1, 1]
+    outs = s.update(0, so, w.execute(so))
+    assert [(o.choice_index, o.new_token_ids) for o in outs] == [
+        (0, (107,)),
+        (1, (106,)),
+        (2, (106,)),
+    ]
+    s.check_integrity()
+    so = s.schedule(0)
+    outs = s.update(0, so, w.execute(so))
+    # Choice 0 finished first and freed only its private block 2.
+    assert [(o.choice_index, o.finish_reason) for o in outs] == [
+        (0, FinishReason.LENGTH),
+        (1, None),
+        (2, None),
+    ]
+    assert kv.get_ref_count(0) == 2 and kv.get_ref_count(2) == 0
+    assert kv.get_block_ids("a/1") == [0, 3] and kv.get_block_ids("a/2") == [0, 1]
+    more, _ = run(s, w)
+    assert sorted(o.choice_index for o in more if o.finish_reason) == [1, 2]
+    assert kv.num_free_blocks == 16
+    assert not s.requests and not s.sequences
+
+
+def test_fork_at_block_boundary_and_one_token_prompt():
+    s, w = make(), FakeWorker()
+    s.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
+    s.add_request("b", [7], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
+    so = s.schedule(0)
+    assert [n.block_ids for n in so.new_seqs] == [[0, 1], [2]]
+    s.update(0, so, w.execute(so))
+    kv = s.workers[0].kv
+    # a: forked at 4 tokens = exactly block 0; b: a 1-token prompt shares nothing.
+    assert kv.get_block_ids("a/1") == [0] and kv.get_ref_count(0) == 2
+    assert not kv.has_seq("b/1")
+    so = s.schedule(0)
+    assert so.blocks_to_copy == []
+    assert {n.seq_id: (n.block_ids, n.num_computed_tokens) for n in so.new_seqs} == {
+        "a/1": ([0, 3], 4),
+        "b/1": ([4], 0),
+    }
+    s.update(0, so, w.execute(so))
+    run(s, w)
+    assert kv.num_free_blocks == 16
+
+
+def test_abort_before_fork_hands_the_prefill_to_the_next_choice():
+    s, w = make(budget=4), FakeWorker()
+    s.add_request("a", list(range(1, 9)), SamplingParams(max_tokens=2, n=3, seed=1), [EOS])
+    so = s.schedule(0)  # first chunk of choice 0's prompt
+    assert so.num_scheduled_tokens == {"a/0": 4}
+    s.update(0, so, w.execute(so))
+    outs = s.abort_request("a", choice_index=0)
+    assert [(o.choice_index, o.finish_reason) for o in outs] == [(0, FinishReason.ABORT)]
+    so = s.schedule(0)
+    assert so.finished_seq_ids == ["a/0"]
+    # Choice 1 now prefills; the block choice 0 computed is a prefix-cache hit.
+    assert so.num_scheduled_tokens == {"a/1": 4}
+    assert so.new_seqs[0].num_computed_tokens == 4
+    outs = s.update(0, so, w.execute(so))
+    more, _ = run(s, w)
+    outs += more
+    assert sorted(o.choice_index for o in outs if o.finish_reason) == [1, 2]
+    assert s.workers[0].kv.num_free_blocks == 16 and not s.requests
+
+
+def test_forked_choices_survive_preemption():
+    # 6 blocks of 4: a 6-token prompt with n=3 and 8 outputs each needs up to 3 * 4 blocks
+    # minus sharing, so choices are preempted and recomputed; outputs must not change.
+    roomy, w1 = make(num_blocks=32), FakeWorker()
+    tight, w2 = make(num_blocks=6), FakeWorker()
+    results = []
+    for s, w in ((roomy, w1), (tight, w2)):
+        s.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, n=3, seed=1), [EOS])
+        outs, _ = run(s, w)
+        toks: dict[int, list[int]] = {}
+        for o in outs:
+            toks.setdefault(o.choice_index, []).extend(o.new_token_ids)
+        results.append(toks)
+        assert s.workers[0].kv.num_free_blocks == s.workers[0].spec.num_blocks
+    assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
+    assert results[0] == results[1] == {c: list(range(106, 114)) for c in range(3)}
+
+
+def test_n8_long_prompt_peak_blocks_are_shared_prompt_plus_two_tail_blocks_each():
+    from helpers import CheckedKVCacheManager
+
+    cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
+    s, w = Scheduler(cfg, [WorkerSpec(0, 256, 16)]), FakeWorker()
+    s.workers[0].kv = kv = CheckedKVCacheManager(256, 16, True)
+    s.add_request("a", [7] * 300, SamplingParams(max_tokens=16, n=8, seed=0), [EOS])
+    peak = 0
+    while s.has_work(0):
+        so = s.schedule(0)
+        peak = max(peak, kv.used(), s.stats().workers[0].num_used_blocks)
+        s.update(0, so, w.execute(so))
+        s.check_integrity()
+    # 18 full prompt blocks shared by all 8 choices; the partial 19th (12 tokens) copied
+    # for 7 choices; each choice's outputs at positions 300..314 reach one more block.
+    assert peak == 18 + 8 + 8 == 34  # 8 independent sequences would hold 8 * 20 = 160
+    assert kv.num_free_blocks == 256
 
 
 def test_prefix_stats_count_a_blocked_request_once():
@@ -190,3 +313,46 @@ def test_prefix_stats_count_a_blocked_request_once():
     run(s, w)
     st = s.stats()
     assert st.prefix_cache_queries == 24
+
+
+def test_cache_salt_isolates_prefix_blocks():
+    s, w = make(block_size=4), FakeWorker()
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
+    s.add_request("a", prompt, greedy(1, cache_salt="alice"), [EOS])
+    run(s, w)
+    hits = {}
+    for rid, salt in (("b", "bob"), ("c", None), ("d", "alice")):
+        s.add_request(rid, prompt, greedy(1, cache_salt=salt), [EOS])
+        so = s.schedule(0)
+        hits[rid] = so.new_seqs[0].num_computed_tokens
+        s.update(0, so, w.execute(so))
+    assert hits == {"b": 0, "c": 0, "d": 8}
+
+
+def test_min_tokens_defers_stops_and_stop_token_is_reported():
+    s = make()
+    w = FakeWorker(script={"a": [EOS, 42, 5, 42], "b": [7, 42]})
+    s.add_request("a", [1, 3], greedy(8, min_tokens=3, stop_token_ids=(42,)), [EOS])
+    s.add_request("b", [1, 3], greedy(8, stop_token_ids=(42,)), [EOS])
+    outs, _ = run(s, w)
+    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    assert final["a"].num_output_tokens == 4 and final["a"].stop_reason == 42
+    assert final["b"].num_output_tokens == 2 and final["b"].stop_reason == 42
+    assert {o.finish_reason for o in final.values()} == {FinishReason.STOP}
+
+
+def test_logprobs_flow_into_deltas_with_cumulative_sum():
+    from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs
+
+    s = make()
+    s.add_request("a", [1, 3], greedy(2, logprobs=1), [EOS])
+    s.add_request("b", [1, 3], greedy(2), [EOS])
+    got = []
+    for step, (ta, tb) in enumerate([(7, 8), (9, 10)]):
+        so = s.schedule(0)
+        lp = SampleLogprobs(ta, -0.5 * (step + 1), ((ta, -0.5 * (step + 1)),))
+        ro = RunnerOutput(so.step_id, {"a/0": ta, "b/0": tb}, logprobs={"a/0": lp})
+        got.append({o.request_id: o for o in s.update(0, so, ro)})
+    assert [g["a"].cumulative_logprob for g in got] == [-0.5, -1.5]
+    assert [g["a"].logprobs[0].logprob for g in got] == [-0.5, -1.0]
+    assert got[1]["b"].logprobs == () and got[1]["b"].cumulative_logprob is None
