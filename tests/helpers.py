@@ -338,3 +338,88 @@ class CheckedKVCacheManager:
     def used(self) -> int:
         """Blocks not allocatable now (held by some block table)."""
         return self.m.num_blocks - self.m.num_free_blocks
+
+
+# ----------------------------------------------------------------------------- beam search
+def hf_beams(
+    hf: Any, prompt: list[int], k: int, n: int, max_new: int, length_penalty: float, eos: Any
+) -> list[tuple[list[int], float]]:
+    """HF ``generate(num_beams=k, num_return_sequences=n, early_stopping=True)``: the n best
+    beams as (generated ids cut after the first EOS, sequence score), best first."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new,
+            num_beams=k,
+            num_return_sequences=n,
+            do_sample=False,
+            early_stopping=True,
+            length_penalty=length_penalty,
+            eos_token_id=eos,
+            pad_token_id=eos if eos is not None else 0,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+    rows = []
+    for row, score in zip(out.sequences[:, len(prompt) :].tolist(), out.sequences_scores.tolist()):
+        if eos is not None and eos in row:
+            row = row[: row.index(eos) + 1]
+        rows.append((row, score))
+    return rows
+
+
+def run_beams(
+    model_dir: Path,
+    prompt: list[int],
+    sampling: SamplingParams,
+    num_blocks: int = 64,
+    eos: tuple[int, ...] = (2,),
+    block_size: int = 4,
+    max_model_len: int = 256,
+) -> tuple[list[Any], int, int]:
+    """Run one beam-search request through the real Scheduler and Worker (integrity checked
+    after every step). Returns (final deltas, peak used blocks, number of block copies)."""
+    from pagedserve.scheduler.config import SchedulerConfig
+    from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+    from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+    from pagedserve.worker.worker import Worker
+
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(model_dir), max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+            device="cpu",
+        )
+    )
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len),
+        [WorkerSpec(0, num_blocks, block_size)],
+    )
+    sched.workers[0].kv = kv = CheckedKVCacheManager(num_blocks, block_size, True)
+    sched.add_request("r", prompt, sampling, eos)
+    outs, peak, copies = [], 0, 0
+    while sched.has_work(0):
+        so = sched.schedule(0)
+        peak = max(peak, kv.used())
+        copies += len(so.blocks_to_copy)
+        outs.extend(sched.update(0, so, worker.execute_model(so)))
+        sched.check_integrity()
+    assert kv.num_free_blocks == num_blocks and not sched.requests and not sched.sequences
+    return outs, peak, copies
+
+
+def assert_same_beams(ours: list[Any], ref: list[tuple[list[int], float]]) -> None:
+    """Our final beams equal HF's: same count and order, scores within 1e-4, and the same
+    tokens except where two candidates' scores differ by < 1e-4 (a near-tie)."""
+    import pytest
+
+    assert [o.choice_index for o in ours] == list(range(len(ref)))
+    for o, (tokens, score) in zip(ours, ref):
+        assert o.score == pytest.approx(score, abs=1e-4)
+        if list(o.new_token_ids) != tokens:
+            assert any(abs(o.score - s) < 1e-4 for t, s in ref if t == list(o.new_token_ids))
+    assert [o.score for o in ours] == sorted((o.score for o in ours), reverse=True)
