@@ -125,6 +125,7 @@ def build_request(
     cache_salt: str | None = None,
     beam_width: int | None = None,
     length_penalty: float | None = None,
+    priority: int | None = None,
 ) -> Any:
     """Build a ``GenerateRequest``; exactly one of prompt / token_ids / chat.
 
@@ -160,6 +161,7 @@ def build_request(
         ("cache_salt", cache_salt),
         ("beam_width", beam_width),
         ("length_penalty", length_penalty),
+        ("priority", priority),
     ):
         if value is not None:
             setattr(s, name, value)
@@ -222,6 +224,7 @@ class Client:
                     "prompt_tokens": msg.usage.prompt_tokens,
                     "completion_tokens": msg.usage.completion_tokens,
                     "cached_tokens": msg.usage.cached_tokens,
+                    "num_preemptions": msg.usage.num_preemptions,
                 }
             kind = msg.stop_reason.WhichOneof("kind")
             yield Delta(
@@ -298,6 +301,8 @@ class Client:
                     "num_used_blocks": w.num_used_blocks,
                     "block_size": w.block_size,
                     "num_requests_running": w.num_requests_running,
+                    "num_requests_waiting": w.num_requests_waiting,
+                    "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
                     "alive": w.alive,
                 }
                 for w in r.workers
