@@ -256,6 +256,7 @@ class Client:
         choices: dict[int, Choice] = {}
         request_id = kwargs.get("request_id", "")
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        usage["num_preemptions"] = 0
         want_logprobs = kwargs.get("logprobs") is not None
         for d in self.stream(prompt, **kwargs):
             request_id = d.request_id
@@ -275,6 +276,7 @@ class Client:
                 usage["prompt_tokens"] = d.usage["prompt_tokens"]
                 usage["cached_tokens"] = max(usage["cached_tokens"], d.usage["cached_tokens"])
                 usage["completion_tokens"] += d.usage["completion_tokens"]
+                usage["num_preemptions"] += d.usage["num_preemptions"]
         ordered = [choices[i] for i in sorted(choices)]
         return Result(request_id, ordered, usage)
 
