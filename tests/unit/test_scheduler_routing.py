@@ -182,3 +182,22 @@ def test_dead_worker_queue_is_rerouted():
     assert queued_on(s) == {"d0": 0, "d1": 0, "d2": 0, "d3": 0}
     assert [q.request_id for q in s.workers[0].waiting] == ["d1", "d3", "d0", "d2"]
     s.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"routing": "random"}, "routing"),
+        ({"routing_load_threshold": -1}, "routing_load_threshold"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ],
+)
+def test_config_rejects_bad_routing_knobs(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)
+
+
+def test_priority_must_be_int32():
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=2**31)
+    assert SamplingParams(priority=-(2**31)).priority == -(2**31)
