@@ -24,6 +24,7 @@ from pagedserve.cluster.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from pagedserve.scheduler.config import ROUTING_POLICIES, SCHEDULING_POLICIES
 
 
 def _parse_bytes(text: str) -> int:
@@ -57,6 +58,26 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--routing",
+        choices=list(ROUTING_POLICIES),
+        default="prefix",
+        help="which worker a request joins: longest cached prefix (unless too loaded), "
+        "least loaded, or in turn",
+    )
+    p.add_argument(
+        "--routing-load-threshold",
+        type=int,
+        default=8,
+        help="prefix routing: use the least-loaded worker when the prefix holder has more "
+        "than this many sequences more (running + queued)",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=list(SCHEDULING_POLICIES),
+        default="fcfs",
+        help="admission/preemption order: arrival, or request priority then arrival",
+    )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--cpus-per-worker", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -85,6 +106,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--beam-width", type=int, default=None, help="> 1 = beam search")
     p.add_argument("--length-penalty", type=float, default=None)
     p.add_argument("--cache-salt", default=None)
+    p.add_argument("--priority", type=int, default=None, help="lower = more urgent (default 0)")
     p.add_argument("--request-id", default="")
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
@@ -125,6 +147,9 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            routing=args.routing,
+            routing_load_threshold=args.routing_load_threshold,
+            scheduling_policy=args.scheduling_policy,
         ),
         server=ServerConfig(host=args.host, port=args.port, http_port=args.http_port),
         ray_address=args.address,
@@ -158,6 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
         "beam_width": args.beam_width,
         "length_penalty": args.length_penalty,
         "cache_salt": args.cache_salt,
+        "priority": args.priority,
     }
     if args.chat:
         kwargs["chat"] = [{"role": "user", "content": args.prompt}]
@@ -205,6 +231,8 @@ def _stats(args: argparse.Namespace) -> int:
         "num_used_blocks",
         "block_size",
         "running",
+        "waiting",
+        "prefix_hit_rate",
         "alive",
     )
     for w in st["workers"]:
@@ -215,6 +243,8 @@ def _stats(args: argparse.Namespace) -> int:
             str(w["num_used_blocks"]),
             str(w["block_size"]),
             str(w["num_requests_running"]),
+            str(w["num_requests_waiting"]),
+            f"{w['prefix_cache_hit_rate']:.3f}",
             "yes" if w["alive"] else "no",
         )
     console.print(table)

@@ -125,6 +125,7 @@ def build_request(
     cache_salt: str | None = None,
     beam_width: int | None = None,
     length_penalty: float | None = None,
+    priority: int | None = None,
 ) -> Any:
     """Build a ``GenerateRequest``; exactly one of prompt / token_ids / chat.
 
@@ -160,6 +161,7 @@ def build_request(
         ("cache_salt", cache_salt),
         ("beam_width", beam_width),
         ("length_penalty", length_penalty),
+        ("priority", priority),
     ):
         if value is not None:
             setattr(s, name, value)
@@ -222,6 +224,7 @@ class Client:
                     "prompt_tokens": msg.usage.prompt_tokens,
                     "completion_tokens": msg.usage.completion_tokens,
                     "cached_tokens": msg.usage.cached_tokens,
+                    "num_preemptions": msg.usage.num_preemptions,
                 }
             kind = msg.stop_reason.WhichOneof("kind")
             yield Delta(
@@ -253,6 +256,7 @@ class Client:
         choices: dict[int, Choice] = {}
         request_id = kwargs.get("request_id", "")
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        usage["num_preemptions"] = 0
         want_logprobs = kwargs.get("logprobs") is not None
         for d in self.stream(prompt, **kwargs):
             request_id = d.request_id
@@ -272,6 +276,7 @@ class Client:
                 usage["prompt_tokens"] = d.usage["prompt_tokens"]
                 usage["cached_tokens"] = max(usage["cached_tokens"], d.usage["cached_tokens"])
                 usage["completion_tokens"] += d.usage["completion_tokens"]
+                usage["num_preemptions"] += d.usage["num_preemptions"]
         ordered = [choices[i] for i in sorted(choices)]
         return Result(request_id, ordered, usage)
 
@@ -298,6 +303,8 @@ class Client:
                     "num_used_blocks": w.num_used_blocks,
                     "block_size": w.block_size,
                     "num_requests_running": w.num_requests_running,
+                    "num_requests_waiting": w.num_requests_waiting,
+                    "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
                     "alive": w.alive,
                 }
                 for w in r.workers

@@ -142,6 +142,7 @@ def sampling_from_proto(msg: Any, max_model_len: int) -> SamplingParams:
             cache_salt=opt("cache_salt", None),
             beam_width=beam_width,
             length_penalty=float(opt("length_penalty", 1.0)),
+            priority=opt("priority", 0),
         )
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from exc
@@ -365,6 +366,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             msg.usage.prompt_tokens = out.num_prompt_tokens
             msg.usage.completion_tokens = out.num_output_tokens
             msg.usage.cached_tokens = out.num_cached_tokens
+            msg.usage.num_preemptions = out.num_preemptions
         return msg
 
     async def Abort(self, request: Any, context: Any) -> Any:
@@ -391,6 +393,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 block_size=w.block_size,
                 num_requests_running=w.num_running,
                 alive=w.alive,
+                num_requests_waiting=w.num_waiting,
+                prefix_cache_hit_rate=w.prefix_cache_hit_rate,
             )
         return resp
 

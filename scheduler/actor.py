@@ -170,6 +170,8 @@ class SchedulerActor:
                 await wake.wait()
                 continue
             sched_out = sched.schedule(worker_id)
+            if sched.drain_wakeups():
+                self._wake_all()  # preempted or unadmittable work: idle workers may take it
             if sched_out.is_empty:
                 # Nothing fits on this worker right now (e.g. waiting requests need
                 # blocks another worker's step will free): wait for a change.

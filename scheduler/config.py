@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -22,6 +25,14 @@ class SchedulerConfig:
         max_model_len: longest sequence (prompt + output), tokens. ``None`` until the
             launcher fills it in from the workers' model (the :class:`Scheduler` requires
             it set); users set the model's ``max_model_len`` instead.
+        routing: how a new request picks its worker: ``prefix`` (longest cached prefix,
+            unless that worker is too loaded), ``least-loaded`` or ``round-robin`` (see
+            :mod:`pagedserve.scheduler.routing`).
+        routing_load_threshold: ``prefix`` routing sends a request to the least-loaded
+            worker instead when the prefix-holding worker's load (sequences running or
+            queued there) exceeds it by more than this many sequences.
+        scheduling_policy: ``fcfs`` (admission and preemption by arrival) or ``priority``
+            (by ``SamplingParams.priority``, lower first, then arrival).
     """
 
     max_num_seqs: int = 64
@@ -29,6 +40,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
+    routing: str = "prefix"
+    routing_load_threshold: int = 8
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,3 +53,14 @@ class SchedulerConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        if self.routing_load_threshold < 0:
+            raise ValueError(
+                f"routing_load_threshold must be >= 0, got {self.routing_load_threshold}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}"
+            )

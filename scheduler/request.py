@@ -52,6 +52,7 @@ class Sequence:
             holding the sequence has not been told yet.
         fork_children: the request's other choices (status ``PENDING_FORK``) that fork
             from this sequence once its prompt is computed (n > 1 parallel sampling).
+        queued_on: while waiting, the worker whose waiting queue holds it (None otherwise).
     """
 
     seq_id: str
@@ -74,6 +75,7 @@ class Sequence:
     stop_reason: int | None = None
     unsent_token_ids: list[int] = field(default_factory=list, repr=False)
     fork_children: list[Sequence] = field(default_factory=list, repr=False)
+    queued_on: int | None = None
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +134,7 @@ class SequenceOutput:
         cumulative_logprob: sum of the choice's token logprobs so far (when it asks).
         stop_reason: on the last delta: the stop token id that ended the choice.
         score: beam search: the beam's length-penalized score (on its only delta).
+        num_preemptions: how often the choice was preempted so far (0 for beam search).
     """
 
     request_id: str
@@ -145,3 +148,4 @@ class SequenceOutput:
     cumulative_logprob: float | None = None
     stop_reason: int | None = None
     score: float | None = None
+    num_preemptions: int = 0

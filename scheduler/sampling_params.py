@@ -51,6 +51,9 @@ class SamplingParams:
             ``top_k`` and ``seed`` are ignored); at most 16.
         length_penalty: beam search score = cumulative logprob / (generated length **
             length_penalty); finite.
+        priority: scheduling priority under the ``priority`` scheduling policy: lower is
+            more urgent (admitted first, preempted last); int32 range. Ignored under
+            ``fcfs``.
 
     Raises:
         ValueError: on out-of-range values, with a message naming the field.
@@ -74,6 +77,7 @@ class SamplingParams:
     cache_salt: str | None = None
     beam_width: int = 1
     length_penalty: float = 1.0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -123,6 +127,8 @@ class SamplingParams:
             raise ValueError(
                 f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}"
             )
+        if not isinstance(self.priority, int) or not -(2**31) <= self.priority < 2**31:
+            raise ValueError(f"priority must be an int32, got {self.priority!r}")
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty!r}")
         if self.beam_width > 1:

@@ -1,9 +1,11 @@
 """Continuous-batching scheduler: admission, token budget, chunked prefill, preemption.
 
 Pure Python and synchronous: the Ray actor in :mod:`pagedserve.scheduler.actor` drives it.
-Each worker has its own block pool (a :class:`KVCacheManager`, metadata only) and its own
-running list; the waiting queue is shared, so a new sequence goes to whichever worker has
-room first (FCFS).
+Each worker has its own block pool (a :class:`KVCacheManager`, metadata only), its own
+running list and its own waiting queue (:mod:`pagedserve.scheduler.worker_state`). The
+router (:mod:`pagedserve.scheduler.routing`) puts a new request on the queue of the worker
+caching the longest prefix of its prompt (or the least loaded); a worker whose queue is
+empty steals from the others' queues so that no worker idles while work waits.
 
 One step for one worker (vLLM v1 ``Scheduler.schedule`` shape, Orca iteration-level batching):
 
@@ -11,9 +13,10 @@ One step for one worker (vLLM v1 ``Scheduler.schedule`` shape, Orca iteration-le
    compute (1 for a decode, the rest of its prompt for a prefill), capped by the token
    budget. When the block pool cannot grow the sequence, the most recently admitted
    running sequence is preempted by recompute (its blocks are freed and it returns to the
-   front of the waiting queue; vLLM paper §4.5) until the allocation fits.
-2. Then, if nothing was preempted this step, waiting sequences are admitted in FCFS order
-   while the budget, ``max_num_seqs`` and the pool allow. A new sequence first looks up the
+   front of its worker's waiting queue; vLLM paper §4.5) until the allocation fits.
+2. Then, if nothing was preempted this step, the worker's waiting sequences are admitted
+   in FCFS order while the budget, ``max_num_seqs`` and the pool allow; when its queue is
+   empty, it steals from other workers' queues (:meth:`Router.find_stealable`). A new sequence first looks up the
    prefix cache (full blocks only) and computes only the rest of its prompt.
 
 After the worker answers, :meth:`Scheduler.update` appends sampled tokens, checks stop
@@ -44,11 +47,8 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
@@ -57,6 +57,7 @@ from pagedserve.scheduler.errors import (
     InvalidRequest,
     RequestRejected,
 )
+from pagedserve.scheduler.forking import BeamRequest, ForkingMixin
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.metrics import MetricsSnapshot, SchedulerMetrics
 from pagedserve.scheduler.outputs import (
@@ -66,103 +67,17 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
 )
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.routing import Router
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.worker_state import (
+    SchedulerStats,
+    WorkerSpec,
+    WorkerState,
+    worker_stats,
+)
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What the scheduler needs to know about one worker's KV pool.
-
-    Attributes:
-        worker_id: the worker's index.
-        num_blocks: physical KV blocks in its pool.
-        block_size: tokens per block.
-    """
-
-    worker_id: int
-    num_blocks: int
-    block_size: int
-
-
-@dataclass
-class _WorkerState:
-    """The scheduler's view of one worker.
-
-    ``resident`` holds the ids of the sequences whose state the worker keeps (sent once as
-    :class:`NewSequenceData`, until they appear in ``finished_seq_ids``).
-    """
-
-    spec: WorkerSpec
-    kv: KVCacheManager
-    running: list[Sequence] = field(default_factory=list)
-    resident: set[str] = field(default_factory=set)
-    pending_finished: list[str] = field(default_factory=list)
-    next_step_id: int = 0
-    alive: bool = True
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    """A snapshot of one worker's pool and batch.
-
-    Attributes:
-        worker_id: the worker's index.
-        num_blocks: physical KV blocks in its pool.
-        num_free_blocks: blocks not held by any sequence (cached-evictable included).
-        num_used_blocks: blocks held by at least one block table (``num_blocks -
-            num_free_blocks``; a block shared by n sequences counts once).
-        block_size: tokens per block.
-        num_running: sequences in its running batch.
-        alive: False once the worker was taken out of service.
-    """
-
-    worker_id: int
-    num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    block_size: int
-    num_running: int
-    alive: bool
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    """A snapshot of the scheduler (counts; prefix-cache figures in tokens).
-
-    Attributes:
-        num_running: running sequences, all workers.
-        num_waiting: sequences in the waiting queue (new or preempted), plus choices
-            waiting for their request's prompt to fork from.
-        num_preemptions: preemptions since start.
-        workers: one :class:`WorkerStats` per worker, by worker id.
-        prefix_cache_queries: prompt tokens looked up in the prefix cache.
-        prefix_cache_hits: of those, tokens found cached.
-    """
-
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    workers: tuple[WorkerStats, ...]
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-@dataclass
-class _BeamRequest:
-    """Scheduler-side state of one beam-search request.
-
-    ``beams`` are its running beams in running order (best first); ``pending`` holds the
-    candidates of the beams that reported this round.
-    """
-
-    search: BeamSearch
-    beams: list[Sequence]
-    pending: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
-    next_id: int = 1
-    num_cached_tokens: int = 0
-
-
-class Scheduler:
+class Scheduler(ForkingMixin):
     """Owns every sequence and every worker's block metadata; decides what runs each step.
 
     Args:
@@ -179,8 +94,8 @@ class Scheduler:
             raise ValueError("SchedulerConfig.max_model_len must be set for a Scheduler")
         self.config = config
         self.max_model_len: int = config.max_model_len
-        self.workers: dict[int, _WorkerState] = {
-            w.worker_id: _WorkerState(
+        self.workers: dict[int, WorkerState] = {
+            w.worker_id: WorkerState(
                 spec=w,
                 kv=KVCacheManager(w.num_blocks, w.block_size, config.enable_prefix_caching),
             )
@@ -188,10 +103,10 @@ class Scheduler:
         }
         if not self.workers:
             raise ValueError("at least one worker is required")
-        self.waiting: deque[Sequence] = deque()
+        self._router = Router(config)
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
-        self.beam_requests: dict[str, _BeamRequest] = {}
+        self.beam_requests: dict[str, BeamRequest] = {}
         self.num_preemptions = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
         self._wake_others = False
@@ -272,7 +187,7 @@ class Scheduler:
         for child in seqs[1:]:
             child.status = SequenceStatus.PENDING_FORK
         seqs[0].fork_children = seqs[1:]
-        self.waiting.append(seqs[0])
+        self._enqueue(self._router.route(seqs[0], self.workers), seqs[0])
         return seqs
 
     def abort_request(
@@ -304,9 +219,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stepping
     def has_work(self, worker_id: int) -> bool:
-        """True when a step on this worker would do something."""
+        """True when a step on this worker may do something: it has sequences running,
+        queued or to tell finished, or another live worker has a queue it may steal from."""
         ws = self.workers[worker_id]
-        return ws.alive and bool(ws.running or ws.pending_finished or self.waiting)
+        if not ws.alive:
+            return False
+        if ws.running or ws.pending_finished or ws.waiting:
+            return True
+        return any(w.waiting for w in self.workers.values() if w.alive)
 
     def schedule(self, worker_id: int) -> SchedulerOutput:
         """Decide one step for ``worker_id`` (see the module docstring)."""
@@ -319,6 +239,11 @@ class Scheduler:
         new_blocks: dict[str, tuple[int, list[int]]] = {}
         blocks_to_copy: list[tuple[int, int]] = []
         preempted = False
+        # NOTE: the batch is served in rank order (most urgent, then oldest first; stable,
+        # so forks stay behind their parent) and the victim is its last sequence: an
+        # older sequence's blocks are never taken by a younger one, so the oldest always
+        # progresses (no mutual preemption), even after it was preempted and re-admitted.
+        ws.running.sort(key=self._rank)
 
         idx = 0
         while idx < len(ws.running) and budget > 0:
@@ -353,16 +278,29 @@ class Scheduler:
 
         if not preempted:
             budget = self._admit(ws, budget, num_scheduled)
+            # NOTE: an empty queue steals one sequence at a time, each admitted at once;
+            # one that does not fit stays queued here (this worker is then not idle).
+            while not ws.waiting and budget > 0:
+                found = self._router.find_stealable(ws, self.workers, self._pinned)
+                if found is None:
+                    break
+                victim, seq = found
+                victim.waiting.remove(seq)
+                self._enqueue(ws, seq)
+                budget = self._admit(ws, budget, num_scheduled)
+            if ws.waiting and num_scheduled:
+                # What this busy worker cannot admit now may be stolen by an idle one.
+                self._wake_others = True
 
         return self._build_output(ws, num_scheduled, new_blocks, blocks_to_copy)
 
-    def _admit(self, ws: _WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
+    def _admit(self, ws: WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
         kv = ws.kv
         max_seqs = self.config.max_num_seqs
         # Choices still to fork from running sequences hold their seats in the batch.
-        seats = len(ws.running) + sum(len(s.fork_children) for s in ws.running)
-        while self.waiting and budget > 0 and seats < max_seqs:
-            seq = self.waiting[0]
+        seats = ws.num_seats
+        while ws.waiting and budget > 0 and seats < max_seqs:
+            seq = ws.waiting[0]
             width = 1 + len(seq.fork_children)
             if seats + width > max_seqs and seats > 0:
                 break  # n > max_num_seqs still runs, alone
@@ -377,7 +315,8 @@ class Scheduler:
             result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
             if result is None:
                 break
-            self.waiting.popleft()
+            ws.waiting.popleft()
+            seq.queued_on = None
             kv.record_prefix_query(len(tokens), num_computed)
             seq.status = SequenceStatus.RUNNING
             seq.worker_id = ws.spec.worker_id
@@ -393,7 +332,7 @@ class Scheduler:
 
     def _build_output(
         self,
-        ws: _WorkerState,
+        ws: WorkerState,
         num_scheduled: dict[str, int],
         new_blocks: dict[str, tuple[int, list[int]]],
         blocks_to_copy: list[tuple[int, int]],
@@ -489,200 +428,47 @@ class Scheduler:
             self._forget_if_done(request_id)
         return outputs
 
-    # ------------------------------------------------------------------ internals
-    def _fork_children(self, ws: _WorkerState, parent: Sequence) -> None:
-        """Start the pending choices of ``parent``'s request, which just computed its prompt.
-
-        Each child shares the blocks of the prompt's first ``prompt_len - 1`` tokens and
-        recomputes the last prompt token (so it samples its own first token from its own
-        logits); it joins the running batch after its parent.
-        """
-        num_shared = parent.num_prompt_tokens - 1
-        for child in parent.fork_children:
-            if num_shared > 0:
-                ws.kv.fork(parent.seq_id, child.seq_id, num_shared)
-            # NOTE: with a 1-token prompt nothing is shared; the child's first step
-            # allocates its table like a new sequence (allocate_slots on an unknown id).
-            child.status = SequenceStatus.RUNNING
-            child.worker_id = ws.spec.worker_id
-            child.num_computed_tokens = num_shared
-            child.num_cached_tokens = parent.num_cached_tokens
-            ws.running.append(child)
-        parent.fork_children = []
-
-    # ------------------------------------------------------------------ beam search
-    def _add_beam_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos: frozenset[int],
-        max_total: int,
-        arrival: float,
-    ) -> list[Sequence]:
-        seq = Sequence(
-            seq_id=f"{request_id}/0",
-            request_id=request_id,
-            choice_index=0,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling,
-            eos_token_ids=eos,
-            max_total_tokens=max_total,
-            arrival_s=arrival,
-        )
-        live_eos = frozenset() if sampling.ignore_eos else eos
-        search = BeamSearch(
-            sampling.beam_width,
-            sampling.max_tokens,
-            sampling.length_penalty,
-            live_eos | frozenset(sampling.stop_token_ids),
-            len(live_eos),
-        )
-        self.beam_requests[request_id] = _BeamRequest(search, [seq])
-        self.requests[request_id] = [seq]
-        self.sequences[seq.seq_id] = seq
-        self.waiting.append(seq)
-        return [seq]
-
-    def _awaits_beam_step(self, seq: Sequence) -> bool:
-        br = self.beam_requests.get(seq.request_id)
-        return br is not None and seq.seq_id in br.pending
-
-    def _beam_report(
-        self, seq: Sequence, candidates: tuple[tuple[int, float], ...]
-    ) -> list[SequenceOutput]:
-        """Store one beam's candidates; run the beam step once every beam reported."""
-        br = self.beam_requests[seq.request_id]
-        if seq.num_preemptions == 0 and seq is br.beams[0] and not seq.output_token_ids:
-            br.num_cached_tokens = seq.num_cached_tokens
-        br.pending[seq.seq_id] = candidates
-        if any(b.seq_id not in br.pending for b in br.beams):
-            return []
-        inputs = [
-            BeamInput(b.output_token_ids, b.cumulative_logprob, br.pending[b.seq_id])
-            for b in br.beams
-        ]
-        br.pending.clear()
-        conts = br.search.step(inputs)
-        if br.search.done:
-            return self._finish_beam_request(seq.request_id)
-        self._wake_others = True  # beams may live on other workers' running lists
-        claimed: set[int] = set()
-        plan: list[tuple[Sequence, int, float]] = []
-        for c in conts:
-            parent = br.beams[c.parent]
-            if c.parent in claimed:
-                # NOTE: fork before the parent appends its own token below: the child
-                # shares the parent's table as computed so far.
-                plan.append((self._fork_beam(br, parent), c.token_id, c.cumulative_logprob))
-            else:
-                claimed.add(c.parent)
-                plan.append((parent, c.token_id, c.cumulative_logprob))
-        for pos, beam in enumerate(br.beams):
-            if pos not in claimed:
-                self._drop_beam(beam)
-        for beam, token, cum in plan:
-            beam.append_token(token)
-            beam.unsent_token_ids.append(token)
-            beam.cumulative_logprob = cum
-        br.beams = [beam for beam, _, _ in plan]
-        return []
-
-    def _fork_beam(self, br: _BeamRequest, parent: Sequence) -> Sequence:
-        """A new beam with the parent's tokens, sharing its blocks when it is running."""
-        child = Sequence(
-            seq_id=f"{parent.request_id}/{br.next_id}",
-            request_id=parent.request_id,
-            choice_index=0,
-            prompt_token_ids=parent.prompt_token_ids,
-            sampling=parent.sampling,
-            eos_token_ids=parent.eos_token_ids,
-            max_total_tokens=parent.max_total_tokens,
-            arrival_s=parent.arrival_s,
-        )
-        br.next_id += 1
-        for token in parent.output_token_ids:
-            child.append_token(token)
-        if parent.status is SequenceStatus.RUNNING and parent.worker_id is not None:
-            ws = self.workers[parent.worker_id]
-            ws.kv.fork(parent.seq_id, child.seq_id)
-            child.status = SequenceStatus.RUNNING
-            child.worker_id = parent.worker_id
-            child.num_computed_tokens = parent.num_computed_tokens
-            ws.running.append(child)
-        else:  # the parent waits (preempted): so does the child, recomputing its tokens
-            self.waiting.appendleft(child)
-        self.sequences[child.seq_id] = child
-        self.requests[parent.request_id].append(child)
-        return child
-
-    def _drop_beam(self, beam: Sequence) -> None:
-        """Free a pruned beam's blocks at once and forget it."""
-        self._finish(beam, FinishReason.ABORT)
-        self.requests[beam.request_id].remove(beam)
-        self.sequences.pop(beam.seq_id, None)
-
-    def _finish_beam_request(self, request_id: str) -> list[SequenceOutput]:
-        """Free every beam and emit the n best finished beams, best first."""
-        br = self.beam_requests.pop(request_id)
-        seqs = self.requests.pop(request_id)
-        for beam in seqs:
-            if beam.status is not SequenceStatus.FINISHED:
-                self._finish(beam, FinishReason.LENGTH)
-            self.sequences.pop(beam.seq_id, None)
-        first = seqs[0]
-        eos = first.eos_token_ids
-        outputs = []
-        for i, hyp in enumerate(br.search.best(first.sampling.n)):
-            last = hyp.token_ids[-1]
-            stop_id = last if hyp.stopped and last in first.sampling.stop_token_ids else None
-            if stop_id is not None and last in eos and not first.sampling.ignore_eos:
-                stop_id = None  # EOS is not a stop reason
-            outputs.append(
-                SequenceOutput(
-                    request_id=request_id,
-                    choice_index=i,
-                    new_token_ids=hyp.token_ids,
-                    finish_reason=FinishReason.STOP if hyp.stopped else FinishReason.LENGTH,
-                    num_prompt_tokens=first.num_prompt_tokens,
-                    num_output_tokens=len(hyp.token_ids),
-                    num_cached_tokens=br.num_cached_tokens,
-                    cumulative_logprob=hyp.cumulative_logprob,
-                    stop_reason=stop_id,
-                    score=hyp.score,
-                )
-            )
-        return outputs
-
-    def _abort_beam_request(self, request_id: str, reason: FinishReason) -> list[SequenceOutput]:
-        """End a beam request early: every beam freed, one empty final delta per choice."""
-        br = self.beam_requests.pop(request_id)
-        seqs = self.requests.pop(request_id)
-        for beam in seqs:
-            if beam.status is not SequenceStatus.FINISHED:
-                self._finish(beam, reason)
-            self.sequences.pop(beam.seq_id, None)
-        first = seqs[0]
-        return [
-            SequenceOutput(
-                request_id=request_id,
-                choice_index=i,
-                new_token_ids=(),
-                finish_reason=reason,
-                num_prompt_tokens=first.num_prompt_tokens,
-                num_output_tokens=0,
-                num_cached_tokens=br.num_cached_tokens,
-            )
-            for i in range(first.sampling.n)
-        ]
-
+    # ------------------------------------------------------------------ wakeups
     def drain_wakeups(self) -> bool:
         """True once after a beam step changed sequences that may run on other workers."""
         wake, self._wake_others = self._wake_others, False
         return wake
 
     # ------------------------------------------------------------------ internals
-    def _preempt(self, ws: _WorkerState, seq: Sequence) -> None:
+    def _rank(self, seq: Sequence) -> tuple[int, float]:
+        """Scheduling rank, smaller first: (priority under the ``priority`` policy, else
+        0; arrival time)."""
+        prio = seq.sampling.priority if self.config.scheduling_policy == "priority" else 0
+        return prio, seq.arrival_s
+
+    def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
+        """Put a waiting sequence on ``ws``'s queue: at the back, or at the front for one
+        that ran before (preempted, or taking over from a sequence that ran). Under the
+        ``priority`` policy the queue stays in rank order: ``front`` places it before the
+        sequences of equal rank, otherwise after them."""
+        seq.queued_on = ws.spec.worker_id
+        queue = ws.waiting
+        if self.config.scheduling_policy == "priority":
+            rank = self._rank(seq)
+            pos = 0
+            for other in queue:
+                r = self._rank(other)
+                if r > rank or (front and r == rank):
+                    break
+                pos += 1
+            queue.insert(pos, seq)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
+
+    def _queue_of(self, seq: Sequence) -> WorkerState:
+        """The worker whose waiting queue holds ``seq``."""
+        if seq.queued_on is None:
+            raise IntegrityError(f"waiting sequence {seq.seq_id!r} is in no queue")
+        return self.workers[seq.queued_on]
+
+    def _preempt(self, ws: WorkerState, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, drop worker state, requeue at the front."""
         self._release(ws, seq)
         seq.status = SequenceStatus.WAITING
@@ -691,10 +477,11 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.metrics.on_preempted("recompute")
-        self.waiting.appendleft(seq)
+        self._enqueue(ws, seq, front=True)
+        self._wake_others = True  # freed blocks and a requeued sequence: others may take it
 
     @staticmethod
-    def _release(ws: _WorkerState, seq: Sequence) -> None:
+    def _release(ws: WorkerState, seq: Sequence) -> None:
         """Take a running sequence off its worker: batch, blocks, and worker state."""
         ws.running.remove(seq)
         seq.unsent_token_ids = []  # a resumed sequence is sent in full
@@ -713,9 +500,13 @@ class Scheduler:
             heir.fork_children = rest
             heir.status = SequenceStatus.WAITING
             if seq.status is SequenceStatus.WAITING:
-                self.waiting.insert(self.waiting.index(seq), heir)
+                queue = self._queue_of(seq).waiting
+                queue.insert(queue.index(seq), heir)
+                heir.queued_on = seq.queued_on
+            elif seq.worker_id is not None:
+                self._enqueue(self.workers[seq.worker_id], heir, front=True)
             else:
-                self.waiting.appendleft(heir)
+                raise IntegrityError(f"sequence {seq.seq_id!r} with choices to fork is nowhere")
         if seq.status is SequenceStatus.PENDING_FORK:
             for other in self.requests.get(seq.request_id, []):
                 if seq in other.fork_children:
@@ -725,7 +516,9 @@ class Scheduler:
                 raise IntegrityError(f"running sequence {seq.seq_id!r} has no worker")
             self._release(self.workers[seq.worker_id], seq)
         elif seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self._queue_of(seq).waiting.remove(seq)
+            seq.queued_on = None
+            self._wake_others = True  # the queue's worker may now admit what was behind
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.worker_id = None
@@ -752,23 +545,13 @@ class Scheduler:
             logprobs=tuple(seq.logprobs[-len(new_tokens) :]) if want_lp and new_tokens else (),
             cumulative_logprob=seq.cumulative_logprob if want_lp else None,
             stop_reason=seq.stop_reason,
+            num_preemptions=seq.num_preemptions,
         )
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
-        workers = tuple(
-            WorkerStats(
-                worker_id=wid,
-                num_blocks=ws.spec.num_blocks,
-                num_free_blocks=ws.kv.num_free_blocks,
-                num_used_blocks=ws.spec.num_blocks - ws.kv.num_free_blocks,
-                block_size=ws.spec.block_size,
-                num_running=len(ws.running),
-                alive=ws.alive,
-            )
-            for wid, ws in sorted(self.workers.items())
-        )
+        workers = tuple(worker_stats(ws) for _, ws in sorted(self.workers.items()))
         queries = hits = 0
         for ws in self.workers.values():
             st = ws.kv.prefix_cache_stats
@@ -776,8 +559,7 @@ class Scheduler:
             hits += st.hits_tokens
         return SchedulerStats(
             num_running=sum(len(ws.running) for ws in self.workers.values()),
-            num_waiting=len(self.waiting)
-            + sum(len(s.fork_children) for s in self.sequences.values()),
+            num_waiting=sum(w.num_waiting for w in workers),
             num_preemptions=self.num_preemptions,
             workers=workers,
             prefix_cache_queries=queries,
@@ -792,8 +574,9 @@ class Scheduler:
     def mark_worker_dead(self, worker_id: int) -> list[SequenceOutput]:
         """Take a dead worker out of service; nothing accepted is lost.
 
-        Its running sequences go back to the front of the waiting queue, keeping their
-        outputs, and are recomputed on a live worker (as after a recompute preemption).
+        Its running sequences are preempted (keeping their outputs) and, with the
+        sequences queued for it, routed again: they join the front of a live worker's
+        queue and are recomputed there (as after a recompute preemption).
         When no worker is left alive, every request is aborted instead, so no client
         waits forever. Returns the final deltas (empty unless requests were aborted).
         """
@@ -807,6 +590,11 @@ class Scheduler:
         if not any(w.alive for w in self.workers.values()):
             for request_id in list(self.requests):
                 outputs.extend(self.abort_request(request_id))
+            return outputs
+        requeued = list(ws.waiting)
+        ws.waiting.clear()
+        for seq in reversed(requeued):  # front-inserted: the queue's order is kept
+            self._enqueue(self._router.route(seq, self.workers), seq, front=True)
         return outputs
 
     def fail_step(self, worker_id: int, sched_out: SchedulerOutput) -> list[SequenceOutput]:
@@ -829,6 +617,23 @@ class Scheduler:
         return sum(1 for w in self.workers.values() if w.alive)
 
     def check_integrity(self) -> None:
-        """Check every worker's block pool (see KVCacheManager.check_integrity)."""
-        for ws in self.workers.values():
+        """Check every worker's block pool (see KVCacheManager.check_integrity) and that
+        every queued and running sequence is where its state says.
+
+        Raises:
+            IntegrityError: on the first violation.
+        """
+        for wid, ws in self.workers.items():
             ws.kv.check_integrity()
+            for seq in ws.waiting:
+                if seq.status is not SequenceStatus.WAITING or seq.queued_on != wid:
+                    raise IntegrityError(
+                        f"{seq.seq_id!r} in worker {wid}'s queue is {seq.status.value} "
+                        f"(queued_on={seq.queued_on})"
+                    )
+            for seq in ws.running:
+                if seq.status is not SequenceStatus.RUNNING or seq.worker_id != wid:
+                    raise IntegrityError(
+                        f"{seq.seq_id!r} in worker {wid}'s batch is {seq.status.value} "
+                        f"(worker_id={seq.worker_id})"
+                    )

@@ -2,7 +2,8 @@
 
 Covers request-id reuse after a cancel (a stale stream must not steal the new stream's
 queue), a worker that dies (its sequences are recomputed elsewhere; with none left, every
-request is aborted and new ones are refused), and a worker that raises on a step.
+request is aborted and new ones are refused), a worker that raises on a step, and routing
+across two workers (cached prefixes, an even burst, no idle worker while work waits).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class FakeHandle:
         self.fail_after = fail_after
         self.steps = 0
         self.dead = False
+        self.admitted: list[str] = []  # seq ids sent to this worker as new
         self.execute_model = Remote(self._execute)
         self.ping = Remote(self._ping)
 
@@ -49,15 +51,16 @@ class FakeHandle:
     async def _execute(self, so):
         await asyncio.sleep(0.001)
         self.steps += 1
+        self.admitted.extend(n.seq_id for n in so.new_seqs)
         if self.fail is not None and self.steps > self.fail_after:
             raise self.fail
         return self.inner.execute(so)
 
 
-def make_actor(handles, num_blocks=32, block_size=4):
+def make_actor(handles, num_blocks=32, block_size=4, budget=64, max_len=256):
     specs = [WorkerSpec(i, num_blocks, block_size) for i in range(len(handles))]
     return SchedulerActor(
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256),
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_len),
         handles,
         specs,
         probe_interval_s=0.05,
@@ -186,6 +189,71 @@ def test_idle_worker_death_is_noticed_by_the_probe():
             await asyncio.sleep(0.02)
         with pytest.raises(ClusterUnavailable):
             await actor.generate("b", [1], greedy(1), []).__anext__()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_concurrent_requests_sharing_a_cached_system_prompt_hit_it():
+    async def scenario():
+        handles = [FakeHandle(), FakeHandle()]
+        actor = make_actor(handles, num_blocks=64, block_size=16, budget=1024, max_len=1024)
+        system = list(range(1000, 1000 + 20 * 16))  # 20 full blocks
+        await collect(actor.generate("first", [*system, 1, 2, 3], greedy(2), []))
+        streams = [actor.generate(f"r{i}", [*system, 7, i, 9], greedy(4), []) for i in range(6)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        assert [r[-1].num_cached_tokens for r in results] == [320] * 6
+        assert sorted(handles[0].admitted) == sorted(["first/0"] + [f"r{i}/0" for i in range(6)])
+        assert handles[1].admitted == []
+        stats = await actor.get_stats()
+        assert [w.prefix_cache_hit_rate for w in stats.workers] == [6 * 320 / (7 * 323), 0.0]
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_burst_of_unrelated_requests_is_split_between_workers():
+    async def scenario():
+        handles = [FakeHandle(), FakeHandle()]
+        actor = make_actor(handles)
+        streams = [actor.generate(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(5), []) for i in range(8)]
+        await asyncio.gather(*(collect(s) for s in streams))
+        assert sorted(len(h.admitted) for h in handles) == [4, 4]
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_polled_stats_show_no_worker_idle_while_work_waits():
+    """2 workers of 12 blocks, 8 concurrent long/short requests (pools under pressure)."""
+
+    async def scenario():
+        handles = [FakeHandle(), FakeHandle()]
+        actor = make_actor(handles, num_blocks=12, block_size=16, budget=2048)
+        prefix = list(range(500, 516))
+        lens = [170, 8, 170, 8, 170, 8, 150, 8]
+        streams = [
+            actor.generate(f"p{i}", [*prefix, i, 1, 2, 3], greedy(n), [])
+            for i, n in enumerate(lens)
+        ]
+        gathered = asyncio.gather(*(collect(s) for s in streams))
+        polls = idle = 0
+        while not gathered.done():
+            st = await actor.get_stats()
+            polls += 1
+            if st.num_waiting and any(w.num_running == 0 for w in st.workers):
+                idle += 1
+            await asyncio.sleep(0.0005)
+        results = await gathered
+        assert [r[-1].num_output_tokens for r in results] == lens
+        assert polls > 50
+        # NOTE: the wake-up of an idle worker is queued before the poller's timer fires,
+        # so a poll never sees the turn between a step that freed blocks and that wake-up.
+        assert idle == 0
+        assert (await actor.get_stats()).num_preemptions > 0
+        await actor.check_integrity()
         await actor.shutdown()
 
     run(scenario())

@@ -1,0 +1,134 @@
+"""Routing: which worker's waiting queue a new request joins, and work stealing.
+
+The scheduler sees every worker's prefix cache (the block hashes of its pool), which a load
+balancer in front of separate engines does not. A new request joins the queue of:
+
+- ``prefix`` (default): the live worker whose prefix cache holds the longest prefix of its
+  prompt (full blocks, the same hashes admission looks up; ties: lower load, then lower
+  worker id), unless that worker's load exceeds the least-loaded live worker's by more
+  than ``routing_load_threshold``; then, or when no worker holds any of its prefix, the
+  least-loaded live worker.
+- ``least-loaded``: the least-loaded live worker (ties: lower worker id).
+- ``round-robin``: live workers in turn.
+
+The load of a worker is a count of sequences: running, queued, and choices that will fork
+from them (:attr:`WorkerState.load`). Sequences, not tokens: a decode costs the same step
+whatever its length, and a cached prompt costs little to prefill, so a token count would
+push shared-prefix requests off the worker that caches their prefix.
+
+Work stealing keeps a worker from idling while another's queue waits: a worker whose own
+queue is empty takes a sequence queued for another, busy worker when that sequence has no cached
+prefix there (nothing is lost by moving it), or when that worker could not admit it now
+(its pool or batch is full: waiting there costs more than recomputing the prefix). Beams
+of a beam search whose request still runs elsewhere stay where their siblings are.
+
+The prefix lookups use :meth:`KVCacheManager.get_computed_blocks` with ``count=False``: it
+takes no references and touches neither the LRU order nor the prefix-cache stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.request import Sequence
+from pagedserve.scheduler.worker_state import WorkerState
+
+# Sequences of one victim queue looked at per steal attempt: bounds the hashing a thief
+# does per step (queues longer than this are usually blocked at their head anyway).
+_STEAL_SCAN = 16
+
+
+def cached_prefix_tokens(ws: WorkerState, seq: Sequence) -> int:
+    """Tokens of ``seq`` found in ``ws``'s prefix cache (full blocks; no side effects)."""
+    _, num = ws.kv.get_computed_blocks(seq.all_token_ids, seq.sampling.cache_salt, count=False)
+    return num
+
+
+class Router:
+    """Assigns new sequences to workers and finds sequences an idle worker may steal.
+
+    Args:
+        config: ``routing`` (policy) and ``routing_load_threshold`` (sequences);
+            ``max_num_seqs`` bounds a victim's batch when judging what it can admit.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.policy = config.routing
+        self.threshold = config.routing_load_threshold
+        self.max_num_seqs = config.max_num_seqs
+        self._next = 0
+
+    def route(self, seq: Sequence, workers: Mapping[int, WorkerState]) -> WorkerState:
+        """The live worker whose queue ``seq`` joins (see the module docstring).
+
+        Raises:
+            ValueError: no worker is alive (callers check first).
+        """
+        live = [ws for _, ws in sorted(workers.items()) if ws.alive]
+        if not live:
+            raise ValueError("no live worker to route to")
+        if self.policy == "round-robin":
+            ws = live[self._next % len(live)]
+            self._next += 1
+            return ws
+        loads = {ws.spec.worker_id: ws.load for ws in live}
+        least = min(live, key=lambda w: loads[w.spec.worker_id])
+        if self.policy == "least-loaded":
+            return least
+        best, best_hit = least, 0
+        for ws in live:
+            hit = cached_prefix_tokens(ws, seq)
+            if hit > best_hit or (
+                hit == best_hit
+                and hit > 0
+                and loads[ws.spec.worker_id] < loads[best.spec.worker_id]
+            ):
+                best, best_hit = ws, hit
+        if loads[best.spec.worker_id] - loads[least.spec.worker_id] > self.threshold:
+            return least  # too busy to wait for: recomputing the prefix is cheaper
+        return best
+
+    def find_stealable(
+        self,
+        thief: WorkerState,
+        workers: Mapping[int, WorkerState],
+        pinned: Callable[[Sequence], bool],
+    ) -> tuple[WorkerState, Sequence] | None:
+        """A sequence queued for another live worker that ``thief`` may take, with its
+        queue's worker; None when there is none.
+
+        Victims are the busy workers (running something), most loaded first: a worker
+        with an empty batch admits its own queue at its next step. Walking a victim's queue in order, the
+        victim keeps the sequences it could admit now that hit its prefix cache (their
+        blocks and seats are set aside in turn); the first other one is stealable.
+        ``pinned`` sequences (beams whose siblings run) are never taken.
+        """
+        victims = [
+            ws
+            for ws in workers.values()
+            if ws is not thief and ws.alive and ws.waiting and ws.running
+        ]
+        victims.sort(key=lambda w: (-w.load, w.spec.worker_id))
+        for victim in victims:
+            kv = victim.kv
+            free = kv.num_free_blocks
+            seats = self.max_num_seqs - victim.num_seats
+            revived: set[int] = set()  # cached free blocks an earlier kept sequence takes
+            for seq in list(victim.waiting)[:_STEAL_SCAN]:
+                if pinned(seq):
+                    continue
+                computed, hit = kv.get_computed_blocks(
+                    seq.all_token_ids, seq.sampling.cache_salt, count=False
+                )
+                if hit == 0:
+                    return victim, seq
+                fresh = [b for b in computed if b not in revived and kv.get_ref_count(b) == 0]
+                need = -(-seq.num_tokens // kv.block_size) - len(computed) + len(fresh)
+                width = 1 + len(seq.fork_children)
+                if need > free or width > seats:
+                    return victim, seq
+                revived.update(fresh)
+                free -= need
+                seats -= width
+        return None

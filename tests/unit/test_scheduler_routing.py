@@ -1,0 +1,203 @@
+"""Routing across workers: prefix-aware assignment, load balance, policies, work stealing.
+
+Two fake workers stepped in lockstep; every assertion is on exact worker ids, queue
+positions and cached token counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import ScriptedWorker
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.request import FinishReason
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+
+BS = 16
+SYSTEM = list(range(1000, 1000 + 20 * BS))  # a 20-block system prompt
+
+
+def make(num_blocks=64, routing="prefix", threshold=8, budget=512, max_seqs=16, max_len=1024):
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_len,
+        routing=routing,
+        routing_load_threshold=threshold,
+    )
+    return Scheduler(cfg, [WorkerSpec(0, num_blocks, BS), WorkerSpec(1, num_blocks, BS)])
+
+
+def greedy(max_tokens):
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def step_round(s, fakes, order=(0, 1), on_schedule=None):
+    """One step on every worker (scheduled in ``order``, then updated); returns the
+    deltas and, per worker, the seq ids its step admitted as new."""
+    outs, admitted = [], {}
+    planned = []
+    for wid in order:
+        if s.has_work(wid):
+            so = s.schedule(wid)
+            s.check_integrity()
+            if on_schedule is not None:
+                on_schedule(s, wid)
+            admitted[wid] = [n.seq_id for n in so.new_seqs]
+            planned.append((wid, so))
+    for wid, so in planned:
+        outs.extend(s.update(wid, so, fakes[wid].execute(so)))
+        s.check_integrity()
+    return outs, admitted
+
+
+def run_all(s, fakes, max_rounds=2000, on_schedule=None):
+    outs, where = [], {}
+    for r in range(max_rounds):
+        if not any(s.has_work(w) for w in (0, 1)):
+            break
+        o, admitted = step_round(s, fakes, (r % 2, 1 - r % 2), on_schedule)
+        for wid, ids in admitted.items():
+            for seq_id in ids:
+                where.setdefault(seq_id, wid)
+        outs.extend(o)
+    assert not any(s.has_work(w) for w in (0, 1))
+    return outs, where
+
+
+def queued_on(s):
+    return {seq.request_id: seq.queued_on for seq in s.sequences.values()}
+
+
+def test_shared_system_prompt_requests_go_where_it_is_cached():
+    s, fakes = make(), [ScriptedWorker(), ScriptedWorker()]
+    s.add_request("first", SYSTEM + [1, 2, 3, 4, 5], greedy(2))
+    outs, where = run_all(s, fakes)
+    assert where == {"first/0": 0}
+    for i in range(6):
+        s.add_request(f"r{i}", SYSTEM + [7, i, 8, i, 9], greedy(3))
+    assert queued_on(s) == {f"r{i}": 0 for i in range(6)}
+    outs, where = run_all(s, fakes)
+    final = {o.request_id: o for o in outs if o.finish_reason is not None}
+    assert {r: o.num_cached_tokens for r, o in final.items()} == {f"r{i}": 320 for i in range(6)}
+    assert set(where.values()) == {0}
+    st = s.stats().workers
+    assert st[0].prefix_cache_hit_rate == pytest.approx(6 * 320 / (7 * 325))
+    assert st[1].prefix_cache_hit_rate == 0.0
+
+
+def test_burst_of_unrelated_requests_splits_evenly():
+    s, fakes = make(), [ScriptedWorker(), ScriptedWorker()]
+    for i in range(8):
+        s.add_request(f"u{i}", [10 * i + k for k in range(1, 9)], greedy(4))
+    assert queued_on(s) == {f"u{i}": i % 2 for i in range(8)}
+    _, where = run_all(s, fakes)
+    assert where == {f"u{i}/0": i % 2 for i in range(8)}
+
+
+def test_overloaded_prefix_worker_sends_to_least_loaded():
+    s, fakes = make(threshold=2), [ScriptedWorker(), ScriptedWorker()]
+    s.add_request("first", SYSTEM + [1], greedy(1))
+    run_all(s, fakes)
+    for i in range(6):
+        s.add_request(f"r{i}", SYSTEM + [2, i], greedy(1))
+    # loads (w0, w1) before each: (0,0) (1,0) (2,0) (3,0): 3 > 2 -> w1; (3,1); (4,1) -> w1
+    assert queued_on(s) == {"r0": 0, "r1": 0, "r2": 0, "r3": 1, "r4": 0, "r5": 1}
+
+
+@pytest.mark.parametrize(
+    ("routing", "expected"),
+    [("least-loaded", {"a": 0, "b": 1, "c": 0}), ("round-robin", {"a": 1, "b": 0, "c": 1})],
+)
+def test_other_policies_ignore_the_cache(routing, expected):
+    s, fakes = make(routing=routing), [ScriptedWorker(), ScriptedWorker()]
+    s.add_request("first", SYSTEM + [1], greedy(1))
+    run_all(s, fakes)  # cached on worker 0
+    for rid in "abc":
+        s.add_request(rid, SYSTEM + [ord(rid)], greedy(1))
+    assert queued_on(s) == expected
+
+
+def test_round_robin_cycles_regardless_of_load():
+    s = make(routing="round-robin")
+    for i in range(5):
+        s.add_request(f"q{i}", [i + 1, 2, 3], greedy(50))
+    assert queued_on(s) == {"q0": 0, "q1": 1, "q2": 0, "q3": 1, "q4": 0}
+
+
+def test_idle_worker_steals_uncached_work():
+    s = make(routing="round-robin")
+    s.add_request("a", [1, 2, 3], greedy(3))
+    s.add_request("b", [4, 5, 6], greedy(3))
+    assert s.schedule(0).num_scheduled_tokens == {"a/0": 3}  # worker 0 is busy
+    s.add_request("c", [7, 8, 9], greedy(3))
+    assert queued_on(s)["c"] == 0
+    so1 = s.schedule(1)  # worker 1 admits b, then steals c (no prefix of c on worker 0)
+    assert so1.num_scheduled_tokens == {"b/0": 3, "c/0": 3}
+    assert s.sequences["c/0"].worker_id == 1
+    s.check_integrity()
+
+
+def test_idle_worker_leaves_cached_work_that_fits():
+    s, fakes = make(), [ScriptedWorker(), ScriptedWorker()]
+    s.add_request("first", SYSTEM + [1], greedy(1))
+    run_all(s, fakes)
+    s.add_request("r", SYSTEM + [2], greedy(1))
+    assert s.schedule(1).is_empty  # r's 20 blocks are cached on worker 0, which has room
+    assert s.schedule(0).num_scheduled_tokens == {"r/0": 1}
+
+
+def test_no_worker_idles_while_work_waits():
+    """The reproduced case: 2 workers of 12 blocks, 8 requests sharing a 1-block prefix."""
+    s = make(num_blocks=12, budget=2048, max_len=256)
+    fakes = [ScriptedWorker(), ScriptedWorker()]
+    lens = [170, 8, 170, 8, 170, 8, 150, 8]
+    for i, n in enumerate(lens):
+        s.add_request(f"p{i}", list(range(500, 516)) + [i, 1, 2, 3], greedy(n))
+    idle, preempted_seen = [], []
+
+    def check(sched, wid):  # polled right after each worker decided its step
+        st = sched.stats()
+        preempted_seen.append(st.num_preemptions)
+        if st.workers[wid].num_running == 0 and st.num_waiting > 0:
+            idle.append((wid, st.num_waiting, st.workers[wid].num_free_blocks))
+
+    outs, where = run_all(s, fakes, on_schedule=check)
+    final = [o for o in outs if o.finish_reason is not None]
+    assert sorted(o.request_id for o in final) == [f"p{i}" for i in range(8)]
+    assert all(o.finish_reason is FinishReason.LENGTH for o in final)
+    assert idle == []
+    assert preempted_seen[-1] > 0  # the pools were under pressure: work was requeued
+    assert set(where.values()) == {0, 1}
+    assert {w.num_free_blocks for w in s.stats().workers} == {12}
+
+
+def test_dead_worker_queue_is_rerouted():
+    s = make(routing="round-robin")
+    for i in range(4):
+        s.add_request(f"d{i}", [i + 1, 2, 3], greedy(2))
+    s.schedule(1)
+    assert s.mark_worker_dead(1) == []
+    assert queued_on(s) == {"d0": 0, "d1": 0, "d2": 0, "d3": 0}
+    assert [q.request_id for q in s.workers[0].waiting] == ["d1", "d3", "d0", "d2"]
+    s.check_integrity()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"routing": "random"}, "routing"),
+        ({"routing_load_threshold": -1}, "routing_load_threshold"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+    ],
+)
+def test_config_rejects_bad_routing_knobs(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SchedulerConfig(**kwargs)
+
+
+def test_priority_must_be_int32():
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=2**31)
+    assert SamplingParams(priority=-(2**31)).priority == -(2**31)
