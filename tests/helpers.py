@@ -380,21 +380,24 @@ def run_beams(
     eos: tuple[int, ...] = (2,),
     block_size: int = 4,
     max_model_len: int = 256,
+    worker: Any = None,
 ) -> tuple[list[Any], int, int]:
-    """Run one beam-search request through the real Scheduler and Worker (integrity checked
-    after every step). Returns (final deltas, peak used blocks, number of block copies)."""
+    """Run one beam-search request through the real Scheduler and a Worker (a new one unless
+    ``worker`` is given; integrity checked after every step). Returns (final deltas, peak
+    used blocks, number of block copies)."""
     from pagedserve.scheduler.config import SchedulerConfig
     from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
     from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
     from pagedserve.worker.worker import Worker
 
-    worker = Worker(
-        WorkerConfig(
-            model=ModelConfig(model=str(model_dir), max_model_len=max_model_len),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
-            device="cpu",
+    if worker is None:
+        worker = Worker(
+            WorkerConfig(
+                model=ModelConfig(model=str(model_dir), max_model_len=max_model_len),
+                cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+                device="cpu",
+            )
         )
-    )
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len),
         [WorkerSpec(0, num_blocks, block_size)],

@@ -44,14 +44,28 @@ def hf(smollm2_dir: Path):
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, attn_implementation="eager").eval()
 
 
+@pytest.fixture(scope="module")
+def worker(smollm2_dir: Path):
+    from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+    from pagedserve.worker.worker import Worker
+
+    return Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(smollm2_dir), max_model_len=256),
+            cache=CacheConfig(block_size=16, num_blocks=64),
+            device="cpu",
+        )
+    )
+
+
 @pytest.mark.parametrize(("k", "n", "lp"), [(4, 2, 1.0), (3, 3, 0.6)])
-def test_beams_equal_hf_on_smollm2(smollm2_dir: Path, hf, prompts, k, n, lp) -> None:
+def test_beams_equal_hf_on_smollm2(smollm2_dir: Path, hf, worker, prompts, k, n, lp) -> None:
     eos = 2  # <|im_end|> in SmolLM2-Instruct
     max_new = 12
     sampling = SamplingParams(max_tokens=max_new, beam_width=k, n=n, length_penalty=lp)
     for prompt in prompts:
         ref = hf_beams(hf, prompt, k, n, max_new, lp, eos)
         ours, _, _ = run_beams(
-            smollm2_dir, prompt, sampling, num_blocks=64, eos=(eos,), block_size=16
+            smollm2_dir, prompt, sampling, 64, (eos,), block_size=16, worker=worker
         )
         assert_same_beams(ours, ref)
