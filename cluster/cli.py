@@ -24,6 +24,7 @@ from pagedserve.cluster.config import (
     SchedulerConfig,
     ServerConfig,
 )
+from pagedserve.scheduler.config import ADMISSION_RESERVES
 
 
 def _parse_bytes(text: str) -> int:
@@ -54,6 +55,12 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument(
+        "--reserve",
+        choices=ADMISSION_RESERVES,
+        default="none",
+        help="admit a request only when its whole reservation fits (pre-paging baseline)",
+    )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--cpus-per-worker", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -104,6 +111,7 @@ def _serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             enable_prefix_caching=not args.no_prefix_caching,
+            admission_reserve=args.reserve,
         ),
         server=ServerConfig(host=args.host, port=args.port),
         ray_address=args.address,
