@@ -219,6 +219,21 @@ def main() -> None:
         }
     for k, v in ratios.items():
         print(f"{k}: throughput x{v['tok_s']}, requests in flight x{v['in_flight']}")
+    md = [
+        "| block size | reserve | output tok/s | in flight (mean / peak) | KV held | KV reserved "
+        "| KV utilisation | preemptions | steps | paged / this (tok/s, in flight) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        k = f"block{r['block_size']}_paged_over_{r['reserve']}"
+        ratio = f"{ratios[k]['tok_s']}x, {ratios[k]['in_flight']}x" if k in ratios else "1x"
+        md.append(
+            f"| {r['block_size']} | {r['reserve']} | {r['output_tok_s']:.1f} | "
+            f"{r['running_time_weighted']:.1f} / {r['running_peak']} | {r['kv_held_mean']:.2f} | "
+            f"{r['kv_reserved_mean']:.2f} | {r['kv_utilisation_mean']:.2f} | "
+            f"{r['preemptions']} | {r['steps']} | {ratio} |"
+        )
+    print("\n" + "\n".join(md))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(
@@ -244,6 +259,7 @@ def main() -> None:
                 },
                 "prompt_tokens": [len(r["prompt_ids"]) for r in reqs],
                 "ratios": ratios,
+                "markdown": "\n".join(md),
                 "rows": rows,
             },
             indent=2,

@@ -367,6 +367,37 @@ def report(results: dict[str, Any], scenarios: list[str], vllm_best: str | None)
     return lines
 
 
+def markdown(
+    results: dict[str, Any], scenarios: list[str], vllm_best: str | None, head: str
+) -> str:
+    """The README table: one row per system and scenario, ratios against pagedserve."""
+    rows = [
+        head,
+        "",
+        "| scenario | system | output tok/s | vs pagedserve | req/s | TTFT p50 / p99 (s) "
+        "| ITL p50 / p99 (ms) | identical to HF | peak memory (GiB) | KV usage mean / peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for sc in scenarios:
+        base = results.get("pagedserve", {}).get("summary", {}).get(sc, {}).get("output_tok_s")
+        for name, res in results.items():
+            s = res.get("summary", {}).get(sc)
+            if not s:
+                continue
+            ratio = f"{s['output_tok_s'] / base:.2f}x" if base else "-"
+            kv = "-"
+            if "kv_usage_mean" in s:
+                kv = f"{s['kv_usage_mean']:.2f} / {s['kv_usage_peak']:.2f}"
+            label = f"{name} (better vLLM)" if name == vllm_best else name
+            rows.append(
+                f"| {sc} | {label} | {s['output_tok_s']:.1f} | {ratio} | {s['req_s']:.2f} | "
+                f"{_fmt(s['ttft_p50_s'])} / {_fmt(s['ttft_p99_s'])} | "
+                f"{_fmt(s['itl_p50_ms'], '.0f')} / {_fmt(s['itl_p99_ms'], '.0f')} | "
+                f"{_fmt(s['identical'])} | {res.get('peak_pss_bytes', 0) / 2**30:.2f} | {kv} |"
+            )
+    return "\n".join(rows)
+
+
 def _median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median output tok/s (keeps one run's consistent figures)."""
     ranked = sorted(runs, key=lambda s: s["output_tok_s"])
@@ -513,11 +544,17 @@ def main() -> None:
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine = (
+        f"{platform.node()} {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.2f} at the end"
+    )
+    command = " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    md = markdown(results, names, vllm_best, f"{time.strftime('%Y-%m-%d')}, {machine}: `{command}`")
+    print("\n" + md)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.2f} at the end",
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "machine": machine,
+        "command": command,
         "model": model_dir,
         "workload": {
             "num_requests": len(reqs),
@@ -531,6 +568,7 @@ def main() -> None:
         "vllm_best": vllm_best,
         "headline": headline,
         "table": lines,
+        "markdown": md,
         "systems": {
             n: {k: v for k, v in res.items() if k != "scenarios"} for n, res in results.items()
         },

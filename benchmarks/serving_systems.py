@@ -139,11 +139,19 @@ def _hf_model(spec: dict[str, Any]) -> Any:
 def run_hf_cb(spec: dict[str, Any]) -> dict[str, Any]:
     """transformers' ContinuousBatchingManager (what ``generate_batch`` drives)."""
     from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
 
     t_load = time.perf_counter()
     model = _hf_model(spec)
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(spec["max_tokens_all"]))
-    manager = model.init_continuous_batching(generation_config=gen)
+    # Its default takes 90% of free memory for KV; give it the others' KV budget instead
+    # (a block is page_size tokens of every layer's K and V).
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    cb = ContinuousBatchingConfig()
+    cb.num_blocks = max(1, spec["kv_cache_bytes"] // (cb.page_size * per_token))
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
 
     def submit(req: dict[str, Any], rid: str) -> None:
