@@ -47,6 +47,7 @@ bench: model
 	$(PY) benchmarks/simulate.py
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/serving.py
+	$(PY) benchmarks/capacity.py
 
 clean:
 	rm -rf build *.egg-info protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi

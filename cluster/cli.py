@@ -24,7 +24,11 @@ from pagedserve.cluster.config import (
     SchedulerConfig,
     ServerConfig,
 )
-from pagedserve.scheduler.config import ROUTING_POLICIES, SCHEDULING_POLICIES
+from pagedserve.scheduler.config import (
+    ADMISSION_RESERVES,
+    ROUTING_POLICIES,
+    SCHEDULING_POLICIES,
+)
 
 
 def _parse_bytes(text: str) -> int:
@@ -77,6 +81,12 @@ def _add_serve(sub: Any) -> None:
         choices=list(SCHEDULING_POLICIES),
         default="fcfs",
         help="admission/preemption order: arrival, or request priority then arrival",
+    )
+    p.add_argument(
+        "--reserve",
+        choices=ADMISSION_RESERVES,
+        default="none",
+        help="admit a request only when its whole reservation fits (pre-paging baseline)",
     )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--cpus-per-worker", type=int, default=None)
@@ -150,6 +160,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             routing=args.routing,
             routing_load_threshold=args.routing_load_threshold,
             scheduling_policy=args.scheduling_policy,
+            admission_reserve=args.reserve,
         ),
         server=ServerConfig(host=args.host, port=args.port, http_port=args.http_port),
         ray_address=args.address,

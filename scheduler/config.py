@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+ADMISSION_RESERVES = ("none", "max_tokens", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class SchedulerConfig:
             queued there) exceeds it by more than this many sequences.
         scheduling_policy: ``fcfs`` (admission and preemption by arrival) or ``priority``
             (by ``SamplingParams.priority``, lower first, then arrival).
+        admission_reserve: ``"none"`` (paged: blocks as a sequence grows); or, to measure
+            what paging buys (``benchmarks/capacity.py``), admit a sequence only when the
+            pool can hold its whole reservation, as pre-paging servers did:
+            ``"max_tokens"`` reserves prompt + max_tokens, ``"max_model_len"`` reserves
+            max_model_len (both capped at the pool size).
     """
 
     max_num_seqs: int = 64
@@ -43,6 +49,7 @@ class SchedulerConfig:
     routing: str = "prefix"
     routing_load_threshold: int = 8
     scheduling_policy: str = "fcfs"
+    admission_reserve: str = "none"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -63,4 +70,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}"
+            )
+        if self.admission_reserve not in ADMISSION_RESERVES:
+            raise ValueError(
+                f"admission_reserve must be one of {ADMISSION_RESERVES}, "
+                f"got {self.admission_reserve!r}"
             )

@@ -312,6 +312,8 @@ class Scheduler(ForkingMixin):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
+            if self.config.admission_reserve != "none" and not self._reservation_fits(ws, seq):
+                break
             result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
             if result is None:
                 break
@@ -329,6 +331,26 @@ class Scheduler(ForkingMixin):
             budget -= num_new
             seats += width
         return budget
+
+    def _reservation_fits(self, ws: WorkerState, seq: Sequence) -> bool:
+        """Whether the free pool covers ``seq``'s whole reservation (``admission_reserve``).
+
+        NOTE: the reservation is accounted, not allocated: running sequences still take
+        their blocks as they grow (block tables and copy-on-write as in paged mode), but
+        blocks they reserved and have not yet taken are never lent to a new admission, so
+        no running sequence is ever preempted. Prefix-cache hits are not credited.
+        """
+        bs = ws.spec.block_size
+        cap = ws.spec.num_blocks  # a reservation beyond the pool could never be admitted
+
+        def reserved(s: Sequence) -> int:
+            tokens = s.max_total_tokens
+            if self.config.admission_reserve == "max_model_len":
+                tokens = self.max_model_len
+            return min(-(-tokens // bs), cap)
+
+        owed = sum(reserved(s) - len(ws.kv.get_block_ids(s.seq_id)) for s in ws.running)
+        return reserved(seq) + owed <= ws.kv.num_free_blocks
 
     def _build_output(
         self,
