@@ -66,7 +66,7 @@ def test_max_tokens_admits_only_whole_reservations():
     assert list(so.num_scheduled_tokens) == [f"r{i}/0" for i in range(5)]
     assert s.workers[0].kv.num_free_blocks == 16 - 5 * 2  # blocks are taken as they grow
     s.update(0, so, w.execute(so))
-    assert [seq.seq_id for seq in s.waiting] == ["r5/0"]
+    assert [seq.seq_id for seq in s.workers[0].waiting] == ["r5/0"]
     running = run(s, w)
     assert max(running) == 5
     assert s.num_preemptions == 0
