@@ -226,6 +226,8 @@ class OpenAIServer:
             return JSONResponse(await render.collect(first, stream))
         except ServingError as exc:
             return error_response(exc)
+        finally:
+            await stream.aclose()  # on any early exit: cancel the streams, free the blocks
 
     async def _merged(
         self, prepared: list[PreparedRequest]
