@@ -24,7 +24,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -231,7 +231,7 @@ class OpenAIServer:
 
     async def _merged(
         self, prepared: list[PreparedRequest]
-    ) -> AsyncIterator[tuple[int, ChoiceDelta]]:
+    ) -> AsyncGenerator[tuple[int, ChoiceDelta], None]:
         """Deltas of every prompt's stream as ``(prompt index, delta)``, as they come.
 
         Each stream runs in its own task; closing this generator (or cancelling its
@@ -427,7 +427,7 @@ class _Renderer:
         return item
 
     async def sse(
-        self, first: tuple[int, ChoiceDelta], rest: AsyncIterator[tuple[int, ChoiceDelta]]
+        self, first: tuple[int, ChoiceDelta], rest: AsyncGenerator[tuple[int, ChoiceDelta], None]
     ) -> AsyncIterator[str]:
         """Server-Sent Events: one chunk per delta, a usage chunk if asked, ``[DONE]``."""
         try:
@@ -449,5 +449,5 @@ class _Renderer:
         except ServingError as exc:
             yield f"data: {json.dumps(error_json(exc)[1])}\n\n"
         finally:
-            await rest.aclose()  # type: ignore[attr-defined]
+            await rest.aclose()
         yield SSE_DONE
