@@ -49,7 +49,15 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument(
-        "--http-port", type=int, default=8000, help="HTTP port (/metrics, /health); 0 = free port"
+        "--http-port",
+        type=int,
+        default=8000,
+        help="HTTP port (OpenAI-compatible /v1, /metrics, /health); 0 = free port",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the HTTP API's model name (default: the model folder's name)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
     p.add_argument("--block-size", type=int, default=16)
@@ -162,7 +170,12 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             scheduling_policy=args.scheduling_policy,
             admission_reserve=args.reserve,
         ),
-        server=ServerConfig(host=args.host, port=args.port, http_port=args.http_port),
+        server=ServerConfig(
+            host=args.host,
+            port=args.port,
+            http_port=args.http_port,
+            served_model_name=args.served_model_name,
+        ),
         ray_address=args.address,
         num_workers=args.workers,
         cpus_per_worker=cpus,

@@ -27,12 +27,17 @@ class ServerConfig:
         http_port: HTTP TCP port; 0 picks a free one; None serves no HTTP (the library
             default, so embedded clusters take no fixed port; ``pagedserve serve`` defaults
             to 8000).
+        served_model_name: the ``model`` name of the OpenAI-compatible API (``None``: the
+            model folder's name); the model path is accepted too.
+        max_http_body_bytes: largest HTTP request body (larger ones get 413).
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
     max_message_bytes: int = 16 << 20
     http_port: int | None = None
+    served_model_name: str | None = None
+    max_http_body_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -42,6 +47,10 @@ class ServerConfig:
                 raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
             if self.http_port == self.port != 0:
                 raise ValueError(f"http_port and port are both {self.port}")
+        if self.served_model_name == "":
+            raise ValueError("served_model_name must not be empty")
+        if self.max_http_body_bytes < 1:
+            raise ValueError(f"max_http_body_bytes must be >= 1, got {self.max_http_body_bytes}")
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """The HTTP frontend: one ASGI app (FastAPI) served by uvicorn in the frontend's event loop.
 
-Routes today: ``GET /metrics`` (Prometheus text format, :mod:`pagedserve.cluster.metrics`)
-and ``GET /health`` (200 while a worker is alive, 503 otherwise). The app is built by
-:func:`create_app` and may take more routes (``app.include_router``) before
-:meth:`HttpServer.start`; gRPC stays on its own port next to it.
+Routes: ``GET /metrics`` (Prometheus text format, :mod:`pagedserve.cluster.metrics`),
+``GET /health`` (200 while a worker is alive, 503 otherwise), and the routers passed to
+:func:`create_app` (the OpenAI-compatible API, :mod:`pagedserve.cluster.openai_api`); gRPC
+stays on its own port next to it.
 
 uvicorn runs as a task of the running loop (no thread, no process); its own signal handling
 is switched off because the launcher owns SIGINT / SIGTERM.
@@ -15,11 +15,11 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
 from pagedserve.cluster.metrics import CONTENT_TYPE, MetricsExporter
@@ -27,15 +27,23 @@ from pagedserve.cluster.metrics import CONTENT_TYPE, MetricsExporter
 log = logging.getLogger(__name__)
 
 
-def create_app(scheduler: Any, exporter: MetricsExporter, health_timeout_s: float = 5.0) -> FastAPI:
-    """The ASGI app with ``/metrics`` and ``/health``.
+def create_app(
+    scheduler: Any,
+    exporter: MetricsExporter,
+    health_timeout_s: float = 5.0,
+    routers: Sequence[APIRouter] = (),
+) -> FastAPI:
+    """The ASGI app with ``/metrics``, ``/health`` and ``routers``.
 
     Args:
         scheduler: the SchedulerActor handle (``num_live_workers`` for /health).
         exporter: renders /metrics from the scheduler's snapshot.
         health_timeout_s: how long /health waits for the scheduler, seconds.
+        routers: more routes (e.g. ``OpenAIServer.router()``).
     """
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None)
+    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    for router in routers:
+        app.include_router(router)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -15,14 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.frontend import (
-    GenerationServicer,
-    ModelInfo,
-    check_port_free,
-    start_server,
-)
+from pagedserve.cluster.frontend import GenerationServicer, check_port_free, start_server
 from pagedserve.cluster.http_server import HttpServer, create_app
 from pagedserve.cluster.metrics import MetricsExporter
+from pagedserve.cluster.openai_api import OpenAIServer
+from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
 from pagedserve.scheduler.scheduler import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -82,7 +79,7 @@ class ClusterHandle:
 
     @property
     def http_address(self) -> str | None:
-        """``host:port`` of the HTTP frontend (/metrics, /health); None without one."""
+        """``host:port`` of the HTTP frontend (/metrics, /health, /v1); None without one."""
         return None if self.http is None else f"{self.config.server.host}:{self.http.port}"
 
     async def stop(self, grace_s: float = 2.0) -> None:
@@ -170,9 +167,11 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             vocab_size=infos[0].vocab_size,
             eos_token_ids=tuple(infos[0].eos_token_ids),
             max_kv_slots=max(s.num_blocks * s.block_size for s in specs),
+            block_size=max(specs, key=lambda s: s.num_blocks * s.block_size).block_size,
         )
-        servicer = GenerationServicer(scheduler, tokenizer, info)
-        http = await _start_http(config, scheduler, info)
+        pipeline = RequestPipeline(scheduler, tokenizer, info)
+        servicer = GenerationServicer(pipeline)
+        http = await _start_http(config, pipeline)
         try:
             server, port = await start_server(config.server, servicer)
         except BaseException:
@@ -190,8 +189,9 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     )
 
 
-async def _start_http(config: ClusterConfig, scheduler: Any, info: ModelInfo) -> HttpServer | None:
-    """Start the HTTP frontend (/metrics, /health) when ``http_port`` is set.
+async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpServer | None:
+    """Start the HTTP frontend (/metrics, /health, the OpenAI-compatible API) when
+    ``http_port`` is set.
 
     Raises:
         PortUnavailable: the HTTP port cannot be bound.
@@ -202,8 +202,13 @@ async def _start_http(config: ClusterConfig, scheduler: Any, info: ModelInfo) ->
 
     if config.server.http_port is None:
         return None
-    exporter = MetricsExporter(scheduler, model_name=Path(info.name).name or info.name)
-    http = HttpServer(create_app(scheduler, exporter), config.server.host, config.server.http_port)
+    info, scheduler = pipeline.info, pipeline.scheduler
+    short_name = Path(info.name).name or info.name
+    exporter = MetricsExporter(scheduler, model_name=short_name)
+    names = (config.server.served_model_name or short_name, info.name)
+    openai = OpenAIServer(pipeline, names, config.server.max_http_body_bytes)
+    app = create_app(scheduler, exporter, routers=[openai.router()])
+    http = HttpServer(app, config.server.host, config.server.http_port)
     try:
         await http.start()
     except OSError as exc:
@@ -222,6 +227,7 @@ async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
     print(f"pagedserve: serving on {handle.address} (Ctrl-C to stop)", flush=True)
     if handle.http_address is not None:
         print(f"pagedserve: metrics on http://{handle.http_address}/metrics", flush=True)
+        print(f"pagedserve: OpenAI-compatible API on http://{handle.http_address}/v1", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,7 +1,8 @@
 """Every error a client can see, each with the status it maps to; and the integrity error.
 
-The frontend maps a :class:`ServingError` to its transport status with one lookup
-(``grpc.StatusCode[err.status]``); nothing depends on the order of ``except`` clauses. The
+Each transport maps a :class:`ServingError` to its status with one lookup
+(gRPC: ``grpc.StatusCode[err.status]``; the HTTP API: a table from these names to HTTP
+codes); nothing depends on the order of ``except`` clauses. The
 status is a gRPC status code *name*, so this module stays free of grpc (the scheduler
 process imports it). Any other exception reaching a transport is a server bug and is
 reported as ``INTERNAL``. This follows vLLM v1's ``engine/exceptions.py`` in spirit: one
@@ -19,16 +20,27 @@ class ServingError(Exception):
     Attributes:
         status: name of the ``grpc.StatusCode`` the client receives.
         recoverable: False when the server cannot serve anything until it is restarted.
+        param: the offending request field, when known (the HTTP API reports it).
     """
 
     status: ClassVar[str] = "INTERNAL"
     recoverable: ClassVar[bool] = True
+
+    def __init__(self, message: str = "", param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class InvalidRequest(ServingError, ValueError):
     """A malformed request or an out-of-range field; the message names the field."""
 
     status = "INVALID_ARGUMENT"
+
+
+class ModelNotFound(ServingError):
+    """The request names a model this server does not serve."""
+
+    status = "NOT_FOUND"
 
 
 class RequestRejected(ServingError):

@@ -14,11 +14,11 @@ from pagedserve.cluster.cli import main
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import (
     GenerationServicer,
-    ModelInfo,
     PortUnavailable,
     check_port_free,
     start_server,
 )
+from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
 
 
 class _Tok:
@@ -28,7 +28,7 @@ class _Tok:
 
 def _servicer() -> GenerationServicer:
     info = ModelInfo("m", 16, 2, (1,), 64)
-    return GenerationServicer(scheduler=None, tokenizer=_Tok(), info=info)
+    return GenerationServicer(RequestPipeline(scheduler=None, tokenizer=_Tok(), info=info))
 
 
 def test_check_port_free_detects_a_taken_port():
@@ -55,9 +55,9 @@ def test_second_server_on_the_same_port_fails_instead_of_sharing():
 
 def test_text_size_bound_uses_the_longest_token():
     svc = _servicer()  # longest token 2 bytes, max_model_len 16 -> 32 bytes
-    svc._check_text_size("x" * 32)
+    svc.pipeline._check_text_size("x" * 32)
     with pytest.raises(ValueError, match="cannot fit"):
-        svc._check_text_size("x" * 33)
+        svc.pipeline._check_text_size("x" * 33)
 
 
 def test_serve_refuses_unsupported_architecture_before_starting_ray(

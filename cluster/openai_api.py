@@ -1,0 +1,453 @@
+"""The OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+A thin transport over :class:`~pagedserve.cluster.pipeline.RequestPipeline` (the request
+path gRPC uses too): parse the JSON body (:mod:`pagedserve.cluster.openai_protocol`), hand
+the prompt(s) and sampling fields to the pipeline, render its deltas as OpenAI's response
+objects, or as Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]``) with
+``"stream": true``.
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
+status looked up from the error's gRPC status name (:data:`HTTP_STATUS`): the same error
+classes that give gRPC statuses. A body over the size limit is 413. A request too large for
+any KV pool (RESOURCE_EXHAUSTED) is 400, as it can never succeed (429 would invite retries).
+Errors after a stream has started are sent as one ``data: {"error": ...}`` event before the
+stream ends (the status line is already sent).
+
+Each prompt of a request runs as its own pipeline stream in its own task; when the client
+disconnects, the response task is cancelled, which cancels those tasks, and each aborts its
+request (the scheduler frees its blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, cast
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from pagedserve.cluster.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_input,
+    completion_inputs,
+    sampling_request,
+)
+from pagedserve.cluster.pipeline import ChoiceDelta, PreparedRequest, RequestPipeline
+from pagedserve.scheduler.errors import InvalidRequest, ModelNotFound, ServingError
+from pagedserve.scheduler.outputs import SampleLogprobs
+
+# gRPC status name (pagedserve.scheduler.errors) -> (HTTP status, OpenAI error type).
+HTTP_STATUS: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "RESOURCE_EXHAUSTED": (400, "invalid_request_error"),
+    "NOT_FOUND": (404, "invalid_request_error"),
+    "ALREADY_EXISTS": (409, "invalid_request_error"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+    "INTERNAL": (500, "server_error"),
+}
+SSE_DONE = "data: [DONE]\n\n"
+M = TypeVar("M", bound=BaseModel)
+
+
+class BodyTooLarge(Exception):
+    """The request body exceeds the server's limit (HTTP 413)."""
+
+
+def error_body(message: str, err_type: str, param: str | None, code: str | None) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_json(exc: ServingError, fields: frozenset[str] = frozenset()) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error object) of a :class:`ServingError`: one lookup by its
+    status. ``param`` is the error's own, else the message's first word when it is one of
+    ``fields`` (the shared validation names the field first: "temperature must be ...")."""
+    status, err_type = HTTP_STATUS.get(exc.status, HTTP_STATUS["INTERNAL"])
+    param = getattr(exc, "param", None)
+    if param is None and isinstance(exc, InvalidRequest):
+        first = str(exc).split(" ", 1)[0]
+        param = first if first in fields else None
+    code = "model_not_found" if isinstance(exc, ModelNotFound) else exc.status.lower()
+    return status, error_body(str(exc), err_type, param, code)
+
+
+def error_response(exc: ServingError, fields: frozenset[str] = frozenset()) -> JSONResponse:
+    """The JSON error response of a :class:`ServingError` (see :func:`error_json`)."""
+    status, body = error_json(exc, fields)
+    return JSONResponse(body, status_code=status)
+
+
+async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
+    """The JSON object of the body, read up to ``max_body_bytes`` bytes.
+
+    Raises:
+        BodyTooLarge: the body is larger than the limit.
+        InvalidRequest: not valid JSON, or not a JSON object.
+    """
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        raise BodyTooLarge(f"the request body ({length} bytes) exceeds {max_body_bytes} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise BodyTooLarge(f"the request body exceeds {max_body_bytes} bytes")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("the body must be a JSON object")
+    return data
+
+
+def parse_body(data: dict[str, Any], model: type[M]) -> M:
+    """Validate ``data`` as ``model``; the first error becomes InvalidRequest naming the field."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("list[", "str")))
+        raise InvalidRequest(f"{loc}: {first['msg']}", loc or None) from None
+
+
+@dataclass
+class _Choice:
+    """A finished choice being collected for a non-streaming response."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[SampleLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+class OpenAIServer:
+    """The routes of the OpenAI-compatible API over one :class:`RequestPipeline`.
+
+    Args:
+        pipeline: the shared request path.
+        model_names: names clients may send as ``model``; the first is the one reported.
+        max_body_bytes: largest accepted request body, bytes.
+    """
+
+    def __init__(
+        self, pipeline: RequestPipeline, model_names: tuple[str, ...], max_body_bytes: int
+    ) -> None:
+        if not model_names:
+            raise ValueError("model_names must name at least one model")
+        self.pipeline = pipeline
+        self.model_names = model_names
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
+
+    def router(self) -> APIRouter:
+        """An APIRouter with the three routes (add it with ``app.include_router``)."""
+        router = APIRouter()
+        router.add_api_route("/v1/models", self.models, methods=["GET"])
+        router.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        return router
+
+    async def models(self) -> JSONResponse:
+        """``GET /v1/models``: the served model."""
+        card = {
+            "id": self.model_names[0],
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pagedserve",
+            "root": self.pipeline.info.name,
+            "max_model_len": self.pipeline.info.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions``."""
+        return await self._handle(request, CompletionRequest)
+
+    async def chat_completions(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._handle(request, ChatCompletionRequest)
+
+    # ------------------------------------------------------------------ request path
+    async def _handle(self, request: Request, model: type[BaseModel]) -> Response:
+        try:
+            body = cast(
+                CompletionRequest | ChatCompletionRequest,
+                parse_body(await read_json(request, self.max_body_bytes), model),
+            )
+            if body.model not in self.model_names:
+                raise ModelNotFound(f"the model {body.model!r} does not exist", "model")
+            body.check_supported()
+            chat = isinstance(body, ChatCompletionRequest)
+            if isinstance(body, ChatCompletionRequest):
+                inputs = [chat_input(body)]
+            else:
+                inputs = completion_inputs(body)
+            sampling = sampling_request(body)
+            request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            prepared = [
+                await asyncio.to_thread(
+                    self.pipeline.prepare,
+                    inp,
+                    sampling,
+                    request_id if len(inputs) == 1 else f"{request_id}-{i}",
+                )
+                for i, inp in enumerate(inputs)
+            ]
+            stream = self._merged(prepared)
+            # Wait for the first delta so that errors raised when the scheduler admits the
+            # request (e.g. no live worker) still get their own HTTP status.
+            first = await anext(stream)
+        except BodyTooLarge as exc:
+            return JSONResponse(
+                error_body(str(exc), "invalid_request_error", None, "payload_too_large"),
+                status_code=413,
+            )
+        except ServingError as exc:
+            return error_response(exc, frozenset(model.model_fields))
+        render = _Renderer(self, body, request_id, prepared, chat)
+        if body.stream:
+            return StreamingResponse(
+                render.sse(first, stream),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
+        try:
+            return JSONResponse(await render.collect(first, stream))
+        except ServingError as exc:
+            return error_response(exc)
+        finally:
+            await stream.aclose()  # on any early exit: cancel the streams, free the blocks
+
+    async def _merged(
+        self, prepared: list[PreparedRequest]
+    ) -> AsyncGenerator[tuple[int, ChoiceDelta], None]:
+        """Deltas of every prompt's stream as ``(prompt index, delta)``, as they come.
+
+        Each stream runs in its own task; closing this generator (or cancelling its
+        consumer) cancels them, and each cancelled stream aborts its request.
+        """
+        queue: asyncio.Queue[tuple[int, ChoiceDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int, req: PreparedRequest) -> None:
+            try:
+                async for delta in self.pipeline.generate(req):
+                    queue.put_nowait((i, delta))
+                queue.put_nowait((i, None))
+            except Exception as exc:
+                queue.put_nowait((i, exc))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(prepared)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Renderer:
+    """Turns a request's deltas into OpenAI response objects or SSE chunks."""
+
+    def __init__(
+        self,
+        server: OpenAIServer,
+        body: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        prepared: list[PreparedRequest],
+        chat: bool,
+    ) -> None:
+        self.body = body
+        self.request_id = request_id
+        self.prepared = prepared
+        self.chat = chat
+        self.model = body.model
+        self.created = int(time.time())
+        self.tokenizer = server.pipeline.tokenizer
+        self.n = prepared[0].sampling.n
+        self.usage: dict[int, Any] = {}  # choice index -> its Usage
+        self.text_offset: dict[int, int] = {}
+
+    def _index(self, prompt_index: int, delta: ChoiceDelta) -> int:
+        return prompt_index * self.n + delta.index
+
+    def _token_str(self, token_id: int) -> str:
+        if self.body.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return str(self.tokenizer.decode([token_id]))
+
+    def _logprobs(
+        self, index: int, items: list[SampleLogprobs] | tuple[SampleLogprobs, ...]
+    ) -> Any:
+        if self.body.logprobs is None or self.body.logprobs is False:
+            return None
+        if self.chat:
+            content = []
+            for lp in items:
+                tok = self._token_str(lp.token_id)
+                top = [
+                    {"token": (s := self._token_str(t)), "logprob": v, "bytes": list(s.encode())}
+                    for t, v in lp.top
+                ]
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": lp.logprob,
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": top,
+                    }
+                )
+            return {"content": content, "refusal": None}
+        tokens = [self._token_str(lp.token_id) for lp in items]
+        offsets = []
+        offset = self.text_offset.get(index, 0)
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        self.text_offset[index] = offset
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.logprob for lp in items],
+            "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in items],
+            "text_offset": offsets,
+        }
+
+    def _usage(self) -> dict[str, Any]:
+        prompt = cached = completion = 0
+        for p, req in enumerate(self.prepared):
+            ours = [self.usage[i] for i in range(p * self.n, (p + 1) * self.n) if i in self.usage]
+            prompt += len(req.prompt_token_ids)
+            cached += max((u.cached_tokens for u in ours), default=0)
+            completion += sum(u.completion_tokens for u in ours)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def _note(self, index: int, delta: ChoiceDelta) -> None:
+        if delta.usage is not None:
+            self.usage[index] = delta.usage
+
+    # ------------------------------------------------------------------ non-streaming
+    async def collect(
+        self, first: tuple[int, ChoiceDelta], rest: AsyncIterator[tuple[int, ChoiceDelta]]
+    ) -> dict[str, Any]:
+        """The whole response object, once every choice has finished."""
+        choices: dict[int, _Choice] = {}
+
+        def add(p: int, delta: ChoiceDelta) -> None:
+            index = self._index(p, delta)
+            c = choices.setdefault(index, _Choice())
+            c.text += delta.text
+            c.token_ids.extend(delta.token_ids)
+            c.logprobs.extend(delta.logprobs)
+            if delta.finish_reason is not None:
+                c.finish_reason = delta.finish_reason.name.lower()
+                c.stop_reason = delta.stop_reason
+            self._note(index, delta)
+
+        add(*first)
+        async for p, delta in rest:
+            add(p, delta)
+        out = []
+        for index in sorted(choices):
+            c = choices[index]
+            item: dict[str, Any] = {"index": index}
+            if self.chat:
+                item["message"] = {"role": "assistant", "content": c.text}
+            else:
+                item["text"] = c.text
+            item["logprobs"] = self._logprobs(index, c.logprobs)
+            item["finish_reason"] = c.finish_reason
+            item["stop_reason"] = c.stop_reason
+            if self.body.return_token_ids:
+                item["token_ids"] = c.token_ids
+                item["prompt_token_ids"] = list(self.prepared[index // self.n].prompt_token_ids)
+            out.append(item)
+        return {
+            "id": self.request_id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": out,
+            "usage": self._usage(),
+        }
+
+    # ------------------------------------------------------------------ streaming
+    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
+        chunk: dict[str, Any] = {
+            "id": self.request_id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def _stream_choice(self, p: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+        index = self._index(p, delta)
+        self._note(index, delta)
+        wants_ids = bool(self.body.return_token_ids and delta.token_ids)
+        if not (delta.text or delta.finish_reason or delta.logprobs or wants_ids):
+            return None  # text held back (a stop string may follow): nothing to say yet
+        item: dict[str, Any] = {"index": index}
+        if self.chat:
+            item["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            item["text"] = delta.text
+        item["logprobs"] = self._logprobs(index, delta.logprobs)
+        item["finish_reason"] = (
+            None if delta.finish_reason is None else delta.finish_reason.name.lower()
+        )
+        item["stop_reason"] = delta.stop_reason
+        if self.body.return_token_ids:
+            item["token_ids"] = list(delta.token_ids)
+        return item
+
+    async def sse(
+        self, first: tuple[int, ChoiceDelta], rest: AsyncGenerator[tuple[int, ChoiceDelta], None]
+    ) -> AsyncIterator[str]:
+        """Server-Sent Events: one chunk per delta, a usage chunk if asked, ``[DONE]``."""
+        try:
+            if self.chat:
+                for index in range(len(self.prepared) * self.n):
+                    role = {"role": "assistant", "content": ""}
+                    yield self._chunk(
+                        [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]
+                    )
+            item = self._stream_choice(*first)
+            if item is not None:
+                yield self._chunk([item])
+            async for p, delta in rest:
+                item = self._stream_choice(p, delta)
+                if item is not None:
+                    yield self._chunk([item])
+            if self.body.stream_options is not None and self.body.stream_options.include_usage:
+                yield self._chunk([], self._usage())
+        except ServingError as exc:
+            yield f"data: {json.dumps(error_json(exc)[1])}\n\n"
+        finally:
+            await rest.aclose()
+        yield SSE_DONE

@@ -1,0 +1,242 @@
+"""OpenAI-compatible request bodies, and their translation to the shared request path.
+
+The models accept what OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` accept plus
+the extension fields vLLM accepts for features this server has; unknown fields are ignored
+(as OpenAI does). Known fields this server cannot honour raise :class:`InvalidRequest`
+naming the field (``param``), so a client never silently gets something else than it asked
+for. :func:`completion_inputs` / :func:`chat_input` and :func:`sampling_request` produce the
+transport-neutral :class:`GenerateInput` / :class:`SamplingRequest` of
+:mod:`pagedserve.cluster.pipeline`; range checks stay there (one copy for both transports).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from pagedserve.cluster.pipeline import CHAT_ROLES, GenerateInput, SamplingRequest
+from pagedserve.scheduler.errors import InvalidRequest
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the request's usage."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (OpenAI's, then vLLM's extensions)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Extensions (vLLM's names).
+    top_k: int | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    cache_salt: str | None = None
+    priority: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+    def check_supported(self) -> None:
+        """Raise InvalidRequest naming the first known field this server cannot honour."""
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream", "stream_options")
+
+
+class CompletionRequest(_SamplingFields):
+    """Body of ``POST /v1/completions``."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", "echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise InvalidRequest("best_of other than n is not supported", "best_of")
+
+
+class TextPart(BaseModel):
+    """One part of a message's list-of-parts content."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message: string content or a list of text parts."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: Any = None
+    prediction: Any = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "functions", "audio", "prediction"):
+            if getattr(self, name):
+                raise InvalidRequest(f"{name} is not supported", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise InvalidRequest(f"{name} is not supported", name)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            kind = self.response_format.get("type")
+            raise InvalidRequest(
+                f"response_format {kind!r} is not supported (only 'text')", "response_format"
+            )
+        if self.modalities not in (None, ["text"]):
+            raise InvalidRequest("only the 'text' modality is supported", "modalities")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+
+
+Endpoint = Literal["completions", "chat"]
+
+
+def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> SamplingRequest:
+    """The :class:`SamplingRequest` of a body (after :meth:`check_supported`).
+
+    ``use_beam_search`` turns on beam search with ``n`` beams (vLLM's meaning), returning
+    the ``n`` best.
+    """
+    max_tokens = body.max_tokens
+    logprobs: int | None
+    if isinstance(body, ChatCompletionRequest):
+        if body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        logprobs = body.logprobs
+    stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    beam_width = None
+    if body.use_beam_search:
+        beam_width = body.n or 1
+    return SamplingRequest(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        n=body.n,
+        stop=stop,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        min_tokens=body.min_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        cache_salt=body.cache_salt,
+        beam_width=beam_width,
+        length_penalty=body.length_penalty,
+        priority=body.priority,
+    )
+
+
+def completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
+    """One :class:`GenerateInput` per prompt of a completions body (a string, a list of
+    strings, a list of token ids, or a list of lists of token ids).
+
+    Raises:
+        InvalidRequest: an empty prompt list (``param`` "prompt").
+    """
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [GenerateInput(text=prompt)]
+    if not prompt:
+        raise InvalidRequest("prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [GenerateInput(token_ids=tuple(prompt))]  # type: ignore[arg-type]
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(GenerateInput(text=p))
+        elif isinstance(p, list):
+            out.append(GenerateInput(token_ids=tuple(p)))
+    return out
+
+
+def chat_input(body: ChatCompletionRequest) -> GenerateInput:
+    """The messages of a chat body as a :class:`GenerateInput`; ``developer`` is OpenAI's
+    newer name of ``system``.
+
+    Raises:
+        InvalidRequest: no messages, a non-text content part, or assistant tool calls.
+    """
+    if not body.messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.tool_calls:
+            raise InvalidRequest("tool calls are not supported", f"messages[{i}].tool_calls")
+        if m.content is None:
+            content = ""
+        elif isinstance(m.content, str):
+            content = m.content
+        else:
+            parts = []
+            for j, part in enumerate(m.content):
+                if part.type != "text" or part.text is None:
+                    raise InvalidRequest(
+                        f"content part type {part.type!r} is not supported (only 'text')",
+                        f"messages[{i}].content[{j}].type",
+                    )
+                parts.append(part.text)
+            content = "\n".join(parts)
+        role = "system" if m.role == "developer" else m.role
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"unknown chat role {m.role!r} (use one of {(*CHAT_ROLES, 'developer')})",
+                f"messages[{i}].role",
+            )
+        messages.append((role, content))
+    return GenerateInput(messages=tuple(messages))

@@ -1,0 +1,454 @@
+"""The one request path behind every transport (gRPC, the OpenAI-compatible HTTP API).
+
+A transport turns its wire format into a :class:`GenerateInput` (the prompt) and a
+:class:`SamplingRequest` (every sampling field, ``None`` = unset) and hands them to
+:class:`RequestPipeline`, which does everything else once: validation, tokenization, chat
+templating, the default ``max_tokens``, the KV-capacity check, the scheduler call,
+incremental detokenization, stop strings, and aborting the request (freeing its blocks)
+when the consumer goes away. It yields transport-neutral :class:`ChoiceDelta` items; the
+transports only render them (protobuf messages, or OpenAI JSON / Server-Sent Events).
+
+Errors are :class:`~pagedserve.scheduler.errors.ServingError` subclasses; each transport
+maps ``err.status`` to its own status with one lookup. Anything else escaping the scheduler
+becomes a plain ``ServingError`` (status INTERNAL) naming the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.scheduler.errors import (
+    ClusterUnavailable,
+    DuplicateRequest,
+    InvalidRequest,
+    RequestRejected,
+    ServingError,
+)
+from pagedserve.scheduler.outputs import SampleLogprobs
+from pagedserve.scheduler.request import FinishReason, SequenceOutput
+from pagedserve.scheduler.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MAX_N = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the frontend must know about the served model and the cluster's pools.
+
+    Attributes:
+        name: model path or name (reported by GetStats).
+        max_model_len: longest sequence, tokens.
+        vocab_size: valid token ids are [0, vocab_size).
+        eos_token_ids: ids ending a choice unless ignore_eos.
+        max_kv_slots: the largest worker pool, in token slots (num_blocks * block_size).
+        block_size: tokens per KV block (of the largest pool).
+    """
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_kv_slots: int
+    block_size: int = 16
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """The prompt of one request: exactly one of ``text``, ``token_ids``, ``messages``.
+
+    Attributes:
+        text: raw prompt, tokenized as is (BOS added if the tokenizer does).
+        token_ids: pre-tokenized prompt.
+        messages: chat messages ``(role, content)``, rendered with the model's chat
+            template plus the generation prompt.
+    """
+
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """Sampling fields as a client sent them; ``None`` = unset (the server default).
+
+    Field meanings and ranges are those of :class:`SamplingParams`, except ``max_tokens``:
+    unset means the rest of the context (see :meth:`RequestPipeline.resolve_max_tokens`).
+    """
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    n: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool | None = None
+    logprobs: int | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    cache_salt: str | None = None
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    priority: int | None = None
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated, tokenized request, ready for :meth:`RequestPipeline.generate`."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Token counts of one choice (on its last delta).
+
+    Attributes:
+        prompt_tokens: prompt length, tokens (the same for every choice of a request).
+        completion_tokens: output tokens of the choice.
+        cached_tokens: prompt tokens served from the prefix cache.
+        num_preemptions: how often the choice was preempted.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    """What one scheduler delta adds to one choice, ready for any transport.
+
+    Attributes:
+        index: choice index, 0..n-1.
+        token_ids: new token ids (a stop token id included).
+        text: new text that may be sent (stop strings cut, held-back text withheld).
+        logprobs: one per token of ``token_ids`` when the request asked for logprobs.
+        cumulative_logprob: sum of the choice's token logprobs so far (when asked).
+        score: beam search: the beam's length-penalized score.
+        finish_reason: set on the last delta of the choice (a stop string gives STOP).
+        stop_reason: on a last delta ended by one: the stop string or the stop token id.
+        usage: on the last delta: the choice's token counts.
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[SampleLogprobs, ...] = ()
+    cumulative_logprob: float | None = None
+    score: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    usage: Usage | None = None
+
+
+class RequestPipeline:
+    """Validation, tokenization, scheduler call and detokenization shared by all transports.
+
+    Args:
+        scheduler: the SchedulerActor handle.
+        tokenizer: a Hugging Face fast tokenizer of the served model.
+        info: model and pool facts.
+    """
+
+    def __init__(self, scheduler: Any, tokenizer: Any, info: ModelInfo) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.info = info
+        self._in_flight: set[str] = set()
+        # No token covers more UTF-8 bytes than the longest vocabulary entry's spelling
+        # (byte-level or "▁"/"<0x..>" spellings only overestimate), so a text longer than
+        # this many bytes cannot fit in max_model_len and is refused before tokenizing.
+        longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=64)
+        self._max_text_bytes = max(1, longest) * info.max_model_len
+
+    # ------------------------------------------------------------------ validation
+    def prepare(
+        self, prompt: GenerateInput, req: SamplingRequest, request_id: str = ""
+    ) -> PreparedRequest:
+        """Check and tokenize a request (blocking: run it on a thread).
+
+        Raises:
+            InvalidRequest: a bad field (the message names it), an empty or too long prompt.
+        """
+        self._check_sampling_fields(req)
+        # Validate every field now (cheap) with a provisional max_tokens; the default is
+        # resolved once the prompt length is known.
+        provisional = self._sampling(
+            req, req.max_tokens if req.max_tokens is not None else self.info.max_model_len
+        )
+        ids = self._prompt_ids(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt tokenized to zero tokens")
+        max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, provisional.beam_width)
+        try:
+            sampling = dataclasses.replace(provisional, max_tokens=max_tokens)
+        except ValueError as exc:  # e.g. min_tokens above the default max_tokens
+            raise InvalidRequest(str(exc)) from exc
+        for t in sampling.stop_token_ids:
+            if t >= self.info.vocab_size:
+                raise InvalidRequest(f"stop token id {t} is out of range")
+        request_id = request_id or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+        return PreparedRequest(request_id, tuple(ids), sampling)
+
+    def resolve_max_tokens(
+        self, prompt_len: int, max_tokens: int | None, beam_width: int = 1
+    ) -> int:
+        """``max_tokens`` as given, or the rest of the context when unset.
+
+        The context of one sequence is ``max_model_len`` capped by what the largest worker
+        pool can hold (for beam search: what ``beam_width`` beams can hold at once), so an
+        unset ``max_tokens`` never makes a request unservable.
+
+        Raises:
+            InvalidRequest: prompt + max_tokens exceeds max_model_len, or the prompt leaves
+                no room for one output token.
+            RequestRejected: one sequence needs more KV slots than the largest pool holds.
+        """
+        info = self.info
+        if max_tokens is None:
+            per_beam_blocks = info.max_kv_slots // info.block_size // max(1, beam_width)
+            context = min(info.max_model_len, per_beam_blocks * info.block_size)
+            if prompt_len >= context:
+                raise InvalidRequest(
+                    f"the prompt ({prompt_len} tokens) leaves no room for output: the context "
+                    f"holds {context} tokens (max_model_len {info.max_model_len})"
+                )
+            return context - prompt_len
+        if prompt_len + max_tokens > info.max_model_len:
+            raise InvalidRequest(
+                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({info.max_model_len})"
+            )
+        needed = prompt_len + max_tokens  # per choice: choices can take turns
+        if needed > info.max_kv_slots:
+            raise RequestRejected(
+                f"a sequence of this request needs up to {needed} KV slots; the largest "
+                f"worker pool holds {info.max_kv_slots}"
+            )
+        return max_tokens
+
+    @staticmethod
+    def _check_sampling_fields(req: SamplingRequest) -> None:
+        for name in (
+            "temperature",
+            "top_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+            "length_penalty",
+        ):
+            value = getattr(req, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidRequest(f"{name} must be a finite number")
+        if len(req.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        if any(len(s) > MAX_STOP_CHARS for s in req.stop):
+            raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        if req.n is not None and req.n > MAX_N:
+            raise InvalidRequest(f"n must be <= {MAX_N}, got {req.n}")
+
+    def _sampling(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
+        if max_tokens > self.info.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens ({max_tokens}) exceeds max_model_len ({self.info.max_model_len})"
+            )
+
+        def opt(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        beam_width = opt(req.beam_width, 1)
+        top_k = opt(req.top_k, 0)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=float(opt(req.temperature, 1.0)),
+                top_p=float(opt(req.top_p, 1.0)),
+                top_k=0 if top_k == -1 else top_k,
+                seed=req.seed,
+                n=opt(req.n, beam_width if beam_width > 1 else 1),
+                stop=tuple(req.stop),
+                stop_token_ids=tuple(int(t) for t in req.stop_token_ids),
+                ignore_eos=opt(req.ignore_eos, False),
+                logprobs=req.logprobs,
+                repetition_penalty=float(opt(req.repetition_penalty, 1.0)),
+                presence_penalty=float(opt(req.presence_penalty, 0.0)),
+                frequency_penalty=float(opt(req.frequency_penalty, 0.0)),
+                min_tokens=opt(req.min_tokens, 0),
+                include_stop_str_in_output=opt(req.include_stop_str_in_output, False),
+                cache_salt=req.cache_salt,
+                beam_width=beam_width,
+                length_penalty=float(opt(req.length_penalty, 1.0)),
+                priority=opt(req.priority, 0),
+            )
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    def _check_text_size(self, text: str) -> None:
+        if len(text) > self._max_text_bytes or len(text.encode()) > self._max_text_bytes:
+            raise InvalidRequest(
+                f"the prompt text ({len(text.encode())} bytes) cannot fit in max_model_len "
+                f"({self.info.max_model_len} tokens)"
+            )
+
+    def _prompt_ids(self, prompt: GenerateInput) -> list[int]:
+        if prompt.text is not None:
+            if not prompt.text:
+                raise InvalidRequest("the prompt text is empty")
+            self._check_text_size(prompt.text)
+            return list(self.tokenizer(prompt.text)["input_ids"])
+        if prompt.token_ids is not None:
+            ids = list(prompt.token_ids)
+            bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
+            if bad:
+                raise InvalidRequest(
+                    f"token id {bad[0]} is out of range [0, {self.info.vocab_size})"
+                )
+            return ids
+        if prompt.messages is not None:
+            return self._chat_ids(prompt.messages)
+        raise InvalidRequest("request has no input (set text, token_ids or chat)")
+
+    def _chat_ids(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+        if not messages:
+            raise InvalidRequest("the chat has no messages")
+        if len(messages) > self.info.max_model_len:
+            raise InvalidRequest(
+                f"{len(messages)} chat messages cannot fit in max_model_len "
+                f"({self.info.max_model_len} tokens)"
+            )
+        for role, _ in messages:
+            if role not in CHAT_ROLES:
+                raise InvalidRequest(f"unknown chat role {role!r} (use one of {CHAT_ROLES})")
+        self._check_text_size("".join(content for _, content in messages))
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": c} for r, c in messages],
+                tokenize=False,
+                add_generation_prompt=True,
+            )
+        except Exception as exc:  # template errors (e.g. role order) are the client's
+            raise InvalidRequest(f"chat template failed: {exc}") from exc
+        self._check_text_size(text)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, req: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
+        """Run a prepared request; yield its choices' deltas as the scheduler sends them.
+
+        Every choice ends with one delta carrying ``finish_reason`` and ``usage``. When
+        the consumer stops iterating (``aclose``, cancellation: a client that went away)
+        or an error ends the stream early, the request is aborted and its blocks freed
+        before its id can be used again.
+
+        Raises:
+            DuplicateRequest: the request id is in flight.
+            ServingError: the scheduler's own errors (see pagedserve.scheduler.errors);
+                ClusterUnavailable when the scheduler actor is gone; a plain ServingError
+                (INTERNAL) for anything unexpected.
+        """
+        sampling = req.sampling
+        request_id = req.request_id
+        if request_id in self._in_flight:
+            raise DuplicateRequest(f"request_id {request_id!r} is in flight")
+        self._in_flight.add(request_id)
+        detoks = [
+            IncrementalDetokenizer(
+                self.tokenizer.backend_tokenizer,
+                sampling.stop,
+                include_stop_str=sampling.include_stop_str_in_output,
+            )
+            for _ in range(sampling.n)
+        ]
+        done = [False] * sampling.n
+        try:
+            stream = self.scheduler.generate.remote(
+                request_id, list(req.prompt_token_ids), sampling, list(self.info.eos_token_ids)
+            )
+            async for ref in stream:
+                batch: list[SequenceOutput] = await ref
+                for out in batch:
+                    if done[out.choice_index]:
+                        continue
+                    delta = self._delta(out, detoks[out.choice_index], sampling)
+                    if delta.finish_reason is not None:
+                        done[out.choice_index] = True
+                        if out.finish_reason is None:  # a stop string ended the choice
+                            await self.scheduler.abort.remote(request_id, out.choice_index, True)
+                    yield delta
+                if all(done):
+                    break
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if hasattr(exc, "cause") else exc
+            if isinstance(cause, ServingError):
+                raise cause from None
+            log.exception("request %s failed", request_id)
+            raise ServingError(f"generation failed: {cause!r}") from exc
+        except ray.exceptions.RayActorError as exc:
+            raise ClusterUnavailable(f"scheduler unavailable: {exc}") from exc
+        finally:
+            if not all(done):
+                # Consumer went away (cancelled / closed) or an error: make sure the blocks
+                # come back before the id can be used again.
+                try:
+                    await asyncio.shield(self.scheduler.abort.remote(request_id))
+                except Exception:  # best effort during shutdown
+                    log.debug("abort of %s failed", request_id, exc_info=True)
+            self._in_flight.discard(request_id)
+
+    @staticmethod
+    def _delta(
+        out: SequenceOutput, detok: IncrementalDetokenizer, sampling: SamplingParams
+    ) -> ChoiceDelta:
+        final = out.finish_reason is not None
+        text_ids = out.new_token_ids
+        if out.stop_reason is not None and not sampling.include_stop_str_in_output:
+            text_ids = text_ids[:-1]  # a stop token id ends the delta; its text is left out
+        text = detok.step(text_ids, final=final)
+        stop_reason: str | int | None = text.stop if text.stop is not None else out.stop_reason
+        reason = FinishReason.STOP if text.stopped else out.finish_reason
+        usage = None
+        if reason is not None:
+            usage = Usage(
+                out.num_prompt_tokens,
+                out.num_output_tokens,
+                out.num_cached_tokens,
+                out.num_preemptions,
+            )
+        return ChoiceDelta(
+            index=out.choice_index,
+            token_ids=tuple(out.new_token_ids),
+            text=text.text,
+            logprobs=tuple(out.logprobs),
+            cumulative_logprob=out.cumulative_logprob,
+            score=out.score,
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            usage=usage,
+        )
