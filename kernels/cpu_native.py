@@ -52,7 +52,7 @@ _ptr = ctypes.c_void_p
 _f32 = ctypes.c_float
 _SIGNATURES = {
     "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
-                            _i64, _i64, _f32, _ptr],
+                            _i64, _i64, _f32, _ptr, _i64],
     "rope_store_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
@@ -208,7 +208,7 @@ def paged_attention(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         cu_seqlens_q.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim,
-        block_size, scale, out.data_ptr(),
+        block_size, scale, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 

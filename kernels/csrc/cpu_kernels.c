@@ -66,13 +66,14 @@ static inline float exp_f32(float x) {
  * seq_lens[s] - q_len + i and attends keys 0 .. that position. Softmax in two passes
  * (scores, max, exp, sum, then the weighted V sum), as softmax(q k^T * scale) v.
  * q: [T, q_token_stride] fp32, head h at q + t*q_token_stride + h*head_dim.
- * out: [T, num_heads, head_dim] contiguous.
+ * out: [T, num_heads, head_dim] contiguous. num_threads: OpenMP threads (torch's count:
+ * the calling thread's own OpenMP setting may differ, e.g. in a Ray actor's task thread).
  */
 void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
                          const int32_t *seq_lens, const int32_t *cu_seqlens_q, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, float *out) {
+                         int64_t block_size, float scale, float *out, int64_t num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per token slot */
     /* tasks: (sequence, kv head, query tile) */
@@ -87,7 +88,7 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
     int64_t max_seq_len = 1; /* sizes the per-thread score scratch */
     for (int64_t s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_seq_len) max_seq_len = seq_lens[s];
-#pragma omp parallel if (num_tasks > 1)
+#pragma omp parallel if (num_tasks > 1) num_threads(num_threads > 0 ? num_threads : 1)
     {
         float *scores = (float *)malloc(sizeof(float) * QTILE * group * (max_seq_len + 1));
         float *acc = (float *)malloc(sizeof(float) * head_dim);
