@@ -17,6 +17,7 @@ al., 2021). q/k/v and gate/up projections are fused into single matmuls at load 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -253,7 +254,10 @@ class LlamaForCausalLM(nn.Module):
         )
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h, residual = layer.forward_cpu(h, residual, positions, self.rotary_emb, kv_cache, meta)
+            decoder = cast(LlamaDecoderLayer, layer)
+            h, residual = decoder.forward_cpu(
+                h, residual, positions, self.rotary_emb, kv_cache, meta
+            )
         if residual is None:  # no layers
             residual = torch.zeros_like(h)
         hidden = h.index_select(0, logits_indices)
