@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PIP_EXTRA ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-fast lint format model bench clean
+.PHONY: setup serve test test-fast lint format model bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard protos/pagedserve/v1/*.proto)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ bench: model
 	$(PY) benchmarks/kernels.py
 	$(PY) benchmarks/serving.py
 	$(PY) benchmarks/capacity.py
+
+# The prepared GPU check: runs with the machine's own python (a bare CUDA image: torch,
+# triton, pytest, hypothesis, transformers; no venv, Ray, gRPC or model files needed).
+# Check it anywhere with: python3 benchmarks/gpu_check.py --cpu-smoke
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py
 
 clean:
 	rm -rf build *.egg-info protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi

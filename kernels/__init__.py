@@ -9,8 +9,12 @@ Every operation has two implementations behind one validated entry point:
   compiled; on CPU tensors they run only under the Triton interpreter
   (``TRITON_INTERPRET=1`` set before the first Triton-backend call, when the kernels are
   defined), which is how the tests exercise them without a GPU. Head dims up to 256.
+* ``backend="cpu"``: fused C kernels for fp32 CPU tensors
+  (:mod:`pagedserve.kernels.cpu_native`: paged attention straight through the block
+  tables, rotary + K/V store, RMSNorm, SiLU*mul), compiled on first use with the system C
+  compiler; the torch reference when the compiler or the dtype does not allow it.
 * ``backend="auto"`` (default): Triton for CUDA tensors (torch if Triton is not
-  installed), torch for anything else.
+  installed), the fused C kernels for fp32 CPU tensors when they build, torch otherwise.
 
 ``copy_blocks`` has a Triton kernel (one launch for all layers); ``gather_blocks`` /
 ``scatter_blocks`` always use torch ``index_select`` / ``index_copy_`` (bandwidth-bound
@@ -44,6 +48,7 @@ from pagedserve.kernels.ops import (
     resolve_backend,
     scatter_blocks,
     store_kv_cache,
+    uses_cpu_kernels,
 )
 from pagedserve.kernels.workspace import DecodeWorkspace
 
@@ -56,4 +61,5 @@ __all__ = [
     "resolve_backend",
     "scatter_blocks",
     "store_kv_cache",
+    "uses_cpu_kernels",
 ]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_native, reference
 from pagedserve.kernels._checks import (
     check_copy,
     check_decode,
@@ -33,24 +33,43 @@ __all__ = [
     "resolve_backend",
     "scatter_blocks",
     "store_kv_cache",
+    "uses_cpu_kernels",
 ]
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "torch", "cpu")
 _TRUTHY = ("1", "true", "on", "yes")
 
 
 # --------------------------------------------------------------------------- dispatch
+def uses_cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """True when ``backend`` on ``device``/``dtype`` runs the fused C kernels (:mod:`cpu_native`).
+
+    ``"auto"`` and ``"cpu"`` do for fp32 CPU tensors when the library builds; otherwise
+    (another dtype, no compiler) ``"cpu"`` falls back to the torch reference like ``"auto"``.
+    """
+    return (
+        backend in ("auto", "cpu")
+        and device.type == "cpu"
+        and dtype == torch.float32
+        and cpu_native.available()
+    )
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Return ``"triton"`` or ``"torch"`` for ``backend`` and the tensors' ``device``.
 
+    ``"cpu"`` resolves like ``"torch"`` here; the attention entry points first check
+    :func:`uses_cpu_kernels` and run the fused C kernels when it holds.
+
     Raises:
-        ValueError: ``backend`` is not one of ``"auto"``, ``"triton"``, ``"torch"``.
+        ValueError: ``backend`` is not one of ``"auto"``, ``"triton"``, ``"torch"``,
+            ``"cpu"``.
         RuntimeError: ``"triton"`` was asked for CPU tensors while ``TRITON_INTERPRET=1``
             is not set, or Triton is not installed.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "torch":
+    if backend in ("torch", "cpu"):
         return "torch"
     if backend == "auto":
         has_triton = importlib.util.find_spec("triton") is not None
@@ -142,6 +161,25 @@ def paged_decode_attention(
         ValueError: rank, shape, dtype or device mismatch (message names the argument).
     """
     check_decode(query, key_cache, value_cache, block_tables, seq_lens)
+    if uses_cpu_kernels(backend, key_cache.device, key_cache.dtype):
+        num_seqs = query.shape[0]
+        cu = torch.arange(num_seqs + 1, dtype=torch.int32)
+        lens = seq_lens.to(torch.int32).contiguous()
+        if bool((lens <= 0).any()):
+            # Defined as zeros for an empty context; the C kernel needs >= 1 key.
+            out = torch.zeros_like(query)
+            keep = (lens > 0).nonzero().flatten()
+            if keep.numel():
+                out[keep] = paged_decode_attention(
+                    query[keep], key_cache, value_cache, block_tables[keep], lens[keep],
+                    scale, backend,
+                )  # fmt: skip
+            return out
+        tables = block_tables.to(torch.int32).contiguous()
+        cpu_native.check_bounds(tables, lens, key_cache.shape[0], key_cache.shape[1])
+        return cpu_native.paged_attention(
+            query, key_cache, value_cache, tables, cu, lens, float(scale)
+        )
     if resolve_backend(backend, key_cache.device) == "torch":
         return reference.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, float(scale)
@@ -201,6 +239,14 @@ def paged_prefill_attention(
         ValueError: rank, shape, dtype or device mismatch (message names the argument).
     """
     check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    if uses_cpu_kernels(backend, key_cache.device, key_cache.dtype):
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        cpu_native.check_bounds(tables, lens, key_cache.shape[0], key_cache.shape[1])
+        return cpu_native.paged_attention(
+            query, key_cache, value_cache, tables, cu_seqlens_q.to(torch.int32).contiguous(),
+            lens, float(scale),
+        )  # fmt: skip
     if resolve_backend(backend, key_cache.device) == "torch":
         return reference.paged_prefill_attention(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale)

@@ -77,7 +77,8 @@ class WorkerConfig:
         cache: KV cache settings.
         device: ``"auto"`` (CUDA when visible, else CPU), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads on CPU; 0 leaves torch's default.
-        attention_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see pagedserve.kernels).
+        attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"`` (see
+            pagedserve.kernels).
     """
 
     worker_id: int = 0
@@ -90,9 +91,10 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "triton", "cpu"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                "attention_backend must be auto, torch, triton or cpu, got "
+                f"{self.attention_backend!r}"
             )
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")

@@ -17,11 +17,14 @@ al., 2021). q/k/v and gate/up projections are fused into single matmuls at load 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagedserve import kernels
+from pagedserve.kernels import cpu_native
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.attention import AttentionMetadata, paged_attention
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
@@ -63,6 +66,32 @@ class LlamaAttention(nn.Module):
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
+    def forward_cpu(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """:meth:`forward` with the fused fp32 CPU kernels (:mod:`pagedserve.kernels.cpu_native`).
+
+        Rotary and the K/V store are one in-place pass over the qkv output, and attention
+        reads the query heads straight out of it (no split, no copies).
+        """
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)
+        cpu_native.rope_store(
+            qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.cos_table,
+            rope.sin_table, positions, meta.slot_mapping, kv_cache[0], kv_cache[1],
+        )  # fmt: skip
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+        out = cpu_native.paged_attention(
+            q, kv_cache[0], kv_cache[1], meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+            self.scale,
+        )  # fmt: skip
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention block followed by a pre-norm SwiGLU block, both residual."""
@@ -85,6 +114,36 @@ class LlamaDecoderLayer(nn.Module):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_cpu(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: RotaryEmbedding,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer on the fused CPU kernels, with the residual stream kept apart.
+
+        ``(x, residual) -> (mlp_out, residual')`` where the layer's true output is
+        ``mlp_out + residual'``: each residual add is fused into the next RMSNorm (vLLM's
+        ``fused_add_rms_norm``). ``residual is None`` on the first layer (``x`` is then the
+        embedding). fp32 adds are commutative, so the sums equal :meth:`forward`'s.
+        """
+        if residual is None:
+            residual = x.clone()
+            normed = cpu_native.rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            normed = cpu_native.rms_norm(
+                x, self.input_layernorm.weight, self.input_layernorm.eps, residual=residual
+            )
+        attn = self.self_attn.forward_cpu(normed, positions, rope, kv_cache, meta)
+        post = self.post_attention_layernorm
+        normed = cpu_native.rms_norm(attn, post.weight, post.eps, residual=residual)
+        mlp = self.mlp
+        act = cpu_native.silu_mul(mlp.gate_up_proj(normed))
+        return mlp.down_proj(act), residual
+
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder plus LM head, over a flat token batch and a paged KV cache.
@@ -102,6 +161,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch, max_positions: int, backend: str = "auto") -> None:
         super().__init__()
         self.arch = arch
+        self.backend = backend
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, backend) for _ in range(arch.num_layers)
@@ -145,10 +205,66 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         h = self.embed_tokens(input_ids)
+        if self.uses_cpu_kernels(h):
+            return self._forward_cpu(h, positions, kv_caches, attn_metadata, logits_indices)
         cos, sin = self.rotary_emb(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, attn_metadata)
         return self.compute_logits(h.index_select(0, logits_indices))
+
+    def uses_cpu_kernels(self, hidden: torch.Tensor) -> bool:
+        """Whether a forward on ``hidden`` runs the fused CPU kernels (fp32 on CPU, the
+        library built, backend ``auto`` or ``cpu``, the per-head scratch big enough)."""
+        return (
+            kernels.uses_cpu_kernels(self.backend, hidden.device, hidden.dtype)
+            and self.arch.head_dim <= cpu_native.MAX_HEAD_DIM
+            and not self.training
+        )
+
+    def _forward_cpu(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """:meth:`forward` on the fused CPU kernels (see :meth:`LlamaDecoderLayer.forward_cpu`).
+
+        The metadata tensors are made contiguous with the dtypes the C kernels read
+        (int64 positions and slots, int32 tables, lengths and offsets) once per step.
+        """
+        positions = positions.to(torch.int64).contiguous()
+        # The C kernels index without bounds checks: validate what they will read.
+        if positions.numel() and (
+            int(positions.min()) < 0 or int(positions.max()) >= self.rotary_emb.max_positions
+        ):
+            raise ValueError(f"positions must be in [0, {self.rotary_emb.max_positions})")
+        num_blocks, block_size = kv_caches[0][0].shape[:2] if kv_caches else (0, 1)
+        slots = meta.slot_mapping
+        if slots.numel() and int(slots.max()) >= num_blocks * block_size:
+            raise ValueError(f"slot_mapping holds slots beyond the {num_blocks}-block cache")
+        cpu_native.check_bounds(meta.block_tables, meta.seq_lens, num_blocks, block_size)
+        meta = AttentionMetadata(
+            slot_mapping=meta.slot_mapping.to(torch.int64).contiguous(),
+            block_tables=meta.block_tables.to(torch.int32).contiguous(),
+            seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
+            cu_seqlens_q=meta.cu_seqlens_q.to(torch.int32).contiguous(),
+            max_query_len=meta.max_query_len,
+        )
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            decoder = cast(LlamaDecoderLayer, layer)
+            h, residual = decoder.forward_cpu(
+                h, residual, positions, self.rotary_emb, kv_cache, meta
+            )
+        if residual is None:  # no layers
+            residual = torch.zeros_like(h)
+        hidden = h.index_select(0, logits_indices)
+        res = residual.index_select(0, logits_indices)
+        hidden = cpu_native.rms_norm(hidden, self.norm.weight, self.norm.eps, residual=res)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and LM head: ``[N, hidden]`` -> fp32 ``[N, vocab_size]``."""

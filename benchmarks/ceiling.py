@@ -1,0 +1,183 @@
+"""The matmul ceiling: pagedserve's decode throughput as a fraction of its GEMMs alone.
+
+For each batch size B, two things are timed in the same process, interleaved and repeated
+(this machine's timings swing with other load, so only same-run ratios are meaningful):
+
+* **ceiling**: the model's matmuls alone for one decode step: for every layer the fused
+  qkv, o, fused gate/up and down projections, plus the LM head, as ``F.linear`` on the
+  model's own weights with ``B`` rows (``torch``, the same thread count). ``B / time`` is
+  the most tokens/s a decode step of this model can reach with these GEMMs;
+* **engine**: real decode steps of the in-process engine (the real :class:`Scheduler` and
+  :class:`Worker`, no Ray/gRPC): ``B`` greedy requests of ``--prompt-len`` random tokens,
+  prefilled first, then ``--steps`` decode steps timed (schedule + execute + update).
+
+Reports tokens/s of both and their ratio, and writes ``benchmarks/results/ceiling.json``.
+
+Usage::
+
+    .venv/bin/python benchmarks/ceiling.py --batches 1,2,4,8,16,32,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.model import LlamaForCausalLM
+from pagedserve.worker.model_store import resolve_model
+from pagedserve.worker.worker import Worker
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def linear_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """``(weight [out, in], bias)`` of every matmul of one decode step, in model order."""
+    out = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            out.append((lin.weight, lin.bias))
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    out.append((head, None))
+    return out
+
+
+def matmul_step(
+    weights: list[tuple[torch.Tensor, torch.Tensor | None]], batch: int
+) -> Callable[[], None]:
+    """A closure running every matmul of one decode step on ``batch`` random rows."""
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w, _ in weights}
+
+    @torch.inference_mode()
+    def run() -> None:
+        for w, b in weights:
+            F.linear(inputs[w.shape[1]], w, b)
+
+    return run
+
+
+class DecodeEngine:
+    """The in-process engine holding ``batch`` decoding requests (see module docstring)."""
+
+    def __init__(self, worker: Worker, batch: int, prompt_len: int, seed: int = 0) -> None:
+        info = worker.get_info()
+        self.worker = worker
+        self.sched = Scheduler(
+            SchedulerConfig(
+                max_model_len=info.max_model_len,
+                max_num_seqs=max(batch, 1),
+                max_num_batched_tokens=max(2048, batch * prompt_len),
+            ),
+            [WorkerSpec(0, info.num_blocks, info.block_size)],
+        )
+        rng = random.Random(seed)
+        sampling = SamplingParams(max_tokens=info.max_model_len - prompt_len, ignore_eos=True,
+                                  temperature=0)  # fmt: skip
+        for i in range(batch):
+            prompt = [rng.randrange(3, info.vocab_size) for _ in range(prompt_len)]
+            self.sched.add_request(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids)
+        while any(s.num_computed_tokens == 0 for s in self.sched.sequences.values()):
+            self.step()  # prefill
+
+    def step(self) -> int:
+        """One engine step; returns the number of tokens it produced."""
+        so = self.sched.schedule(0)
+        ro = self.worker.execute_model(so)
+        return len(self.sched.update(0, so, ro))
+
+    def close(self) -> None:
+        for rid in list(self.sched.requests):
+            self.sched.abort_request(rid)
+        self.step()  # sends the finished ids so the worker forgets them
+
+
+def time_call(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of ``reps`` calls."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--batches", default="1,2,4,8,16,32,64")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6, help="decode steps per timed round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
+    args = ap.parse_args()
+    model_dir = str(resolve_model(args.model, progress=False))
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=model_dir),
+            cache=CacheConfig(num_blocks=2048),
+            device="cpu",
+            num_threads=args.threads,
+        )
+    )
+    weights = linear_weights(worker.runner.model)
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        mm = matmul_step(weights, batch)
+        engine = DecodeEngine(worker, batch, args.prompt_len)
+        mm_s, eng_s = [], []
+        mm()
+        engine.step()
+        for _ in range(args.rounds):  # interleaved: ceiling, engine, ceiling, engine, ...
+            mm_s.append(time_call(mm, args.steps))
+            eng_s.append(time_call(engine.step, args.steps))
+        engine.close()
+        ceiling = batch / statistics.median(mm_s)
+        decode = batch / statistics.median(eng_s)
+        rows.append(
+            {
+                "batch": batch,
+                "matmul_ms": round(1e3 * statistics.median(mm_s), 2),
+                "step_ms": round(1e3 * statistics.median(eng_s), 2),
+                "ceiling_tok_s": round(ceiling, 1),
+                "decode_tok_s": round(decode, 1),
+                "fraction": round(decode / ceiling, 3),
+            }
+        )
+        r = rows[-1]
+        print(
+            f"batch {batch:>3}: matmuls {r['matmul_ms']:7.1f} ms ({ceiling:7.1f} tok/s)  "
+            f"decode step {r['step_ms']:7.1f} ms ({decode:7.1f} tok/s)  "
+            f"= {100 * r['fraction']:.0f}% of the ceiling",
+            flush=True,
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "model": args.model,
+        "threads": args.threads,
+        "torch": torch.__version__,
+        "prompt_len": args.prompt_len,
+        "load_avg": os.getloadavg(),
+        "rows": rows,
+    }
+    out.write_text(json.dumps(meta, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

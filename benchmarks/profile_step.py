@@ -1,0 +1,275 @@
+"""Where one engine step's time goes: scheduling, input preparation, attention, matmuls,
+other model ops, sampling, detokenization, and (with ``--ray``) the Ray call.
+
+Runs the real :class:`Scheduler` and :class:`Worker` in process on the serving benchmark's
+chat prompts (greedy, ``ignore_eos``), all submitted at once, and times each part of every
+step with ``perf_counter`` wrappers (on CPU every op is synchronous, so wall time per part
+is exact; the wrappers cost ~1 us each):
+
+* ``schedule`` / ``update``: :meth:`Scheduler.schedule` / :meth:`Scheduler.update`;
+* ``input_prep``: ``prepare_inputs`` (flattening the step into tensors);
+* ``matmuls``: every ``nn.Linear`` of the model plus the LM head;
+* ``attention``: the paged-attention call of every layer (K/V store + attention; with the
+  fused CPU kernels, the rotary + K/V store pass and the attention kernel);
+* ``other_model``: the rest of the forward (embedding, RMSNorm, rotary, SiLU, adds);
+* ``sampling``: the sampler; ``runner_other``: the rest of ``execute_model``;
+* ``detokenize``: the frontend's incremental detokenizer over the step's new tokens;
+* ``ray_call`` (``--ray``): round trip of an actor call carrying this step's
+  SchedulerOutput and RunnerOutput, measured apart on a no-op actor.
+
+Reports the first (prefill) step and the mean decode step at full batch, writes
+``benchmarks/results/profile.json``. ``--backend torch`` forces the torch reference path
+(the code before the fused CPU kernels) for a same-run comparison with ``auto``.
+
+Usage::
+
+    .venv/bin/python benchmarks/profile_step.py --num-requests 32 --max-tokens 64 --backend both
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from serving import PROMPTS
+from torch import nn
+from torch.nn import functional as F
+from transformers import AutoTokenizer
+
+import pagedserve.worker.model as model_mod
+import pagedserve.worker.model_runner as runner_mod
+from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.model_store import resolve_model
+from pagedserve.worker.worker import Worker
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PARTS = ("schedule", "input_prep", "matmuls", "attention", "other_model", "sampling",
+         "runner_other", "update", "detokenize")  # fmt: skip
+
+
+class Timers:
+    """Accumulated seconds per part for the current step."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = defaultdict(float)
+
+    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.acc[part] += time.perf_counter() - start
+
+        return timed
+
+
+def set_backend(model: nn.Module, backend: str) -> None:
+    """Point the model and every attention layer at ``backend``."""
+    for module in model.modules():
+        if hasattr(module, "backend"):
+            module.backend = backend
+
+
+def instrument(worker: Worker, timers: Timers) -> None:
+    """Install the timing wrappers (see the module docstring) on ``worker``'s runner."""
+    runner = worker.runner
+    model = runner.model
+    runner_mod.prepare_inputs = timers.wrap("input_prep", runner_mod.prepare_inputs)
+    model_mod.paged_attention = timers.wrap("attention", model_mod.paged_attention)
+    native = getattr(model_mod, "cpu_native", None)
+    if native is not None:
+        model_mod.cpu_native = SimpleNamespace(
+            **{k: getattr(native, k) for k in dir(native) if not k.startswith("__")}
+        )
+        for name in ("paged_attention", "rope_store"):
+            setattr(model_mod.cpu_native, name, timers.wrap("attention", getattr(native, name)))
+    # The LM head is a plain F.linear in the model module: give that module a timed F.
+    model_mod.F = SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
+    model_mod.F.linear = timers.wrap("matmuls", F.linear)
+    starts: dict[int, float] = {}
+
+    def pre(mod: nn.Module, _args: Any) -> None:
+        starts[id(mod)] = time.perf_counter()
+
+    def post(mod: nn.Module, _args: Any, _out: Any) -> None:
+        timers.acc["matmuls"] += time.perf_counter() - starts.pop(id(mod))
+
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear):
+            mod.register_forward_pre_hook(pre)
+            mod.register_forward_hook(post)
+    model.forward = timers.wrap("forward", model.forward)
+    runner.sampler = timers.wrap("sampling", runner.sampler)
+
+
+def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dict[str, Any]:
+    """Profile one full run with ``backend``; returns per-phase mean ms per part."""
+    torch.manual_seed(0)
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=model_dir),
+            cache=CacheConfig(num_blocks=2048),
+            device="cpu",
+            num_threads=args.threads,
+        )
+    )
+    set_backend(worker.runner.model, backend)
+    timers = Timers()
+    instrument(worker, timers)
+    info = worker.get_info()
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=info.max_model_len),
+        [WorkerSpec(0, info.num_blocks, info.block_size)],
+    )
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    detoks = {}
+    for i in range(args.num_requests):
+        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        sched.add_request(f"r{i}", ids, sampling, info.eos_token_ids)
+        detoks[f"r{i}"] = IncrementalDetokenizer(tok.backend_tokenizer)
+    steps: list[dict[str, float]] = []
+    texts: dict[str, list[int]] = defaultdict(list)
+    start_all = time.perf_counter()
+    tokens = 0
+    while sched.has_work(0):
+        timers.acc.clear()
+        t0 = time.perf_counter()
+        so = timers.wrap("schedule", sched.schedule)(0)
+        t1 = time.perf_counter()
+        ro = worker.execute_model(so)
+        t2 = time.perf_counter()
+        outs = timers.wrap("update", sched.update)(0, so, ro)
+        t3 = time.perf_counter()
+        for o in outs:
+            detoks[o.request_id].step(o.new_token_ids, final=o.finish_reason is not None)
+            texts[o.request_id].extend(o.new_token_ids)
+        t4 = time.perf_counter()
+        tokens += len(outs)
+        acc = dict(timers.acc)
+        forward = acc.pop("forward", 0.0)
+        row = {k: acc.get(k, 0.0) for k in PARTS}
+        row["other_model"] = forward - row["matmuls"] - row["attention"]
+        row["runner_other"] = (t2 - t1) - row["input_prep"] - forward - row["sampling"]
+        row["schedule"] = t1 - t0
+        row["update"] = t3 - t2
+        row["detokenize"] = t4 - t3
+        row["step_total"] = t4 - t0
+        row["num_tokens"] = so.total_num_scheduled_tokens
+        row["num_seqs"] = len(so.num_scheduled_tokens)
+        steps.append(row)
+    wall = time.perf_counter() - start_all
+    prefill = steps[0]
+    decode = [s for s in steps[1:] if s["num_seqs"] == args.num_requests]
+
+    def summarize(rows: list[dict[str, float]]) -> dict[str, float]:
+        out = {k: round(1e3 * statistics.mean(r[k] for r in rows), 3) for k in PARTS}
+        out["step_total"] = round(1e3 * statistics.mean(r["step_total"] for r in rows), 3)
+        return out
+
+    return {
+        "backend": backend,
+        "uses_cpu_kernels": bool(
+            getattr(worker.runner.model, "uses_cpu_kernels", lambda _h: False)(
+                torch.zeros(1, dtype=worker.runner.dtype)
+            )
+        ),
+        "tokens_per_s": round(tokens / wall, 1),
+        "wall_s": round(wall, 3),
+        "prefill_step_ms": summarize([prefill]),
+        "prefill_tokens": prefill["num_tokens"],
+        "decode_step_ms": summarize(decode),
+        "decode_batch": args.num_requests,
+        "decode_steps": len(decode),
+        "greedy_tokens": {k: v[:8] for k, v in sorted(texts.items())[:2]},
+    }
+
+
+def ray_round_trip(num_seqs: int, reps: int = 50) -> float:
+    """Median ms of an actor call carrying a ``num_seqs`` decode SchedulerOutput both ways."""
+    import ray
+
+    from pagedserve.scheduler.outputs import CachedSequenceData, RunnerOutput, SchedulerOutput
+
+    for k, v in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+                 "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():  # fmt: skip
+        os.environ.setdefault(k, v)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+
+    class Echo:
+        def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+            return RunnerOutput(so.step_id, {s: 1 for s in so.num_scheduled_tokens}, 0.0)
+
+    actor = ray.remote(Echo).options(num_cpus=0).remote()
+    so = SchedulerOutput(
+        step_id=1,
+        cached_seqs=[CachedSequenceData(f"r{i}/0", 3, [], 40) for i in range(num_seqs)],
+        num_scheduled_tokens={f"r{i}/0": 1 for i in range(num_seqs)},
+    )
+    ray.get(actor.execute_model.remote(so))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        ray.get(actor.execute_model.remote(so))
+        times.append(time.perf_counter() - t)
+    ray.shutdown()
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--backend", default="auto", choices=("auto", "torch", "both"))
+    ap.add_argument("--ray", action="store_true", help="also time a Ray actor round trip")
+    ap.add_argument("--out", default=str(RESULTS / "profile.json"))
+    args = ap.parse_args()
+    model_dir = str(resolve_model(args.model, progress=False))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    backends = ("torch", "auto") if args.backend == "both" else (args.backend,)
+    runs = [run(args, b, tok, model_dir) for b in backends]
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "model": args.model,
+        "threads": args.threads,
+        "num_requests": args.num_requests,
+        "max_tokens": args.max_tokens,
+        "load_avg": os.getloadavg(),
+        "runs": runs,
+    }
+    if args.ray:
+        result["ray_call_ms"] = round(ray_round_trip(args.num_requests), 3)
+    for r in runs:
+        print(f"backend={r['backend']} (cpu kernels: {r['uses_cpu_kernels']}): "
+              f"{r['tokens_per_s']} tok/s")  # fmt: skip
+        for phase in ("prefill_step_ms", "decode_step_ms"):
+            d = r[phase]
+            parts = "  ".join(f"{k} {d[k]:.1f}" for k in PARTS)
+            print(f"  {phase}: total {d['step_total']:.1f} | {parts}")
+    if args.ray:
+        print(f"ray call round trip ({args.num_requests} seqs): {result['ray_call_ms']} ms")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

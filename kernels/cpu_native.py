@@ -1,0 +1,269 @@
+"""Fused fp32 CPU kernels (``csrc/cpu_kernels.c``), compiled on first use and called by ctypes.
+
+Why: on CPU the serving step of a small model is dominated not by its GEMMs but by the
+dozens of small torch ops around them (a gather of every sequence's K/V per layer, masks,
+softmax, RMSNorm, rotary, each op paying dispatch and an OpenMP barrier). These kernels do
+the same math in one pass each, as vLLM's CPU backend does with its C++ ops
+(``csrc/cpu/attention.cpp``, ``layernorm.cpp``, ``pos_encoding.cpp``):
+
+* :func:`paged_attention`: decode and chunked-prefill attention straight through the
+  block tables (no gather), one task per (sequence, KV head, tile of 16 query rows);
+* :func:`rope_store`: rotary on the q/k heads of the fused qkv output, in place, and the
+  K/V rows written to their slots;
+* :func:`rms_norm`: RMSNorm, optionally fused with the residual add;
+* :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up output.
+
+The library is built with the system C compiler (``$CC``, default ``gcc``) into
+``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by a hash of
+the source, flags and CPU, so a rebuild happens only when one of those changes; a build is
+written to a temporary name and renamed, so concurrent workers never load a partial file.
+When no compiler is found or the build fails, :func:`load` returns ``None`` and callers use
+the torch reference (:mod:`pagedserve.kernels.reference`, ``worker/layers.py``). Set
+``PAGEDSERVE_CPU_KERNELS=0`` to force that fallback.
+
+All tensors must be fp32, on CPU, and contiguous where the docstrings say so; the callers
+in :mod:`pagedserve.kernels.ops` check. The functions here validate nothing else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
+MAX_HEAD_DIM = 512  # rope_store's per-head scratch
+_FALSY = ("0", "false", "off", "no")
+
+_i64 = ctypes.c_int64
+_ptr = ctypes.c_void_p
+_f32 = ctypes.c_float
+_SIGNATURES = {
+    "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                            _i64, _i64, _f32, _ptr, _i64],
+    "rope_store_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
+}  # fmt: skip
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PAGEDSERVE_CACHE") or str(Path.home() / ".cache" / "pagedserve")
+    return Path(root) / "kernels"
+
+
+def _cpu_key() -> str:
+    """The CPU's feature flags (``-march=native`` code is only valid on such a CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(CFLAGS).encode(), compiler.encode(), _cpu_key().encode()])
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The compiled library (built on the first call), or ``None`` when unavailable.
+
+    Unavailable means: ``PAGEDSERVE_CPU_KERNELS=0``, a non-x86_64/aarch64 Linux host, no
+    C compiler, or a failed build (logged once as a warning with the compiler's output).
+    """
+    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() in _FALSY:
+        return None
+    if platform.system() != "Linux":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "gcc"))
+    if compiler is None:
+        log.warning("no C compiler found: CPU kernels fall back to the torch reference")
+        return None
+    try:
+        path = _build(compiler)
+        # torch has already loaded its libgomp.so.1: the library's libgomp.so.1 dependency
+        # resolves to that copy, so both share one OpenMP thread pool and thread count.
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("building the CPU kernels failed (%s): using the torch reference", detail)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = argtypes
+        fn.restype = None
+    return lib
+
+
+def available() -> bool:
+    """True when :func:`load` gives a library."""
+    return load() is not None
+
+
+def _lib() -> ctypes.CDLL:
+    lib = load()
+    if lib is None:
+        raise RuntimeError("the CPU kernels are not available (see cpu_native.load)")
+    return lib
+
+
+def check_bounds(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """Reject metadata that would make :func:`paged_attention` read outside the cache.
+
+    The C kernel reads ``block_tables[s, j // block_size]`` for every key ``j <
+    seq_lens[s]`` without checks (the torch reference clamps instead).
+
+    Raises:
+        ValueError: a block table too narrow for its ``seq_lens``, or a block id outside
+            ``[0, num_blocks)`` among the entries the kernel reads.
+    """
+    if seq_lens.numel() == 0:
+        return
+    width = block_tables.shape[1]
+    needed = (seq_lens.to(torch.int64) + block_size - 1) // block_size
+    if int(needed.max()) > width:
+        raise ValueError(
+            f"block_tables has {width} columns but seq_lens needs {int(needed.max())} blocks"
+        )
+    used = torch.arange(width)[None, :] < needed[:, None]
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks})")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of ragged chunks (decode = chunk of 1); fp32 CPU only.
+
+    Args:
+        query: ``[T, num_heads, head_dim]``; rows may be strided (e.g. a view into the
+            fused qkv output); other layouts are copied to contiguous first.
+        key_cache, value_cache: contiguous ``[num_blocks, block_size, num_kv_heads,
+            head_dim]``.
+        block_tables: contiguous int32 ``[num_seqs, max_blocks]``.
+        cu_seqlens_q: contiguous int32 ``[num_seqs + 1]``.
+        seq_lens: contiguous int32 ``[num_seqs]`` (context + chunk, >= chunk length).
+        scale: softmax scale.
+        out: optional contiguous ``[T, num_heads, head_dim]`` destination.
+
+    Returns:
+        ``[T, num_heads, head_dim]`` fp32, contiguous.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
+    if num_tokens == 0:
+        return out
+    _lib().paged_attention_f32(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        cu_seqlens_q.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim,
+        block_size, scale, out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+) -> None:
+    """Rotate the q and k heads of ``qkv`` in place, then store its K/V rows in the cache.
+
+    Args:
+        qkv: contiguous fp32 ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``.
+        cos_table, sin_table: contiguous fp32 ``[max_positions, head_dim]``.
+        positions: contiguous int64 ``[T]`` (``< max_positions``).
+        slot_mapping: contiguous int64 ``[T]``; negative slots are not stored.
+        key_cache, value_cache: contiguous fp32 ``[num_blocks, block_size, num_kv_heads,
+            head_dim]``.
+    """
+    _lib().rope_store_f32(
+        qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+        cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
+        slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+    )  # fmt: skip
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight * x / sqrt(mean(x**2) + eps)`` per row of contiguous fp32 ``x [N, hidden]``.
+
+    With ``residual`` (contiguous ``[N, hidden]``) it computes ``residual += x`` in place
+    first and normalizes that sum (vLLM's ``fused_add_rms_norm``).
+
+    Returns:
+        A new fp32 ``[N, hidden]`` tensor.
+    """
+    out = torch.empty_like(x)
+    _lib().rms_norm_f32(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), x.shape[0], x.shape[1], eps,
+    )  # fmt: skip
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for contiguous fp32 ``gate_up [N, 2 * inter]`` -> ``[N, inter]``."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=torch.float32)
+    _lib().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out

@@ -1,0 +1,155 @@
+"""The fused fp32 CPU kernels (``kernels/cpu_native.py``) against dense attention and the
+torch layers they replace."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from paged_kv_testlib import cu_seqlens, dense_decode, dense_prefill, edge_lengths, make_paged_case
+
+from pagedserve import kernels
+from pagedserve.kernels import cpu_native
+from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.available(), reason="no C compiler: the CPU kernels cannot be built"
+)
+HEADS = [(2, 1), (3, 3), (1, 4), (2, 8), (8, 1)]
+
+
+def test_auto_backend_uses_them_for_fp32_cpu_only():
+    cpu = torch.device("cpu")
+    assert kernels.uses_cpu_kernels("auto", cpu, torch.float32)
+    assert kernels.uses_cpu_kernels("cpu", cpu, torch.float32)
+    assert not kernels.uses_cpu_kernels("torch", cpu, torch.float32)
+    assert not kernels.uses_cpu_kernels("auto", cpu, torch.bfloat16)
+    assert not kernels.uses_cpu_kernels("auto", torch.device("cuda"), torch.float32)
+
+
+@pytest.mark.parametrize("num_kv_heads,ratio", HEADS)
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_decode_matches_dense(num_kv_heads, ratio, head_dim, block_size):
+    lens = edge_lengths(block_size, long=5 * block_size + 7)
+    case = make_paged_case(lens, num_kv_heads, head_dim, block_size, seed=block_size)
+    query = torch.randn(len(lens), num_kv_heads * ratio, head_dim)
+    scale = head_dim**-0.5
+    args = (query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, scale)
+    out = kernels.paged_decode_attention(*args, backend="cpu")
+    assert out.shape == query.shape and out.dtype == torch.float32
+    assert not out.isnan().any()  # unwritten (NaN) slots are never read
+    torch.testing.assert_close(out.double(), dense_decode(case, query, scale), atol=1e-5, rtol=1e-5)
+    ref = kernels.paged_decode_attention(*args, backend="torch")
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("num_kv_heads,ratio", HEADS)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_mixed_batch_matches_dense(num_kv_heads, ratio, block_size):
+    # Full prefills (one longer than a 16-row query tile), a chunk over a cached prefix,
+    # two decodes, a chunk ending on a block edge.
+    lens = [block_size + 5, 3 * block_size + 2, 7, 40, 2 * block_size, 37]
+    q_lens = [block_size + 5, block_size + 1, 1, 1, block_size, 37]
+    case = make_paged_case(lens, num_kv_heads, 64, block_size, seed=3)
+    query = torch.randn(sum(q_lens), num_kv_heads * ratio, 64)
+    out = kernels.paged_prefill_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, cu_seqlens(q_lens),
+        case.seq_lens, 0.125, backend="cpu",
+    )  # fmt: skip
+    torch.testing.assert_close(
+        out.double(), dense_prefill(case, query, q_lens, 0.125), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_query_may_be_a_strided_view_of_qkv():
+    case = make_paged_case([9, 20], 2, 64, 4, seed=1)
+    qkv = torch.randn(2, (4 + 2 * 2) * 64)
+    query = qkv[:, : 4 * 64].view(2, 4, 64)  # row stride 512, not 256
+    got = cpu_native.paged_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, cu_seqlens([1, 1]),
+        case.seq_lens, 0.125,
+    )  # fmt: skip
+    want = dense_decode(case, query.contiguous(), 0.125)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_empty_context_gives_zeros_and_bad_tables_are_rejected():
+    case = make_paged_case([5, 3], 1, 64, 4, seed=2)
+    query = torch.randn(2, 2, 64)
+    lens = torch.tensor([5, 0], dtype=torch.int32)
+    out = kernels.paged_decode_attention(
+        query, case.key_cache, case.value_cache, case.block_tables, lens, 0.125, backend="cpu"
+    )
+    assert torch.equal(out[1], torch.zeros(2, 64))
+    want = dense_decode(case, query, 0.125)[:1]
+    torch.testing.assert_close(out[:1].double(), want, atol=1e-5, rtol=1e-5)
+    bad = case.block_tables.clone()
+    bad[0, 1] = 999
+    with pytest.raises(ValueError, match="outside"):
+        kernels.paged_decode_attention(
+            query, case.key_cache, case.value_cache, bad, case.seq_lens, 0.125, backend="cpu"
+        )
+    with pytest.raises(ValueError, match="columns"):
+        kernels.paged_decode_attention(
+            query, case.key_cache, case.value_cache, case.block_tables[:, :1],
+            torch.tensor([9, 3], dtype=torch.int32), 0.125, backend="cpu",
+        )  # fmt: skip
+
+
+def test_rope_store_equals_apply_rotary_and_store_bit_for_bit():
+    heads, kv_heads, dim, tokens = 9, 3, 64, 11
+    rope = RotaryEmbedding(dim, 128, {"rope_theta": 100000.0})
+    positions = torch.randint(0, 128, (tokens,), generator=torch.Generator().manual_seed(0))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim)
+    before = qkv.clone()
+    slots = torch.randperm(8 * 16)[:tokens]
+    slots[4] = -1  # padding: not stored
+    kc, vc = torch.zeros(8, 16, kv_heads, dim), torch.zeros(8, 16, kv_heads, dim)
+    cpu_native.rope_store(qkv, heads, kv_heads, dim, rope.cos_table, rope.sin_table,
+                          positions, slots, kc, vc)  # fmt: skip
+    cos, sin = rope(positions, torch.float32)
+    q = apply_rotary(before[:, : heads * dim].view(tokens, heads, dim), cos, sin)
+    k = apply_rotary(before[:, heads * dim : (heads + kv_heads) * dim].view(tokens, 3, dim),
+                     cos, sin)  # fmt: skip
+    v = before[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    assert torch.equal(qkv[:, : heads * dim], q.reshape(tokens, -1))
+    ref_k, ref_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    kernels.store_kv_cache(k, v, ref_k, ref_v, slots, backend="torch")
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)
+
+
+def test_rms_norm_and_fused_residual_add():
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576))
+    x, residual = torch.randn(33, 576), torch.randn(33, 576)
+    with torch.no_grad():
+        torch.testing.assert_close(cpu_native.rms_norm(x, norm.weight, 1e-5), norm(x))
+        summed = residual.clone()
+        out = cpu_native.rms_norm(x, norm.weight, 1e-5, residual=summed)
+        assert torch.equal(summed, residual + x)
+        torch.testing.assert_close(out, norm(residual + x))
+
+
+def test_silu_mul():
+    gate_up = torch.randn(7, 2 * 100) * 6
+    want = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
+    torch.testing.assert_close(cpu_native.silu_mul(gate_up), want, atol=1e-6, rtol=1e-5)
+
+
+def test_disabled_by_environment_falls_back_to_torch():
+    code = (
+        "import torch\n"
+        "from pagedserve import kernels\n"
+        "from pagedserve.kernels import cpu_native\n"
+        "assert cpu_native.load() is None\n"
+        "assert not kernels.uses_cpu_kernels('auto', torch.device('cpu'), torch.float32)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PAGEDSERVE_CPU_KERNELS": "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
