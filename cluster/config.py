@@ -29,7 +29,7 @@ class ServerConfig:
             to 8000).
         served_model_name: the ``model`` name of the OpenAI-compatible API (``None``: the
             model folder's name); the model path is accepted too.
-        max_http_body_bytes: largest HTTP request body (larger ones get 413).
+        max_http_body_bytes: largest HTTP request body (larger ones get 400, code payload_too_large).
     """
 
     host: str = "127.0.0.1"

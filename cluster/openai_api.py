@@ -8,7 +8,7 @@ objects, or as Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]`
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
 status looked up from the error's gRPC status name (:data:`HTTP_STATUS`): the same error
-classes that give gRPC statuses. A body over the size limit is 413. A request too large for
+classes that give gRPC statuses. A body over the size limit is 400 (code ``payload_too_large``). A request too large for
 any KV pool (RESOURCE_EXHAUSTED) is 400, as it can never succeed (429 would invite retries).
 Errors after a stream has started are sent as one ``data: {"error": ...}`` event before the
 stream ends (the status line is already sent).
@@ -57,7 +57,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 class BodyTooLarge(Exception):
-    """The request body exceeds the server's limit (HTTP 413)."""
+    """The request body exceeds the server's limit (HTTP 400, code ``payload_too_large``)."""
 
 
 def error_body(message: str, err_type: str, param: str | None, code: str | None) -> dict:
@@ -211,7 +211,7 @@ class OpenAIServer:
         except BodyTooLarge as exc:
             return JSONResponse(
                 error_body(str(exc), "invalid_request_error", None, "payload_too_large"),
-                status_code=413,
+                status_code=400,  # a client error, as the API's other refusals
             )
         except ServingError as exc:
             return error_response(exc, frozenset(model.model_fields))

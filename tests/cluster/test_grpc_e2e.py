@@ -328,3 +328,36 @@ def test_logprobs_stop_token_text_and_cache_salt(address, hf):
     assert kept.choices[0].text == tok.decode(ref[:3])
     assert (a.usage["cached_tokens"], b.usage["cached_tokens"]) == (0, 0)
     assert a2.usage["cached_tokens"] >= 16
+
+
+def test_n_choices_and_beam_search_through_the_server(address, served_model_dir, hf):
+    """n>1 (forked from one prefill) and beam search through the real server: every choice
+    streams with its index, seeded choices are reproducible, beams equal HF's and are
+    sorted by score, and every block comes back."""
+    import torch
+    from helpers import hf_beams
+    from transformers import AutoModelForCausalLM
+
+    tok, _ = hf
+    ids = tok("A list of names for a pet goldfish:")["input_ids"]
+    kw = dict(token_ids=ids, max_tokens=8, temperature=0.9, seed=5, n=3, ignore_eos=True)
+    with Client(address, timeout_s=300) as c:
+        a = c.generate(**kw)
+        b = c.generate(**kw)
+        beams = c.generate(token_ids=ids, max_tokens=8, beam_width=3, n=2, ignore_eos=True)
+        wait_all_free(c)
+    assert [ch.index for ch in a.choices] == [0, 1, 2]
+    assert [ch.token_ids for ch in a.choices] == [ch.token_ids for ch in b.choices]
+    assert all(len(ch.token_ids) == 8 for ch in a.choices)
+    assert len({tuple(ch.token_ids) for ch in a.choices}) > 1
+    assert a.usage["prompt_tokens"] == len(ids)
+
+    model = AutoModelForCausalLM.from_pretrained(served_model_dir, torch_dtype=torch.float32)
+    ref = hf_beams(model.eval(), ids, 3, 2, 8, 1.0, None)
+    assert [ch.index for ch in beams.choices] == [0, 1]
+    scores = [ch.score for ch in beams.choices]
+    assert scores == sorted(scores, reverse=True)
+    for ch, (tokens, score) in zip(beams.choices, ref):
+        assert ch.score == pytest.approx(score, abs=1e-4)
+        assert ch.token_ids == tokens or any(abs(ch.score - s) < 1e-4 for _, s in ref)
+        assert ch.score == pytest.approx(ch.cumulative_logprob / len(ch.token_ids))

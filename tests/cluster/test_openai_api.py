@@ -287,7 +287,7 @@ def test_raw_http_errors_keep_the_server_serving(base_url, model, cluster, oai):
             (dict(content=b"[1, 2]"), 400, None),
             (dict(json={"prompt": "hi"}), 400, "model"),
             (dict(json={"model": model}), 400, "prompt"),
-            (dict(json={"model": model, "prompt": "x" * (17 << 20)}), 413, None),
+            (dict(json={"model": model, "prompt": "x" * (17 << 20)}), 400, None),
             (dict(json={"model": model, "prompt": "hi", "max_tokens": 3500}), 400, None),
         ]
         for kw, status, param in cases:
