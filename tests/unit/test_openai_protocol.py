@@ -126,7 +126,6 @@ def test_chat_body_maps_messages_and_logprobs():
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
-        ({"priority": 1}, "priority"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 1}, "top_logprobs"),
         ({"modalities": ["audio"]}, "modalities"),
