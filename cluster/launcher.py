@@ -71,6 +71,7 @@ class ClusterHandle:
     owns_ray: bool
     health_task: asyncio.Task[None] | None = None
     http: HttpServer | None = None
+    pipeline: RequestPipeline | None = None
 
     @property
     def address(self) -> str:
@@ -185,29 +186,35 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     log.info("serving %s on %s:%d", model_dir, config.server.host, port)
     health_task = asyncio.get_running_loop().create_task(servicer.watch_health())
     return ClusterHandle(
-        config, scheduler, workers, server, port, info, owns_ray, health_task, http
+        config, scheduler, workers, server, port, info, owns_ray, health_task, http, pipeline
     )
 
 
-async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpServer | None:
-    """Start the HTTP frontend (/metrics, /health, the OpenAI-compatible API) when
-    ``http_port`` is set.
-
-    Raises:
-        PortUnavailable: the HTTP port cannot be bound.
-    """
+def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:
+    """The HTTP frontend's ASGI app: ``/metrics``, ``/health`` and the OpenAI-compatible
+    API ``/v1``, bound to ``pipeline`` (served by uvicorn here, or by Ray Serve's proxy in
+    :mod:`pagedserve.cluster.serve_app`)."""
     from pathlib import Path
 
-    from pagedserve.cluster.frontend import PortUnavailable
-
-    if config.server.http_port is None:
-        return None
     info, scheduler = pipeline.info, pipeline.scheduler
     short_name = Path(info.name).name or info.name
     exporter = MetricsExporter(scheduler, model_name=short_name)
     names = (config.server.served_model_name or short_name, info.name)
     openai = OpenAIServer(pipeline, names, config.server.max_http_body_bytes)
-    app = create_app(scheduler, exporter, routers=[openai.router()])
+    return create_app(scheduler, exporter, routers=[openai.router()])
+
+
+async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpServer | None:
+    """Start the HTTP frontend (:func:`build_http_app`) when ``http_port`` is set.
+
+    Raises:
+        PortUnavailable: the HTTP port cannot be bound.
+    """
+    from pagedserve.cluster.frontend import PortUnavailable
+
+    if config.server.http_port is None:
+        return None
+    app = build_http_app(config, pipeline)
     http = HttpServer(app, config.server.host, config.server.http_port)
     try:
         await http.start()

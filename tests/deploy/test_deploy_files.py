@@ -144,4 +144,53 @@ def test_kuberay_manifests_all_load():
     assert files
     for f in files:
         docs = list(yaml.safe_load_all(f.read_text()))
-        assert all(d["apiVersion"] == "ray.io/v1" for d in docs), f
+        for d in docs:
+            assert (d["apiVersion"], d["kind"]) in {
+                ("ray.io/v1", "RayJob"),
+                ("ray.io/v1", "RayService"),
+                ("v1", "Service"),
+            }, f
+
+
+def _check_serve_config(cfg: dict) -> None:
+    """A Ray Serve config that Ray's own schema accepts and whose application builds."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from pagedserve.cluster.serve_app import app, cluster_config_from_args
+
+    schema = ServeDeploySchema.model_validate(cfg)  # raises on unknown / mistyped fields
+    (application,) = schema.applications
+    assert application.import_path == "pagedserve.cluster.serve_app:app"
+    args = application.args
+    config = cluster_config_from_args(args["serve_args"])  # the options parse
+    assert config.server.http_port is None and config.ray_address == "auto"
+    assert app(args) is not None  # the builder accepts exactly these args
+    (dep,) = application.deployments
+    assert dep.name == "PagedServeDeployment" and dep.num_replicas == 1
+
+
+def test_serve_config_yaml():
+    cfg = yaml.safe_load((DEPLOY / "serve_config.yaml").read_text())
+    _check_serve_config(cfg)
+    assert cfg["http_options"]["host"] == "127.0.0.1"  # loopback unless asked
+
+
+def test_kuberay_rayservice():
+    svc = yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+    assert svc["apiVersion"] == "ray.io/v1" and svc["kind"] == "RayService"
+    spec = svc["spec"]
+    assert set(spec) <= {"serveConfigV2", "rayClusterConfig", "upgradeStrategy"}, set(spec)
+    assert spec["upgradeStrategy"]["type"] in ("NewCluster", "None")
+    serve_cfg = yaml.safe_load(spec["serveConfigV2"])  # KubeRay takes it as a string
+    _check_serve_config(serve_cfg)
+    _check_ray_cluster_spec(spec["rayClusterConfig"])
+    # The replica is pinned to the head by a custom resource the head (only) offers.
+    (dep,) = serve_cfg["applications"][0]["deployments"]
+    (res,) = dep["ray_actor_options"]["resources"]
+    head = spec["rayClusterConfig"]["headGroupSpec"]
+    # rayStartParams.resources is a quoted JSON string (KubeRay passes it to `ray start`).
+    assert res in json.loads(json.loads(head["rayStartParams"]["resources"]))
+    ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
+    grpc = yaml.safe_load((DEPLOY / "kuberay" / "grpc-service.yaml").read_text())
+    assert {p["targetPort"] for p in grpc["spec"]["ports"]} <= ports
+    assert "--port 50051" in serve_cfg["applications"][0]["args"]["serve_args"]
