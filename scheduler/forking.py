@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
+from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.routing import Router
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class ForkingMixin:
     sequences: dict[str, Sequence]
     requests: dict[str, list[Sequence]]
     beam_requests: dict[str, BeamRequest]
+    metrics: SchedulerMetrics
     _router: Router
     _wake_others: bool
 
@@ -202,7 +204,9 @@ class ForkingMixin:
         first = seqs[0]
         eos = first.eos_token_ids
         outputs = []
-        for i, hyp in enumerate(br.search.best(first.sampling.n)):
+        best = br.search.best(first.sampling.n)
+        self.metrics.on_beam_tokens(sum(len(hyp.token_ids) for hyp in best))
+        for i, hyp in enumerate(best):
             last = hyp.token_ids[-1]
             stop_id = last if hyp.stopped and last in first.sampling.stop_token_ids else None
             if stop_id is not None and last in eos and not first.sampling.ignore_eos:

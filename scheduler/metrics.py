@@ -221,6 +221,15 @@ class SchedulerMetrics:
         times.last_token_s = now
         self.generation_tokens += 1
 
+    def on_beam_tokens(self, num_tokens: int) -> None:
+        """A beam-search request returned ``num_tokens`` output tokens (its n best beams).
+
+        Beams fork and are pruned every step and are not counted token by token (their
+        tokens reach the client only at the end): generation_tokens counts, as for
+        sampling, the tokens delivered.
+        """
+        self.generation_tokens += num_tokens
+
     def on_preempted(self, mode: str) -> None:
         """A running sequence was preempted (``mode``: one of PREEMPTION_MODES)."""
         self.num_preemptions[mode] = self.num_preemptions.get(mode, 0) + 1

@@ -381,10 +381,11 @@ def run_beams(
     block_size: int = 4,
     max_model_len: int = 256,
     worker: Any = None,
+    on_done: Any = None,
 ) -> tuple[list[Any], int, int]:
     """Run one beam-search request through the real Scheduler and a Worker (a new one unless
     ``worker`` is given; integrity checked after every step). Returns (final deltas, peak
-    used blocks, number of block copies)."""
+    used blocks, number of block copies); ``on_done(scheduler)`` is called at the end."""
     from pagedserve.scheduler.config import SchedulerConfig
     from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
     from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -412,6 +413,8 @@ def run_beams(
         outs.extend(sched.update(0, so, worker.execute_model(so)))
         sched.check_integrity()
     assert kv.num_free_blocks == num_blocks and not sched.requests and not sched.sequences
+    if on_done is not None:
+        on_done(sched)
     return outs, peak, copies
 
 

@@ -46,8 +46,13 @@ def test_beams_share_blocks_and_need_room_for_all_beams(tiny_llama_dir: Path, hf
     k = 4
     sampling = SamplingParams(max_tokens=8, beam_width=k, n=k, ignore_eos=True)
     ref = hf_beams(hf, prompt, k, k, 8, 1.0, None)
-    ours, peak, copies = run_beams(tiny_llama_dir, prompt, sampling)
+    snaps: list = []
+    ours, peak, copies = run_beams(
+        tiny_llama_dir, prompt, sampling, on_done=lambda s: snaps.append(s.metrics_snapshot())
+    )
     assert_same_beams(ours, ref)
+    # generation_tokens counts the tokens delivered: n = K beams of 8 tokens.
+    assert snaps[0].generation_tokens == sum(len(o.new_token_ids) for o in ours) == 8 * k
     # 18 prompt + 7 computed outputs = 25 tokens: the 4 full prompt blocks stay shared and
     # each beam holds 2 tail blocks at the peak (K copies of the prompt would be 4 * 7).
     assert peak == 4 + 2 * k
