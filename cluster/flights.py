@@ -22,12 +22,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from pagedserve.scheduler.errors import ClusterUnavailable, DuplicateRequest, InvalidRequest
+from pagedserve.scheduler.errors import (
+    ClusterUnavailable,
+    DuplicateRequest,
+    InvalidRequest,
+    ServingError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,8 @@ class Flight:
         request_id: the id (the client's, or one the server made up).
         aborted: an Abort (or a shutdown) asked for it to end; checked at every stage.
         submitted: the scheduler's ``generate`` was called.
+        error: set when the request must end with this error (the scheduler died).
+        outputs: the queue its consumer reads (the error is put there too).
         added: the scheduler acknowledged ``add_request`` (from then on its own abort
             reaches the request).
         released: set once the id is free again (the scheduler let go of it).
@@ -52,6 +60,8 @@ class Flight:
     submitted: bool = False
     added: bool = False
     released: asyncio.Event = field(default_factory=asyncio.Event)
+    error: ServingError | None = None
+    outputs: asyncio.Queue[Any] | None = None
 
 
 class FlightTable:
@@ -125,6 +135,13 @@ class FlightTable:
         flight.aborted = True
         return flight
 
+    def fail_all(self, error: ServingError) -> None:
+        """End every request in flight with ``error`` (their consumers get it next)."""
+        for flight in self._flights.values():
+            flight.error = error
+            if flight.outputs is not None:
+                flight.outputs.put_nowait(error)
+
     def flights(self) -> list[Flight]:
         """The flights now in flight (a copy)."""
         return list(self._flights.values())
@@ -147,26 +164,66 @@ class FlightTable:
         return True
 
 
-async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0.25) -> None:
+def _process_alive(pid: int) -> bool:
+    """False once process ``pid`` has exited (a zombie counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+
+
+async def _local_process_exit(scheduler: Any, poll_s: float) -> None:
+    """Return when the scheduler actor's process exits, if it runs on this node (else
+    never): Ray reports the death of an actor it restarts only once the restart is done."""
+    node_id, pid = await scheduler.process_id.remote()
+    if node_id != ray.get_runtime_context().get_node_id():
+        await asyncio.Event().wait()
+    while _process_alive(pid):
+        await asyncio.sleep(poll_s)
+
+
+async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0.1) -> None:
     """Keep ``table.scheduler_up`` in line with the scheduler actor. Runs until cancelled.
 
-    Holds one call on the actor that ends only at its shutdown (``wait_stopped``): when
-    the actor dies, Ray fails that call at once, new requests are refused from then on
-    (UNAVAILABLE) instead of queueing for a restart, and the watcher calls ``ready``
-    until a restarted actor answers (it starts empty and resets the workers), then
-    admits again. Requests in flight at the death end with UNAVAILABLE on their own
-    (their streams fail).
+    Holds one call on the actor that ends only at its shutdown (``wait_stopped``), which
+    Ray fails when the actor dies, and (when the actor runs on this node) watches its
+    process, which notices the death at once (Ray fails calls to an actor it restarts only
+    after the restart). On a death, every request in flight ends with UNAVAILABLE, new
+    requests are refused (UNAVAILABLE) instead of queueing for a restart, and the watcher
+    calls ``ready`` until a restarted actor answers (it starts empty and resets the
+    workers), then admits again.
     """
     while True:
+        stopped = asyncio.ensure_future(_await(scheduler.wait_stopped.remote()))
+        exited = asyncio.ensure_future(_local_process_exit(scheduler, retry_s))
         try:
-            await scheduler.wait_stopped.remote()
+            await asyncio.wait({stopped, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            stopped.cancel()
+        if stopped.done() and not stopped.cancelled() and stopped.exception() is None:
             return  # a clean shutdown
-        except ray.exceptions.RayActorError as exc:
-            table.scheduler_up = False
-            log.error("the scheduler actor died (%s); refusing requests until it is back", exc)
+        if stopped.done() and not stopped.cancelled():
+            reason = repr(stopped.exception())
+        elif exited.done() and not exited.cancelled() and exited.exception() is not None:
+            reason = repr(exited.exception())
+        else:
+            reason = "its process exited"
+        table.scheduler_up = False
+        table.fail_all(ClusterUnavailable("scheduler unavailable: the scheduler actor died"))
+        log.error("the scheduler actor died (%s); refusing requests until it is back", reason)
         while True:
             try:
-                await asyncio.wait_for(scheduler.ready.remote(), timeout=max(1.0, 8 * retry_s))
+                await asyncio.wait_for(scheduler.ready.remote(), timeout=2.0)
                 break
             except asyncio.CancelledError:
                 raise
@@ -174,3 +231,7 @@ async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0
                 await asyncio.sleep(retry_s)
         table.scheduler_up = True
         log.warning("the scheduler actor is back (empty); admitting requests again")
+
+
+async def _await(ref: Any) -> Any:
+    return await ref

@@ -491,18 +491,23 @@ class RequestPipeline:
             flight.submitted = True
             # The scheduler's first item acknowledges add_request (an empty batch).
             ack = asyncio.ensure_future(self._next_batch(stream))
-            try:
-                await asyncio.wait_for(asyncio.shield(ack), self.scheduler_timeout_s)
-            except TimeoutError:
-                ack_timed_out = True
+            await self._wait_ack(ack, flight)
+            ack_timed_out = not ack.done()
+            if flight.error is not None:
+                raise flight.error
+            if ack_timed_out:
                 raise ClusterUnavailable(
                     f"the scheduler did not accept the request within "
                     f"{self.scheduler_timeout_s:g} s"
-                ) from None
+                )
+            ack.result()  # its error, if add_request failed
             flight.added = True
             if flight.aborted:  # an abort came while the request was in transit
                 await self.scheduler.abort.remote(request_id)
             buffer: asyncio.Queue[Any] = asyncio.Queue()
+            flight.outputs = buffer  # FlightTable.fail_all puts its error here
+            if flight.error is not None:
+                buffer.put_nowait(flight.error)
             pump = asyncio.create_task(self._pump(stream, buffer, request_id))
             while not all(done):
                 item = await buffer.get()
@@ -545,6 +550,17 @@ class RequestPipeline:
                 log.debug("abort of %s failed", request_id, exc_info=True)
             finally:
                 self.flights.release(flight)
+
+    async def _wait_ack(self, ack: asyncio.Future[Any], flight: Flight) -> None:
+        """Wait for the scheduler's acknowledgement, at most ``scheduler_timeout_s``, and
+        no longer once the flight was failed (the scheduler died)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.scheduler_timeout_s
+        while not ack.done() and flight.error is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.wait({ack}, timeout=min(left, 0.05))
 
     @staticmethod
     async def _next_batch(stream: Any) -> list[SequenceOutput]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -82,6 +83,10 @@ class SchedulerActor:
             self._stopped = asyncio.Event()
         await self._stopped.wait()
         return True
+
+    async def process_id(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this actor, so the frontend can watch it."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
 
     async def _reset_workers(self) -> None:
         async def one(worker: Any) -> None:

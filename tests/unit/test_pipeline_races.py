@@ -318,3 +318,33 @@ def test_drain_refuses_new_requests_and_waits_for_those_in_flight():
         await actor.shutdown()
 
     run(scenario())
+
+
+def test_scheduler_death_fails_every_request_in_flight_at_once():
+    """What the frontend's scheduler watch does when the actor's process exits."""
+
+    async def scenario():
+        pipe, actor, _ = make(transit_s=0.5)
+        running = pipe.generate(prepared(pipe, "r", 400))
+        pipe.scheduler.transit_s = 0.0
+        in_transit = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "t", 400))))
+        assert (await running.__anext__()).token_ids == (TOKEN,)
+        pipe.scheduler.transit_s = 60.0
+        late = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "l", 4))))
+        await asyncio.sleep(0.05)
+        t0 = asyncio.get_running_loop().time()
+        pipe.flights.scheduler_up = False
+        pipe.flights.fail_all(ClusterUnavailable("scheduler unavailable: the scheduler actor died"))
+        with pytest.raises(ClusterUnavailable, match="died"):
+            await drain(running)
+        with pytest.raises(ClusterUnavailable, match="died"):
+            await late  # still waiting for the scheduler to accept it
+        assert asyncio.get_running_loop().time() - t0 < 0.5
+        with pytest.raises(ClusterUnavailable, match="died"):
+            await in_transit
+        with pytest.raises(ClusterUnavailable, match="restarting"):
+            await pipe.admit("new")
+        assert len(pipe.flights) == 0
+        await actor.shutdown()
+
+    run(scenario())
