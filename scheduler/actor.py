@@ -73,6 +73,7 @@ class SchedulerActor:
                 self._loops[wid] = loop.create_task(self._step_loop(wid))
         if self._monitor is None:
             self._monitor = loop.create_task(self._probe_idle_workers(self._probe_interval_s))
+        await self._workers_reset  # no request is added before the workers are clean
         return True
 
     async def wait_stopped(self) -> bool:
@@ -181,8 +182,12 @@ class SchedulerActor:
         tasks = list(self._loops.values())
         if self._monitor is not None:
             tasks.append(self._monitor)
-        for task in tasks:
-            task.cancel()
+        # NOTE: asyncio.wait_for (Python 3.11) can swallow a cancel that arrives as its
+        # inner call completes (the probe's ping): cancel until the task is really done.
+        while pending := [t for t in tasks if not t.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.1)
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
