@@ -114,11 +114,11 @@ async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
     return data
 
 
-async def wait_disconnect(request: Request) -> None:
-    """Return once the client has disconnected (call after the body was read: the
-    server's next message is then ``http.disconnect``, sent when the connection drops)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+async def wait_disconnect(request: Request, poll_s: float = 0.2) -> None:
+    """Return once the client has disconnected (checked every ``poll_s`` seconds with
+    Starlette's non-blocking ``is_disconnected``; call after the body was read)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
 
 
 def parse_body(data: dict[str, Any], model: type[M]) -> M:
