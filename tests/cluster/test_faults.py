@@ -126,6 +126,7 @@ def test_non_streaming_http_client_that_disconnects_is_aborted(tiny):
     handle, _ = tiny
     snap0 = ray.get(handle.scheduler.get_metrics.remote(), timeout=30)
     body = {"model": handle.info.name, "prompt": "Once upon a time", "max_tokens": 3000}
+    body["ignore_eos"] = True  # runs to max_tokens unless aborted
     try:
         r = httpx.post(f"http://{handle.http_address}/v1/completions", json=body, timeout=1.0)
         raise AssertionError(f"answered before the client gave up: {r.status_code} {r.text}")
