@@ -96,6 +96,31 @@ def _add_serve(sub: Any) -> None:
         default="none",
         help="admit a request only when its whole reservation fits (pre-paging baseline)",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM / Ctrl-C: seconds requests in flight may take to finish before "
+        "they are aborted (new ones are refused at once)",
+    )
+    p.add_argument(
+        "--max-stream-buffer",
+        type=int,
+        default=4096,
+        help="outputs held for a client that stops reading before its request is aborted",
+    )
+    p.add_argument(
+        "--worker-max-restarts",
+        type=int,
+        default=3,
+        help="Ray restarts of a dead worker actor (it rejoins with an empty pool); -1 = always",
+    )
+    p.add_argument(
+        "--scheduler-max-restarts",
+        type=int,
+        default=3,
+        help="Ray restarts of a dead scheduler actor (it restarts empty); -1 = always",
+    )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--cpus-per-worker", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -175,12 +200,16 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             port=args.port,
             http_port=args.http_port,
             served_model_name=args.served_model_name,
+            drain_timeout_s=args.drain_timeout,
+            max_stream_buffer=args.max_stream_buffer,
         ),
         ray_address=args.address,
         num_workers=args.workers,
         cpus_per_worker=cpus,
         device=args.device,
         attention_backend=args.attention_backend,
+        worker_max_restarts=args.worker_max_restarts,
+        scheduler_max_restarts=args.scheduler_max_restarts,
     )
     return config
 

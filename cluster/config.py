@@ -30,6 +30,10 @@ class ServerConfig:
         served_model_name: the ``model`` name of the OpenAI-compatible API (``None``: the
             model folder's name); the model path is accepted too.
         max_http_body_bytes: largest HTTP request body (larger ones get 400, code payload_too_large).
+        drain_timeout_s: on SIGTERM / Ctrl-C, how long requests in flight may run to
+            completion before they are aborted (seconds); new requests are refused at once.
+        max_stream_buffer: most outputs held for one stream whose client is not reading;
+            past it the request is aborted with RESOURCE_EXHAUSTED.
     """
 
     host: str = "127.0.0.1"
@@ -38,8 +42,14 @@ class ServerConfig:
     http_port: int | None = None
     served_model_name: str | None = None
     max_http_body_bytes: int = 16 << 20
+    drain_timeout_s: float = 30.0
+    max_stream_buffer: int = 4096
 
     def __post_init__(self) -> None:
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.max_stream_buffer < 1:
+            raise ValueError(f"max_stream_buffer must be >= 1, got {self.max_stream_buffer}")
         if not (0 <= self.port <= 65535):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.http_port is not None:
@@ -62,6 +72,10 @@ class ClusterConfig:
             of an existing cluster to join (``"auto"`` or ``host:port``).
         num_workers: worker actors (one per GPU; CPU workers when none).
         cpus_per_worker: Ray CPUs reserved by each CPU worker (and its torch threads).
+        worker_max_restarts: how often Ray restarts a worker actor that died (Ray's
+            ``max_restarts``); a restarted worker rejoins with an empty pool.
+        scheduler_max_restarts: the same for the scheduler actor; a restarted scheduler
+            starts empty (requests in flight at its death fail with UNAVAILABLE).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -73,8 +87,12 @@ class ClusterConfig:
     cpus_per_worker: int = 1
     device: str = "auto"
     attention_backend: str = "auto"
+    worker_max_restarts: int = 3
+    scheduler_max_restarts: int = 3
 
     def __post_init__(self) -> None:
+        if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:
+            raise ValueError("worker_max_restarts / scheduler_max_restarts must be >= -1")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.cpus_per_worker < 0:

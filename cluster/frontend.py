@@ -51,6 +51,10 @@ class PortUnavailable(RuntimeError):
 def check_port_free(host: str, port: int) -> None:
     """Fail fast, before Ray and the model start, when ``host:port`` is taken.
 
+    The probe binds with ``SO_REUSEADDR`` (as the gRPC and HTTP servers do, and not
+    ``SO_REUSEPORT``): connections of a server that just stopped, left in TIME-WAIT, do
+    not refuse it, while a socket listening on the port does.
+
     Raises:
         PortUnavailable: the port cannot be bound now.
     """
@@ -61,6 +65,7 @@ def check_port_free(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
         except OSError as exc:
             raise PortUnavailable(f"cannot bind {host}:{port}: {exc.strerror}") from exc
@@ -111,14 +116,18 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await context.abort(grpc.StatusCode[err.status], str(err))
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
+        flight = None
         try:
+            # The id is in flight from now on, so an Abort during tokenization finds it.
+            if request.request_id:
+                flight = await self.pipeline.admit(request.request_id)
             prepared = await asyncio.to_thread(
                 self.pipeline.prepare,
                 input_from_proto(request),
                 sampling_from_proto(request.sampling),
                 request.request_id,
             )
-            stream = self.pipeline.generate(prepared)
+            stream = self.pipeline.generate(prepared, flight)
             try:
                 async for delta in stream:
                     yield self._to_proto(prepared.request_id, delta, request.return_token_ids)
@@ -128,10 +137,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             if exc.status == "INTERNAL":
                 log.error("request failed: %s", exc)
             await self._abort_with(context, exc)
+        finally:
+            if flight is not None:
+                self.pipeline.release(flight)  # when it never reached generate()
 
     async def _set_serving(self, serving: bool) -> None:
         if self.health is None:
             return
+        serving = serving and self.pipeline.flights.serving  # draining / scheduler down
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -140,20 +153,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await self.health.set("", status)
         await self.health.set(SERVICE_NAME, status)
 
-    async def watch_health(self, interval_s: float = 2.0) -> None:
+    async def watch_health(self, interval_s: float = 0.5) -> None:
         """Keep the health status in line with the cluster: NOT_SERVING when the
-        scheduler is unreachable or no worker is alive. Runs until cancelled."""
+        scheduler is unreachable or no worker is alive, and while draining. Runs until
+        cancelled."""
         while True:
             try:
-                live = await asyncio.wait_for(
-                    self._scheduler.num_live_workers.remote(), timeout=10 * interval_s
-                )
+                live = 0
+                if self.pipeline.flights.scheduler_up:
+                    live = await asyncio.wait_for(
+                        self._scheduler.num_live_workers.remote(), timeout=10 * interval_s
+                    )
                 await self._set_serving(live > 0)
             except asyncio.CancelledError:
                 raise
             except Exception:
                 await self._set_serving(False)
             await asyncio.sleep(interval_s)
+
+    async def set_not_serving(self) -> None:
+        """Health NOT_SERVING now (a drain started); :meth:`watch_health` keeps it so."""
+        await self._set_serving(False)
 
     @staticmethod
     def _to_proto(request_id: str, delta: ChoiceDelta, return_token_ids: bool) -> Any:
@@ -185,7 +205,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def Abort(self, request: Any, context: Any) -> Any:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        aborted = await self._scheduler.abort.remote(request.request_id)
+        try:
+            aborted = await self.pipeline.abort(request.request_id)
+        except ServingError as exc:
+            await self._abort_with(context, exc)
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def GetStats(self, request: Any, context: Any) -> Any:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -32,6 +32,7 @@ def create_app(
     exporter: MetricsExporter,
     health_timeout_s: float = 5.0,
     routers: Sequence[APIRouter] = (),
+    serving: Callable[[], bool] | None = None,
 ) -> FastAPI:
     """The ASGI app with ``/metrics``, ``/health`` and ``routers``.
 
@@ -40,6 +41,8 @@ def create_app(
         exporter: renders /metrics from the scheduler's snapshot.
         health_timeout_s: how long /health waits for the scheduler, seconds.
         routers: more routes (e.g. ``OpenAIServer.router()``).
+        serving: False while the frontend admits no requests (draining, scheduler
+            down): /health answers 503 then.
     """
     app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
     for router in routers:
@@ -56,6 +59,8 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
+        if serving is not None and not serving():
+            return PlainTextResponse("not serving (shutting down or restarting)\n", 503)
         try:
             live = await asyncio.wait_for(
                 scheduler.num_live_workers.remote(), timeout=health_timeout_s

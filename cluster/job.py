@@ -40,6 +40,9 @@ from pagedserve.cluster.config import ClusterConfig
 # Frontend shutdown grace inside a job (seconds): Ray SIGKILLs the job after
 # RAY_JOB_STOP_WAIT_TIME_S (3 s by default) of SIGTERM.
 JOB_STOP_GRACE_S = 0.5
+# Drain on `ray job stop` unless --drain-timeout says otherwise: well inside the stop wait
+# (RAY_JOB_STOP_WAIT_TIME_S, 10 s in deploy/runtime_env.yaml), so nothing is SIGKILLed.
+JOB_DRAIN_TIMEOUT_S = 5.0
 
 BENCH_PROMPTS = (
     "Explain why the sky is blue.",
@@ -54,6 +57,8 @@ def _cluster_config(serve_argv: list[str]) -> ClusterConfig:
     args = build_parser().parse_args(["serve", *serve_argv])
     if args.address is None:
         args.address = "auto"
+    if not any(a.startswith("--drain-timeout") for a in serve_argv):
+        args.drain_timeout = JOB_DRAIN_TIMEOUT_S
     return serve_config(args)
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.cluster.flights import watch_scheduler
 from pagedserve.cluster.frontend import GenerationServicer, check_port_free, start_server
 from pagedserve.cluster.http_server import HttpServer, create_app
 from pagedserve.cluster.metrics import MetricsExporter
@@ -72,6 +73,8 @@ class ClusterHandle:
     health_task: asyncio.Task[None] | None = None
     http: HttpServer | None = None
     pipeline: RequestPipeline | None = None
+    servicer: GenerationServicer | None = None
+    watch_task: asyncio.Task[None] | None = None
 
     @property
     def address(self) -> str:
@@ -83,10 +86,36 @@ class ClusterHandle:
         """``host:port`` of the HTTP frontend (/metrics, /health, /v1); None without one."""
         return None if self.http is None else f"{self.config.server.host}:{self.http.port}"
 
+    async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> int:
+        """Stop admitting (new requests: UNAVAILABLE; health: NOT_SERVING), let the
+        requests in flight finish for up to ``timeout_s`` seconds (or until ``force`` is
+        set), then abort the rest (their streams end with ABORT) and give them a moment
+        to say so. Returns how many requests were aborted."""
+        if self.pipeline is None:
+            return 0
+        flights = self.pipeline.flights
+        flights.begin_drain()
+        if self.servicer is not None:
+            await self.servicer.set_not_serving()
+        idle = asyncio.ensure_future(flights.wait_idle(timeout_s))
+        waits: list[asyncio.Future[Any]] = [idle]
+        if force is not None:
+            waits.append(asyncio.ensure_future(force.wait()))
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        if not len(flights):
+            return 0
+        aborted = await self.pipeline.abort_all()
+        await flights.wait_idle(2.0)
+        return aborted
+
     async def stop(self, grace_s: float = 2.0) -> None:
         """Stop the frontend, abort requests, kill the actors and (if owned) Ray."""
         import ray
 
+        if self.watch_task is not None:
+            self.watch_task.cancel()
         if self.health_task is not None:
             self.health_task.cancel()
         if self.http is not None:
@@ -151,14 +180,18 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             else:
                 wcfg = dataclasses.replace(wcfg, device="cpu")
                 opts = {"num_cpus": config.cpus_per_worker}
-            workers.append(worker_cls.options(name=None, max_concurrency=1, **opts).remote(wcfg))
+            workers.append(
+                worker_cls.options(
+                    name=None, max_concurrency=1, max_restarts=config.worker_max_restarts, **opts
+                ).remote(wcfg)
+            )
         infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
         max_model_len = min(i.max_model_len for i in infos)
         specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         scheduler = (
             ray.remote(SchedulerActor)
-            .options(num_cpus=0, max_concurrency=10_000)
+            .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
             .remote(sched_cfg, workers, specs)
         )
         await scheduler.ready.remote()
@@ -170,7 +203,9 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             max_kv_slots=max(s.num_blocks * s.block_size for s in specs),
             block_size=max(specs, key=lambda s: s.num_blocks * s.block_size).block_size,
         )
-        pipeline = RequestPipeline(scheduler, tokenizer, info)
+        pipeline = RequestPipeline(
+            scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
+        )
         servicer = GenerationServicer(pipeline)
         http = await _start_http(config, pipeline)
         try:
@@ -184,9 +219,22 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             ray.shutdown()
         raise
     log.info("serving %s on %s:%d", model_dir, config.server.host, port)
-    health_task = asyncio.get_running_loop().create_task(servicer.watch_health())
+    loop = asyncio.get_running_loop()
+    health_task = loop.create_task(servicer.watch_health())
+    watch_task = loop.create_task(watch_scheduler(scheduler, pipeline.flights))
     return ClusterHandle(
-        config, scheduler, workers, server, port, info, owns_ray, health_task, http, pipeline
+        config,
+        scheduler,
+        workers,
+        server,
+        port,
+        info,
+        owns_ray,
+        health_task,
+        http,
+        pipeline,
+        servicer,
+        watch_task,
     )
 
 
@@ -201,7 +249,9 @@ def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:
     exporter = MetricsExporter(scheduler, model_name=short_name)
     names = (config.server.served_model_name or short_name, info.name)
     openai = OpenAIServer(pipeline, names, config.server.max_http_body_bytes)
-    return create_app(scheduler, exporter, routers=[openai.router()])
+    return create_app(
+        scheduler, exporter, routers=[openai.router()], serving=lambda: pipeline.flights.serving
+    )
 
 
 async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpServer | None:
@@ -226,8 +276,10 @@ async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpS
 
 
 async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
-    """Run the cluster until cancelled (Ctrl-C / SIGTERM), then stop it cleanly, giving
-    in-flight calls ``grace_s`` seconds."""
+    """Run the cluster until Ctrl-C / SIGTERM, then shut down gracefully: refuse new
+    requests (UNAVAILABLE, health NOT_SERVING), let the ones in flight finish for up to
+    ``config.server.drain_timeout_s`` seconds (a second signal cuts that short), abort
+    the rest (ABORT), and stop the frontends (``grace_s`` seconds), the actors and Ray."""
     import signal
 
     handle = await start_cluster(config)
@@ -236,11 +288,26 @@ async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
         print(f"pagedserve: metrics on http://{handle.http_address}/metrics", flush=True)
         print(f"pagedserve: OpenAI-compatible API on http://{handle.http_address}/v1", flush=True)
     stop = asyncio.Event()
+    force = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (force if stop.is_set() else stop).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         await stop.wait()
+        drain_s = config.server.drain_timeout_s
+        print(
+            f"pagedserve: draining: refusing new requests, waiting up to {drain_s:g} s for "
+            f"{len(handle.pipeline.flights) if handle.pipeline else 0} in flight "
+            "(Ctrl-C again to stop now)",
+            flush=True,
+        )
+        aborted = await handle.drain(drain_s, force)
+        if aborted:
+            print(f"pagedserve: aborted {aborted} request(s) still running", flush=True)
     finally:
         print("pagedserve: shutting down", flush=True)
         await handle.stop(grace_s)

@@ -14,13 +14,15 @@ Errors after a stream has started are sent as one ``data: {"error": ...}`` event
 stream ends (the status line is already sent).
 
 Each prompt of a request runs as its own pipeline stream in its own task; when the client
-disconnects, the response task is cancelled, which cancels those tasks, and each aborts its
-request (the scheduler frees its blocks).
+disconnects, the response task is cancelled (streaming), or the wait for the whole response
+is (non-streaming: the handler watches for the disconnect), which cancels those tasks, and
+each aborts its request (the scheduler frees its blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -53,6 +55,8 @@ HTTP_STATUS: dict[str, tuple[int, str]] = {
     "INTERNAL": (500, "server_error"),
 }
 SSE_DONE = "data: [DONE]\n\n"
+MERGE_QUEUE_SIZE = 16  # deltas of a request's prompts waiting for the response writer
+CLIENT_CLOSED = 499  # the status logged for a request whose client went away (nginx's)
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -108,6 +112,13 @@ async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
     return data
+
+
+async def wait_disconnect(request: Request, poll_s: float = 0.2) -> None:
+    """Return once the client has disconnected (checked every ``poll_s`` seconds with
+    Starlette's non-blocking ``is_disconnected``; call after the body was read)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
 
 
 def parse_body(data: dict[str, Any], model: type[M]) -> M:
@@ -222,11 +233,20 @@ class OpenAIServer:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache"},
             )
+        collect = asyncio.ensure_future(render.collect(first, stream))
+        gone = asyncio.ensure_future(wait_disconnect(request))
         try:
-            return JSONResponse(await render.collect(first, stream))
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not collect.done():  # the client went away: abort now, not at max_tokens
+                collect.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await collect
+                return Response(status_code=CLIENT_CLOSED)
+            return JSONResponse(collect.result())
         except ServingError as exc:
             return error_response(exc)
         finally:
+            gone.cancel()
             await stream.aclose()  # on any early exit: cancel the streams, free the blocks
 
     async def _merged(
@@ -237,15 +257,19 @@ class OpenAIServer:
         Each stream runs in its own task; closing this generator (or cancelling its
         consumer) cancels them, and each cancelled stream aborts its request.
         """
-        queue: asyncio.Queue[tuple[int, ChoiceDelta | BaseException | None]] = asyncio.Queue()
+        # NOTE: bounded, so a client that stops reading holds the deltas in the pipeline,
+        # whose own bound (max_stream_buffer) then aborts the request.
+        queue: asyncio.Queue[tuple[int, ChoiceDelta | BaseException | None]] = asyncio.Queue(
+            maxsize=MERGE_QUEUE_SIZE
+        )
 
         async def pump(i: int, req: PreparedRequest) -> None:
             try:
                 async for delta in self.pipeline.generate(req):
-                    queue.put_nowait((i, delta))
-                queue.put_nowait((i, None))
+                    await queue.put((i, delta))
+                await queue.put((i, None))
             except Exception as exc:
-                queue.put_nowait((i, exc))
+                await queue.put((i, exc))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(prepared)]
         try:

@@ -27,9 +27,9 @@ from typing import Any
 import ray
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
+from pagedserve.cluster.flights import MAX_REQUEST_ID_CHARS, Flight, FlightTable
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
-    DuplicateRequest,
     InvalidRequest,
     RequestRejected,
     ServingError,
@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
-MAX_REQUEST_ID_CHARS = 256
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -166,6 +165,16 @@ class ChoiceDelta:
     usage: Usage | None = None
 
 
+class ClientTooSlow(ServingError):
+    """The consumer of a stream stopped reading: more outputs are buffered for it than
+    the bound allows. The request is aborted (its blocks freed)."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+
+_END = object()  # a stream's pump is done (the scheduler's stream ended)
+
+
 class RequestPipeline:
     """Validation, tokenization, scheduler call and detokenization shared by all transports.
 
@@ -173,13 +182,32 @@ class RequestPipeline:
         scheduler: the SchedulerActor handle.
         tokenizer: a Hugging Face fast tokenizer of the served model.
         info: model and pool facts.
+        max_buffered_outputs: most scheduler outputs held for one stream whose consumer
+            has not taken them; past it the request is aborted (:class:`ClientTooSlow`).
+        scheduler_timeout_s: how long a request waits for the scheduler to accept it
+            before it fails with UNAVAILABLE (seconds).
+        id_reuse_wait_s: how long a request whose id is in flight waits for it to end
+            (see :mod:`pagedserve.cluster.flights`), seconds.
     """
 
-    def __init__(self, scheduler: Any, tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        tokenizer: Any,
+        info: ModelInfo,
+        max_buffered_outputs: int = 4096,
+        scheduler_timeout_s: float = 10.0,
+        id_reuse_wait_s: float = 1.0,
+    ) -> None:
+        if max_buffered_outputs < 1:
+            raise ValueError(f"max_buffered_outputs must be >= 1, got {max_buffered_outputs}")
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.info = info
-        self._in_flight: set[str] = set()
+        self.max_buffered_outputs = max_buffered_outputs
+        self.scheduler_timeout_s = scheduler_timeout_s
+        self.flights = FlightTable(id_reuse_wait_s)
+        self._background: set[asyncio.Future[None]] = set()  # aborts still on their way
         # No token covers more UTF-8 bytes than the longest vocabulary entry's spelling
         # (byte-level or "▁"/"<0x..>" spellings only overestimate), so a text longer than
         # this many bytes cannot fit in max_model_len and is refused before tokenizing.
@@ -359,25 +387,83 @@ class RequestPipeline:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, req: PreparedRequest) -> AsyncIterator[ChoiceDelta]:
+    async def admit(self, request_id: str) -> Flight:
+        """Register a request id as in flight before anything else happens to the request
+        (see :mod:`pagedserve.cluster.flights`); pass the flight to :meth:`generate`.
+
+        Raises:
+            ClusterUnavailable: draining, or the scheduler actor is down.
+            InvalidRequest: an empty or too long id.
+            DuplicateRequest: the id stays in flight for ``id_reuse_wait_s``.
+        """
+        return await self.flights.admit(request_id)
+
+    def release(self, flight: Flight) -> None:
+        """Free a flight that never reached :meth:`generate` (idempotent)."""
+        self.flights.release(flight)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request at whatever stage it is (tokenizing, in transit to the
+        scheduler, queued, running). Its stream ends with ABORT on every choice.
+
+        Returns True when the request was in flight (not finished) and not aborted before.
+
+        Raises:
+            ClusterUnavailable: the scheduler actor is unreachable.
+        """
+        flight = self.flights.mark_aborted(request_id)
+        if flight is None:
+            return False
+        if flight.added:
+            # NOTE: before the scheduler acknowledged the request, generate() aborts it
+            # itself once the acknowledgement arrives (an abort sent now could overtake it).
+            try:
+                return bool(
+                    await asyncio.wait_for(
+                        self.scheduler.abort.remote(request_id), self.scheduler_timeout_s
+                    )
+                )  # False: it had just finished
+            except (ray.exceptions.RayActorError, TimeoutError) as exc:
+                raise ClusterUnavailable(f"scheduler unavailable: {exc!r}") from exc
+        return True
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (a shutdown past its drain timeout); returns how
+        many were aborted."""
+        ids = [f.request_id for f in self.flights.flights()]
+        results = await asyncio.gather(*(self.abort(i) for i in ids), return_exceptions=True)
+        return sum(1 for r in results if r is True)
+
+    async def generate(
+        self, req: PreparedRequest, flight: Flight | None = None
+    ) -> AsyncIterator[ChoiceDelta]:
         """Run a prepared request; yield its choices' deltas as the scheduler sends them.
 
-        Every choice ends with one delta carrying ``finish_reason`` and ``usage``. When
-        the consumer stops iterating (``aclose``, cancellation: a client that went away)
-        or an error ends the stream early, the request is aborted and its blocks freed
-        before its id can be used again.
+        Every choice ends with one delta carrying ``finish_reason`` and ``usage`` (ABORT,
+        with no tokens, for a request aborted before it reached the scheduler). When the
+        consumer stops iterating (``aclose``, cancellation: a client that went away) or an
+        error ends the stream early, the request is aborted and its blocks freed before
+        its id can be used again. A consumer that falls more than
+        ``max_buffered_outputs`` outputs behind has its request aborted and gets
+        :class:`ClientTooSlow`.
+
+        Args:
+            req: the prepared request.
+            flight: its flight from :meth:`admit` (registered here when None); this call
+                releases it.
 
         Raises:
             DuplicateRequest: the request id is in flight.
+            ClientTooSlow: the consumer fell too far behind (RESOURCE_EXHAUSTED).
             ServingError: the scheduler's own errors (see pagedserve.scheduler.errors);
-                ClusterUnavailable when the scheduler actor is gone; a plain ServingError
+                ClusterUnavailable when the scheduler actor is gone or does not accept
+                the request within ``scheduler_timeout_s``; a plain ServingError
                 (INTERNAL) for anything unexpected.
         """
         sampling = req.sampling
         request_id = req.request_id
-        if request_id in self._in_flight:
-            raise DuplicateRequest(f"request_id {request_id!r} is in flight")
-        self._in_flight.add(request_id)
+        if flight is None:
+            flight = await self.flights.admit(request_id)
         detoks = [
             IncrementalDetokenizer(
                 self.tokenizer.backend_tokenizer,
@@ -387,40 +473,150 @@ class RequestPipeline:
             for _ in range(sampling.n)
         ]
         done = [False] * sampling.n
+        ack: asyncio.Future[Any] | None = None
+        ack_timed_out = scheduler_gone = False
+        pump: asyncio.Task[None] | None = None
         try:
+            if flight.aborted:  # aborted while it was being validated and tokenized
+                usage = Usage(len(req.prompt_token_ids), 0, 0)
+                for i in range(sampling.n):
+                    done[i] = True
+                    yield ChoiceDelta(i, (), "", finish_reason=FinishReason.ABORT, usage=usage)
+                return
+            if not self.flights.scheduler_up:
+                raise ClusterUnavailable("the scheduler is unavailable (restarting or gone)")
             stream = self.scheduler.generate.remote(
                 request_id, list(req.prompt_token_ids), sampling, list(self.info.eos_token_ids)
             )
+            flight.submitted = True
+            # The scheduler's first item acknowledges add_request (an empty batch).
+            ack = asyncio.ensure_future(self._next_batch(stream))
+            await self._wait_ack(ack, flight)
+            ack_timed_out = not ack.done()
+            if flight.error is not None:
+                raise flight.error
+            if ack_timed_out:
+                raise ClusterUnavailable(
+                    f"the scheduler did not accept the request within "
+                    f"{self.scheduler_timeout_s:g} s"
+                )
+            ack.result()  # its error, if add_request failed
+            flight.added = True
+            if flight.aborted:  # an abort came while the request was in transit
+                await self.scheduler.abort.remote(request_id)
+            buffer: asyncio.Queue[Any] = asyncio.Queue()
+            flight.outputs = buffer  # FlightTable.fail_all puts its error here
+            if flight.error is not None:
+                buffer.put_nowait(flight.error)
+            pump = asyncio.create_task(self._pump(stream, buffer, request_id))
+            while not all(done):
+                item = await buffer.get()
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                out: SequenceOutput = item
+                if done[out.choice_index]:
+                    continue
+                delta = self._delta(out, detoks[out.choice_index], sampling)
+                if delta.finish_reason is not None:
+                    done[out.choice_index] = True
+                    if out.finish_reason is None:  # a stop string ended the choice
+                        await self.scheduler.abort.remote(request_id, out.choice_index, True)
+                yield delta
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            err = self._serving_error(exc, request_id)
+            scheduler_gone = isinstance(err, ClusterUnavailable)
+            raise err from exc
+        except ClusterUnavailable:
+            scheduler_gone = not ack_timed_out  # a slow scheduler still gets the abort
+            raise
+        finally:
+            if pump is not None:
+                pump.cancel()
+            try:
+                # NOTE: no abort to a scheduler that is gone: a call to an actor Ray is
+                # restarting waits for the restart, and the restarted one starts empty.
+                if not all(done) and flight.submitted and not scheduler_gone:
+                    # Consumer went away (cancelled / closed) or an error: make sure the
+                    # blocks come back before the id can be used again (a scheduler that
+                    # did not answer in time is not waited for twice).
+                    aborting = asyncio.ensure_future(self._abort_when_added(ack, request_id))
+                    self._background.add(aborting)
+                    aborting.add_done_callback(self._background.discard)
+                    if not ack_timed_out:
+                        await asyncio.shield(aborting)
+            except BaseException:  # best effort during shutdown or a second cancel
+                log.debug("abort of %s failed", request_id, exc_info=True)
+            finally:
+                self.flights.release(flight)
+
+    async def _wait_ack(self, ack: asyncio.Future[Any], flight: Flight) -> None:
+        """Wait for the scheduler's acknowledgement, at most ``scheduler_timeout_s``, and
+        no longer once the flight was failed (the scheduler died)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.scheduler_timeout_s
+        while not ack.done() and flight.error is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            await asyncio.wait({ack}, timeout=min(left, 0.05))
+
+    @staticmethod
+    async def _next_batch(stream: Any) -> list[SequenceOutput]:
+        ref = await stream.__anext__()
+        batch: list[SequenceOutput] = await ref
+        return batch
+
+    async def _abort_when_added(self, ack: asyncio.Future[Any] | None, request_id: str) -> None:
+        """Abort a request once the scheduler has it (never before: the abort could
+        overtake the request and find nothing); nothing when it never got there."""
+        if ack is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(ack), self.scheduler_timeout_s)
+        except Exception:  # refused, timed out, or the scheduler is gone
+            return
+        await asyncio.wait_for(self.scheduler.abort.remote(request_id), self.scheduler_timeout_s)
+
+    async def _pump(self, stream: Any, buffer: asyncio.Queue[Any], request_id: str) -> None:
+        """Move the scheduler's outputs into ``buffer`` as they come, so none pile up in
+        Ray; past ``max_buffered_outputs`` unconsumed ones, abort the request and leave
+        only a :class:`ClientTooSlow` error in the buffer."""
+        try:
             async for ref in stream:
                 batch: list[SequenceOutput] = await ref
+                if buffer.qsize() + len(batch) > self.max_buffered_outputs:
+                    while not buffer.empty():
+                        buffer.get_nowait()
+                    buffer.put_nowait(
+                        ClientTooSlow(
+                            f"the client is not reading the stream: more than "
+                            f"{self.max_buffered_outputs} outputs are waiting to be sent; "
+                            "the request was aborted"
+                        )
+                    )
+                    log.warning("request %s aborted: its client stopped reading", request_id)
+                    await self.scheduler.abort.remote(request_id)
+                    return
                 for out in batch:
-                    if done[out.choice_index]:
-                        continue
-                    delta = self._delta(out, detoks[out.choice_index], sampling)
-                    if delta.finish_reason is not None:
-                        done[out.choice_index] = True
-                        if out.finish_reason is None:  # a stop string ended the choice
-                            await self.scheduler.abort.remote(request_id, out.choice_index, True)
-                    yield delta
-                if all(done):
-                    break
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if hasattr(exc, "cause") else exc
-            if isinstance(cause, ServingError):
-                raise cause from None
-            log.exception("request %s failed", request_id)
-            raise ServingError(f"generation failed: {cause!r}") from exc
-        except ray.exceptions.RayActorError as exc:
-            raise ClusterUnavailable(f"scheduler unavailable: {exc}") from exc
-        finally:
-            if not all(done):
-                # Consumer went away (cancelled / closed) or an error: make sure the blocks
-                # come back before the id can be used again.
-                try:
-                    await asyncio.shield(self.scheduler.abort.remote(request_id))
-                except Exception:  # best effort during shutdown
-                    log.debug("abort of %s failed", request_id, exc_info=True)
-            self._in_flight.discard(request_id)
+                    buffer.put_nowait(out)
+            buffer.put_nowait(_END)
+        except Exception as exc:  # every failure reaches the consumer: it never hangs
+            buffer.put_nowait(self._serving_error(exc, request_id))
+
+    def _serving_error(self, exc: BaseException, request_id: str) -> ServingError:
+        """The client-facing error of a Ray failure."""
+        if isinstance(exc, ray.exceptions.RayActorError):
+            log.warning("request %s: the scheduler actor failed: %s", request_id, exc)
+            return ClusterUnavailable(
+                f"scheduler unavailable: the scheduler actor died ({type(exc).__name__})"
+            )
+        cause = getattr(exc, "cause", exc)
+        if isinstance(cause, ServingError):
+            return cause
+        log.error("request %s failed: %r", request_id, cause)
+        return ServingError(f"generation failed: {cause!r}")
 
     @staticmethod
     def _delta(

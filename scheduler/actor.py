@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -53,17 +54,49 @@ class SchedulerActor:
         self._loops: dict[int, asyncio.Task[None]] = {}
         self._in_step: set[int] = set()
         self._monitor: asyncio.Task[None] | None = None
+        self._stopped: asyncio.Event | None = None
+        self._workers_reset: asyncio.Task[None] | None = None
 
     async def ready(self) -> bool:
-        """Start the step loops and the liveness probe (idempotent); returns True."""
+        """Start the step loops and the liveness probe (idempotent); returns True.
+
+        The first call also clears every worker's per-sequence state (``Worker.reset``):
+        a scheduler restarted by Ray starts empty, and the workers must not keep the
+        sequences of its previous life. The step loops wait for that before stepping.
+        """
         loop = asyncio.get_running_loop()
+        if self._workers_reset is None:
+            self._workers_reset = loop.create_task(self._reset_workers())
         for wid in self._scheduler.workers:
             if wid not in self._loops:
                 self._wakeups[wid] = asyncio.Event()
                 self._loops[wid] = loop.create_task(self._step_loop(wid))
         if self._monitor is None:
             self._monitor = loop.create_task(self._probe_idle_workers(self._probe_interval_s))
+        await self._workers_reset  # no request is added before the workers are clean
         return True
+
+    async def wait_stopped(self) -> bool:
+        """Return only once :meth:`shutdown` ran (True). The frontend keeps one such call
+        pending: Ray fails it as soon as this actor dies, which is how a dead scheduler
+        is noticed at once."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        await self._stopped.wait()
+        return True
+
+    async def process_id(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this actor, so the frontend can watch it."""
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+    async def _reset_workers(self) -> None:
+        async def one(worker: Any) -> None:
+            try:
+                await asyncio.wait_for(worker.reset.remote(), 30)
+            except Exception:  # a dead worker is found by its first step or the probe
+                log.warning("could not reset a worker", exc_info=True)
+
+        await asyncio.gather(*(one(w) for w in self._workers))
 
     async def generate(
         self,
@@ -72,7 +105,8 @@ class SchedulerActor:
         sampling: SamplingParams,
         eos_token_ids: list[int],
     ) -> AsyncIterator[list[SequenceOutput]]:
-        """Add a request and stream its deltas, batched: each item is a non-empty list.
+        """Add a request and stream its deltas, batched: the first item is an empty list
+        (the request was added), every later one a non-empty list.
 
         The stream ends once every choice has finished. If the consumer goes away, the
         request is aborted (its blocks are freed).
@@ -88,6 +122,10 @@ class SchedulerActor:
         self._wake_all()
         remaining = sampling.n
         try:
+            # NOTE: the first item, an empty batch, acknowledges the request: from then on
+            # an abort reaches it (Ray does not order an async actor's calls, so an abort
+            # sent earlier could have run before add_request).
+            yield []
             while remaining > 0:
                 batch = [await queue.get()]
                 while not queue.empty():
@@ -136,13 +174,20 @@ class SchedulerActor:
 
     async def shutdown(self) -> None:
         """Abort everything and stop the step loops."""
+        if self._stopped is None:
+            self._stopped = asyncio.Event()
+        self._stopped.set()
         for request_id in list(self._scheduler.requests):
             self._dispatch(self._scheduler.abort_request(request_id))
         tasks = list(self._loops.values())
         if self._monitor is not None:
             tasks.append(self._monitor)
-        for task in tasks:
-            task.cancel()
+        # NOTE: asyncio.wait_for (Python 3.11) can swallow a cancel that arrives as its
+        # inner call completes (the probe's ping): cancel until the task is really done.
+        while pending := [t for t in tasks if not t.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=0.1)
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
@@ -164,6 +209,8 @@ class SchedulerActor:
         worker = self._workers[worker_id]
         wake = self._wakeups[worker_id]
         sched = self._scheduler
+        if self._workers_reset is not None:
+            await self._workers_reset
         while True:
             if not sched.has_work(worker_id):
                 wake.clear()
@@ -199,7 +246,8 @@ class SchedulerActor:
                 self._wake_all()  # freed blocks may let another worker admit
 
     async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:
-        """Ping idle live workers so a worker that dies between steps is noticed.
+        """Ping idle live workers so a worker that dies between steps is noticed, and
+        dead ones so a worker Ray restarted rejoins (:meth:`_try_revive`).
 
         A busy worker is checked by its own step call instead (a ping would queue behind
         the step on the single-threaded worker actor).
@@ -207,7 +255,10 @@ class SchedulerActor:
         while True:
             await asyncio.sleep(interval_s)
             for wid, ws in self._scheduler.workers.items():
-                if not ws.alive or wid in self._in_step:
+                if not ws.alive and wid not in self._in_step:
+                    await self._try_revive(wid, max(1.0, interval_s))
+                    continue
+                if wid in self._in_step:
                     continue
                 try:
                     await asyncio.wait_for(self._workers[wid].ping.remote(), timeout_s)
@@ -217,6 +268,27 @@ class SchedulerActor:
                     log.error("worker %d does not answer; taking it out of service", wid)
                     self._dispatch(self._scheduler.mark_worker_dead(wid))
                     self._wake_all()
+
+    async def _try_revive(self, worker_id: int, timeout_s: float) -> None:
+        """Bring a worker taken out of service back when it answers again (Ray restarted
+        its actor, ``max_restarts``): its state is cleared, its pool starts empty, and it
+        rejoins routing with a new step loop."""
+        worker = self._workers[worker_id]
+        try:
+            await asyncio.wait_for(worker.ping.remote(), timeout_s)
+            await asyncio.wait_for(worker.reset.remote(), timeout_s)
+        except (TimeoutError, ray.exceptions.RayActorError):
+            return  # still dead (or restarting)
+        if self._scheduler.workers[worker_id].alive:
+            return  # revived meanwhile
+        self._scheduler.revive_worker(worker_id)
+        old = self._loops.get(worker_id)
+        if old is None or old.done():  # its loop ended at the death (a probe's: it idles)
+            self._loops[worker_id] = asyncio.get_running_loop().create_task(
+                self._step_loop(worker_id)
+            )
+        log.warning("worker %d is back in service (empty pool)", worker_id)
+        self._wake_all()
 
 
 __all__ = ["FinishReason", "SchedulerActor"]

@@ -619,6 +619,23 @@ class Scheduler(ForkingMixin):
             self._enqueue(self._router.route(seq, self.workers), seq, front=True)
         return outputs
 
+    def revive_worker(self, worker_id: int) -> None:
+        """Put a worker taken out of service back (its actor was restarted): a fresh,
+        empty block pool, nothing resident; it rejoins routing and work stealing.
+
+        Raises:
+            IntegrityError: the worker is alive, or still holds sequences.
+        """
+        ws = self.workers[worker_id]
+        if ws.alive or ws.running or ws.waiting:
+            raise IntegrityError(f"worker {worker_id} cannot be revived: it is alive or busy")
+        ws.kv = KVCacheManager(
+            ws.spec.num_blocks, ws.spec.block_size, self.config.enable_prefix_caching
+        )
+        ws.resident.clear()
+        ws.pending_finished.clear()
+        ws.alive = True
+
     def fail_step(self, worker_id: int, sched_out: SchedulerOutput) -> list[SequenceOutput]:
         """A live worker raised on a step: abort the requests that were in it.
 

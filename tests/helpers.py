@@ -11,9 +11,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import string
+import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -429,3 +432,20 @@ def assert_same_beams(ours: list[Any], ref: list[tuple[list[int], float]]) -> No
         if list(o.new_token_ids) != tokens:
             assert any(abs(o.score - s) < 1e-4 for t, s in ref if t == list(o.new_token_ids))
     assert [o.score for o in ours] == sorted((o.score for o in ours), reverse=True)
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; an in-process cluster's frontend lives there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 300.0) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout=timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)

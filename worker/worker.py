@@ -35,6 +35,11 @@ class Worker:
         """Pool size, block size, context length, vocabulary, EOS ids, device, dtype."""
         return self.runner.get_info()
 
+    def reset(self) -> None:
+        """Forget every sequence's state (the KV pool's contents become garbage): a
+        restarted scheduler starts empty and reuses none of them."""
+        self.runner.seqs.clear()
+
     def ping(self) -> str:
         """Liveness check; returns ``"pong"``."""
         return "pong"

@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 from collections.abc import Iterator
-from concurrent.futures import Future
 
 import pytest
+from helpers import LoopThread
 
 from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, ServerConfig
 from pagedserve.cluster.launcher import RAY_ENV, ClusterHandle, start_cluster
 
 NUM_BLOCKS = 192
 BLOCK_SIZE = 16
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread; the cluster's frontend lives there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 300.0):
-        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout=timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="session")

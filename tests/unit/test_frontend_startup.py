@@ -88,3 +88,32 @@ def test_serve_on_a_taken_port_exits_cleanly(capsys):
         rc = main(["serve", "--port", str(port)])
     assert rc == 1
     assert "cannot bind" in capsys.readouterr().err
+
+
+def test_port_check_refuses_a_listener_but_not_time_wait_leftovers():
+    """A server that stopped with a client connected leaves its side in TIME-WAIT for a
+    minute; starting again on that port must work (only a listener refuses it)."""
+    import psutil
+
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with pytest.raises(PortUnavailable, match=f"127.0.0.1:{port}"):
+        check_port_free("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = listener.accept()
+    conn.close()  # the server closes first: its end goes to TIME-WAIT
+    listener.close()
+    client.recv(1)
+    client.close()
+    waits = [
+        c
+        for c in psutil.net_connections(kind="tcp4")
+        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_TIME_WAIT
+    ]
+    assert waits, "the test did not leave a TIME-WAIT socket"
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("127.0.0.1", port))  # what the old check did: refused
+    check_port_free("127.0.0.1", port)  # what serve does now: accepted

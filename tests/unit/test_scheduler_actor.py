@@ -40,8 +40,16 @@ class FakeHandle:
         self.steps = 0
         self.dead = False
         self.admitted: list[str] = []  # seq ids sent to this worker as new
+        self.resets = 0
         self.execute_model = Remote(self._execute)
         self.ping = Remote(self._ping)
+        self.reset = Remote(self._reset)
+
+    async def _reset(self):
+        if self.dead:
+            raise ray.exceptions.RayActorError()
+        self.resets += 1
+        self.inner = ScriptedWorker()
 
     async def _ping(self):
         if self.dead:
@@ -53,6 +61,8 @@ class FakeHandle:
         self.steps += 1
         self.admitted.extend(n.seq_id for n in so.new_seqs)
         if self.fail is not None and self.steps > self.fail_after:
+            if isinstance(self.fail, ray.exceptions.RayActorError):
+                self.dead = True  # its pings fail too, until "Ray restarts" it
             raise self.fail
         return self.inner.execute(so)
 
@@ -86,6 +96,7 @@ def test_reused_request_id_after_cancel_gets_its_own_stream():
     async def scenario():
         actor = make_actor([FakeHandle()])
         old = actor.generate("same", [1, 2, 3], greedy(50), [])
+        assert await old.__anext__() == []  # the acknowledgement: the request was added
         first = await old.__anext__()
         assert first[0].new_token_ids == (103,)
         assert await actor.abort("same") is True  # the client cancelled
@@ -107,7 +118,7 @@ def test_duplicate_in_flight_id_is_refused():
     async def scenario():
         actor = make_actor([FakeHandle()])
         a = actor.generate("dup", [1, 2], greedy(20), [])
-        await a.__anext__()
+        assert await a.__anext__() == []
         with pytest.raises(DuplicateRequest):
             await actor.generate("dup", [1, 2], greedy(2), []).__anext__()
         await actor.abort("dup")
@@ -255,5 +266,51 @@ def test_polled_stats_show_no_worker_idle_while_work_waits():
         assert (await actor.get_stats()).num_preemptions > 0
         await actor.check_integrity()
         await actor.shutdown()
+
+    run(scenario())
+
+
+def test_restarted_worker_rejoins_with_an_empty_pool():
+    """A worker that died mid-generation (its sequences recomputed on the other one)
+    answers again once Ray restarted it: it is reset, gets a fresh pool and new work."""
+
+    async def scenario():
+        handles = [FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=2), FakeHandle()]
+        actor = make_actor(handles)
+        streams = [actor.generate(f"r{i}", [1, 2, 3, i + 5], greedy(6), []) for i in range(4)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for res in results:
+            assert [t for o in res for t in o.new_token_ids] == [104, 105, 106, 107, 108, 109]
+        assert [w.alive for w in (await actor.get_stats()).workers] == [False, True]
+        assert handles[0].resets == 1  # at start, by ready()
+        handles[0].fail = None  # Ray restarted the actor
+        handles[0].dead = False
+        for _ in range(200):
+            if await actor.num_live_workers() == 2:
+                break
+            await asyncio.sleep(0.01)
+        stats = await actor.get_stats()
+        assert [w.alive for w in stats.workers] == [True, True]
+        assert stats.workers[0].num_free_blocks == stats.workers[0].num_blocks == 32
+        assert handles[0].resets == 2  # once more before it rejoined
+        handles[0].admitted.clear()
+        streams = [actor.generate(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(3), []) for i in range(8)]
+        await asyncio.gather(*(collect(s) for s in streams))
+        assert len(handles[0].admitted) == 4  # it is routed to again
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_wait_stopped_returns_at_shutdown():
+    async def scenario():
+        actor = make_actor([FakeHandle()])
+        await actor.ready()
+        waiter = asyncio.ensure_future(actor.wait_stopped())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        await actor.shutdown()
+        assert await asyncio.wait_for(waiter, 1) is True
 
     run(scenario())

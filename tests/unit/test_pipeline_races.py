@@ -1,0 +1,350 @@
+"""The request path against a real SchedulerActor (fake workers, no Ray): an abort or a
+client cancel at every stage of a request (tokenizing, in transit to the scheduler, queued,
+running) ends it; an id is free again as soon as its cancel is processed; a consumer that
+stops reading cannot make the server buffer without bound; a scheduler that is down or
+does not answer gives UNAVAILABLE at once."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import ray
+from helpers import ScriptedWorker, build_char_tokenizer
+
+from pagedserve.cluster.pipeline import (
+    ClientTooSlow,
+    GenerateInput,
+    ModelInfo,
+    RequestPipeline,
+    SamplingRequest,
+)
+from pagedserve.scheduler.actor import SchedulerActor
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import ClusterUnavailable, DuplicateRequest
+from pagedserve.scheduler.request import FinishReason
+from pagedserve.scheduler.scheduler import WorkerSpec
+
+TOKEN = 40  # what the fake worker samples: "E" in the char tokenizer
+
+
+class Remote:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+class Worker:
+    """A worker handle whose steps take ``step_s`` and always sample TOKEN."""
+
+    def __init__(self, step_s: float = 0.002) -> None:
+        self.inner = ScriptedWorker()
+        self.step_s = step_s
+        self.admitted: list[str] = []
+        self.execute_model = Remote(self._execute)
+        self.ping = Remote(self._ok)
+        self.reset = Remote(self._ok)
+
+    async def _ok(self):
+        return None
+
+    async def _execute(self, so):
+        await asyncio.sleep(self.step_s)
+        self.admitted.extend(n.seq_id for n in so.new_seqs)
+        out = self.inner.execute(so)
+        for seq_id in out.sampled_token_ids:
+            out.sampled_token_ids[seq_id] = TOKEN
+            self.inner.tokens[seq_id][-1] = TOKEN
+        return out
+
+
+class RefStream:
+    """Looks like Ray's ObjectRefGenerator over the actor's ``generate``: items are
+    awaitables; the call reaches the actor only after ``transit_s`` (in flight)."""
+
+    def __init__(self, agen: Any, transit_s: float) -> None:
+        self._agen = agen
+        self._transit_s = transit_s
+        self._started = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self._started:
+            self._started = True
+            await asyncio.sleep(self._transit_s)
+        batch = await self._agen.__anext__()
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(batch)
+        return fut
+
+
+class SchedulerHandle:
+    """Looks like the SchedulerActor's Ray handle; ``generate`` calls spend ``transit_s``
+    in transit, so an abort sent meanwhile reaches the actor first."""
+
+    def __init__(self, actor: SchedulerActor, transit_s: float = 0.0) -> None:
+        self.actor = actor
+        self.transit_s = transit_s
+        self.generate = Remote(lambda *a: RefStream(actor.generate(*a), self.transit_s))
+        self.abort = Remote(lambda *a: asyncio.ensure_future(actor.abort(*a)))
+
+
+def make(max_num_seqs: int = 64, transit_s: float = 0.0, **kw: Any):
+    worker = Worker()
+    actor = SchedulerActor(
+        SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=512),
+        [worker],
+        [WorkerSpec(0, 64, 8)],
+        probe_interval_s=0.05,
+    )
+    info = ModelInfo("tiny", 512, 105, (2,), 512, 8)
+    pipe = RequestPipeline(SchedulerHandle(actor, transit_s), build_char_tokenizer(), info, **kw)
+    return pipe, actor, worker
+
+
+def prepared(pipe: RequestPipeline, request_id: str, max_tokens: int, n: int = 1):
+    sampling = SamplingRequest(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, n=n)
+    return pipe.prepare(GenerateInput(text="Tell me a joke."), sampling, request_id)
+
+
+async def drain(gen) -> list:
+    return [d async for d in gen]
+
+
+async def idle(actor: SchedulerActor) -> None:
+    """Nothing left in the scheduler, every block free (bounded wait)."""
+    for _ in range(500):
+        st = await actor.get_stats()
+        if not actor._scheduler.requests and st.workers[0].num_free_blocks == 64:
+            await actor.check_integrity()
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"scheduler not idle: {list(actor._scheduler.requests)}")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, timeout=30))
+
+
+def test_abort_while_tokenizing_ends_the_request_before_the_scheduler_sees_it():
+    async def scenario():
+        pipe, actor, worker = make()
+        flight = await pipe.admit("race-1")  # Generate arrived, prompt not tokenized yet
+        assert await pipe.abort("race-1") is True
+        assert await pipe.abort("race-1") is False  # once
+        req = prepared(pipe, "race-1", 8, n=2)
+        out = await drain(pipe.generate(req, flight))
+        assert [(d.index, d.finish_reason, d.token_ids) for d in out] == [
+            (0, FinishReason.ABORT, ()),
+            (1, FinishReason.ABORT, ()),
+        ]
+        assert out[0].usage.prompt_tokens == len(req.prompt_token_ids) >= len("Tell me a joke.")
+        assert worker.admitted == [] and "race-1" not in pipe.flights
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_abort_while_the_request_is_in_transit_to_the_scheduler():
+    async def scenario():
+        pipe, actor, _ = make(transit_s=0.05)
+        gen = pipe.generate(prepared(pipe, "race-1", 200))
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0.01)  # generate() was sent, add_request has not run
+        assert not actor._scheduler.requests
+        assert await pipe.abort("race-1") is True
+        out = [await first, *(await drain(gen))]
+        assert out[-1].finish_reason is FinishReason.ABORT
+        assert sum(len(d.token_ids) for d in out) < 200
+        await idle(actor)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_abort_of_a_queued_and_of_a_running_request():
+    async def scenario():
+        pipe, actor, worker = make(max_num_seqs=1)
+        long = pipe.generate(prepared(pipe, "long", 400))
+        assert (await long.__anext__()).token_ids == (TOKEN,)  # running
+        queued = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "race-1", 8))))
+        while "race-1" not in actor._scheduler.requests:
+            await asyncio.sleep(0.001)
+        assert await pipe.abort("race-1") is True  # queued behind "long"
+        out = await queued
+        assert [(d.finish_reason, d.token_ids) for d in out] == [(FinishReason.ABORT, ())]
+        assert await pipe.abort("long") is True  # running
+        rest = await drain(long)
+        assert rest[-1].finish_reason is FinishReason.ABORT
+        assert "race-1/0" not in worker.admitted
+        await idle(actor)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_client_cancel_in_transit_aborts_and_frees_the_id_at_once():
+    async def scenario():
+        pipe, actor, _ = make(transit_s=0.05)
+        task = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "c", 300))))
+        await asyncio.sleep(0.01)
+        task.cancel()  # the client went away before the scheduler had the request
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert "c" not in pipe.flights
+        assert not actor._scheduler.requests  # added after the cancel, then aborted
+        out = await drain(pipe.generate(prepared(pipe, "c", 3)))  # the id is free
+        assert [d.finish_reason for d in out] == [None, None, FinishReason.LENGTH]
+        await idle(actor)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_request_id_reused_right_after_each_cancel_in_a_tight_loop():
+    async def scenario():
+        pipe, actor, _ = make()
+        for _ in range(50):
+            gen = pipe.generate(prepared(pipe, "reuse", 300))
+            assert (await gen.__anext__()).token_ids == (TOKEN,)
+            await gen.aclose()  # cancel; the next request reuses the id at once
+        out = await drain(pipe.generate(prepared(pipe, "reuse", 2)))
+        assert out[-1].finish_reason is FinishReason.LENGTH
+        await idle(actor)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_an_id_in_flight_is_refused_after_the_reuse_wait():
+    async def scenario():
+        pipe, actor, _ = make(id_reuse_wait_s=0.1)
+        gen = pipe.generate(prepared(pipe, "dup", 400))
+        await gen.__anext__()
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(DuplicateRequest):
+            await pipe.admit("dup")
+        assert asyncio.get_running_loop().time() - t0 >= 0.1
+        await gen.aclose()
+        await idle(actor)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_a_consumer_that_stops_reading_is_aborted_past_the_bound():
+    async def scenario():
+        pipe, actor, worker = make(max_buffered_outputs=8)
+        gen = pipe.generate(prepared(pipe, "slow", 300))
+        assert (await gen.__anext__()).token_ids == (TOKEN,)
+        await idle(actor)  # the consumer stalls; the request is aborted meanwhile
+        assert len(worker.admitted) == 1
+        with pytest.raises(ClientTooSlow, match="not reading"):
+            await gen.__anext__()
+        assert "slow" not in pipe.flights
+        assert ClientTooSlow.status == "RESOURCE_EXHAUSTED"
+        # A consumer that keeps up is never cut off.
+        out = await drain(pipe.generate(prepared(pipe, "fast", 100)))
+        assert len(out) == 100 and out[-1].finish_reason is FinishReason.LENGTH
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_scheduler_down_or_silent_is_unavailable_at_once():
+    async def scenario():
+        pipe, actor, _ = make(scheduler_timeout_s=0.2)
+        pipe.flights.scheduler_up = False
+        with pytest.raises(ClusterUnavailable, match="scheduler"):
+            await pipe.admit("x")
+        pipe.flights.scheduler_up = True
+        pipe.scheduler.transit_s = 60  # the call never arrives
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(ClusterUnavailable, match="did not accept"):
+            await drain(pipe.generate(prepared(pipe, "x", 4)))
+        assert asyncio.get_running_loop().time() - t0 < 1.0
+        assert "x" not in pipe.flights
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_actor_death_mid_stream_is_unavailable():
+    async def scenario():
+        pipe, actor, _ = make()
+
+        class Dying(RefStream):
+            count = 0
+
+            async def __anext__(self):
+                Dying.count += 1
+                if Dying.count > 3:
+                    raise ray.exceptions.RayActorError()
+                return await super().__anext__()
+
+        pipe.scheduler.generate = Remote(lambda *a: Dying(actor.generate(*a), 0.0))
+        got = []
+        with pytest.raises(ClusterUnavailable, match="scheduler unavailable"):
+            async for d in pipe.generate(prepared(pipe, "d", 50)):
+                got.append(d)
+        assert len(got) == 2
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_drain_refuses_new_requests_and_waits_for_those_in_flight():
+    async def scenario():
+        pipe, actor, _ = make()
+        short = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "a", 20))))
+        long = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "c", 450))))
+        await asyncio.sleep(0.01)
+        pipe.flights.begin_drain()
+        assert not pipe.flights.serving
+        with pytest.raises(ClusterUnavailable, match="shutting down"):
+            await pipe.admit("b")
+        assert await pipe.flights.wait_idle(0.05) is False
+        out = await short  # in flight when the drain began: runs to the end
+        assert len(out) == 20 and out[-1].finish_reason is FinishReason.LENGTH
+        assert await pipe.abort_all() == 1  # past the drain timeout
+        assert (await long)[-1].finish_reason is FinishReason.ABORT
+        assert await pipe.flights.wait_idle(1) is True
+        await idle(actor)
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_scheduler_death_fails_every_request_in_flight_at_once():
+    """What the frontend's scheduler watch does when the actor's process exits."""
+
+    async def scenario():
+        pipe, actor, _ = make(transit_s=0.5)
+        running = pipe.generate(prepared(pipe, "r", 400))
+        pipe.scheduler.transit_s = 0.0
+        in_transit = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "t", 400))))
+        assert (await running.__anext__()).token_ids == (TOKEN,)
+        pipe.scheduler.transit_s = 60.0
+        late = asyncio.ensure_future(drain(pipe.generate(prepared(pipe, "l", 4))))
+        await asyncio.sleep(0.05)
+        t0 = asyncio.get_running_loop().time()
+        pipe.flights.scheduler_up = False
+        pipe.flights.fail_all(ClusterUnavailable("scheduler unavailable: the scheduler actor died"))
+        with pytest.raises(ClusterUnavailable, match="died"):
+            await drain(running)
+        with pytest.raises(ClusterUnavailable, match="died"):
+            await late  # still waiting for the scheduler to accept it
+        assert asyncio.get_running_loop().time() - t0 < 0.5
+        with pytest.raises(ClusterUnavailable, match="died"):
+            await in_transit
+        with pytest.raises(ClusterUnavailable, match="restarting"):
+            await pipe.admit("new")
+        assert len(pipe.flights) == 0
+        await actor.shutdown()
+
+    run(scenario())
