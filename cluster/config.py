@@ -62,6 +62,9 @@ class ClusterConfig:
             of an existing cluster to join (``"auto"`` or ``host:port``).
         num_workers: worker actors (one per GPU; CPU workers when none).
         cpus_per_worker: Ray CPUs reserved by each CPU worker (and its torch threads).
+        swap_space: bytes of CPU memory of the host block store that swap preemption
+            uses (``scheduler.preemption_mode`` swap or auto); 0 starts no store and
+            preempts by recompute only.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -73,8 +76,11 @@ class ClusterConfig:
     cpus_per_worker: int = 1
     device: str = "auto"
     attention_backend: str = "auto"
+    swap_space: int = 0
 
     def __post_init__(self) -> None:
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.cpus_per_worker < 0:

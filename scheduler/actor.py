@@ -24,6 +24,7 @@ from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
+from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class SchedulerActor:
         workers: Ray actor handles of the workers, index = worker id.
         specs: the KV pool of each worker (from the workers' ``get_info``).
         probe_interval_s: how often idle workers are pinged (seconds).
+        swap: the host block store for swap preemption (None: recompute only).
     """
 
     def __init__(
@@ -44,9 +46,10 @@ class SchedulerActor:
         workers: list[Any],
         specs: list[WorkerSpec],
         probe_interval_s: float = 2.0,
+        swap: SwapSpec | None = None,
     ) -> None:
         self._probe_interval_s = probe_interval_s
-        self._scheduler = Scheduler(config, specs)
+        self._scheduler = Scheduler(config, specs, swap)
         self._workers = workers
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
         self._wakeups: dict[int, asyncio.Event] = {}
