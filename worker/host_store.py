@@ -297,9 +297,15 @@ class HostBlockStoreServicer(pb_grpc.HostBlockStoreServicer):
 
 
 def serve_host_store(
-    capacity_bytes: int, host: str = "127.0.0.1", port: int = 0, max_workers: int = 8
+    capacity_bytes: int,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_workers: int = 8,
+    store: HostBlockStore | None = None,
 ) -> tuple[grpc.Server, int, HostBlockStore]:
     """Start a store's gRPC server (threads) on ``host:port``; 0 picks a free port.
+
+    ``store`` serves an existing store object instead of a new one of ``capacity_bytes``.
 
     Returns:
         ``(server, port, store)``; stop with ``server.stop(grace)``.
@@ -308,7 +314,8 @@ def serve_host_store(
         ValueError: bad capacity.
         RuntimeError: the port cannot be bound.
     """
-    store = HostBlockStore(capacity_bytes)
+    if store is None:
+        store = HostBlockStore(capacity_bytes)
     opts = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
