@@ -26,6 +26,7 @@ Writes ``benchmarks/results/preemption.json`` and ``preemption.png``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -143,7 +144,7 @@ def measure_model(name: str, model_dir: str, lengths: list[int], address: str, r
 def crossover(rows: list[dict]) -> float | None:
     """The context length where swap and recompute cost the same (log-log interpolation
     between the two measured lengths around the first sign change), or None."""
-    for a, b in zip(rows, rows[1:]):
+    for a, b in itertools.pairwise(rows):
         da = math.log(a["swap_s"]) - math.log(a["recompute_s"])
         db = math.log(b["swap_s"]) - math.log(b["recompute_s"])
         if da == 0:
