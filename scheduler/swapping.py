@@ -119,7 +119,9 @@ class SwapMixin(ForkingMixin):
             s.seq_id: kv.get_block_ids(s.seq_id) if kv.has_seq(s.seq_id) else [] for s in group
         }
         unique = list(dict.fromkeys(b for t in tables.values() for b in t))
-        if not unique:
+        if not unique or len(unique) + len(group) > ws.spec.num_blocks:
+            # NOTE: a group resumes whole; one that may not fit even an empty pool (forked
+            # choices that grew apart) is recomputed one sequence at a time instead.
             return False
         if self._cost is None or self._swap_spec is None:
             return False
@@ -200,6 +202,9 @@ class SwapMixin(ForkingMixin):
             need_blocks += _cdiv(max(tokens, m.num_computed_tokens + n), bs) - shared
             forks.append((m, parent, shared))
             restored.append((m.seq_id, table, tokens))
+        if need_blocks > ws.spec.num_blocks:
+            self._dissolve(g)  # can never fit here (a smaller pool than it left): recompute
+            return None
         if need_blocks > ws.kv.num_free_blocks:
             return None
         dev: list[int] = []
@@ -293,7 +298,7 @@ class SwapMixin(ForkingMixin):
                 del self._groups[sid]
                 if seq is not None:
                     seq.num_computed_tokens = 0  # recompute
-            self._host_free_queue.extend(f.host_ids)
+            self._host_free_queue.extend(f.host_ids)  # every id of the transfer
             self._wake_others = True
             return
         # swap-in: the worker freed the host blocks (or the store is gone)
@@ -315,6 +320,17 @@ class SwapMixin(ForkingMixin):
             seq.num_computed_tokens = 0
             self._enqueue(ws, seq, front=True)
         self._wake_others = True
+
+    def _dissolve(self, g: SwapGroup) -> None:
+        """Give up a stored group: its members wait for recompute, its host blocks go."""
+        for sid in list(g.host_tables):
+            seq = self.sequences.get(sid)
+            del self._groups[sid]
+            if seq is not None:
+                seq.num_computed_tokens = 0
+        self._host_free_queue.extend(sorted(g.host_ids()))
+        g.host_tables.clear()
+        g.num_tokens.clear()
 
     def _swap_step_failed(self, worker_id: int) -> None:
         """The worker's step raised or the worker died: its transfers count as failed."""
