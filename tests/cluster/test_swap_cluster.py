@@ -1,7 +1,7 @@
 """Swap preemption through the real server: Ray, the host block store actor, gRPC, SmolLM2.
 
-A one-worker cluster with a 16-block pool and ``preemption_mode="swap"`` (1 GiB of swap
-space) serves 6 concurrent greedy requests: their outputs equal the same requests served
+A one-worker cluster with an 8-block pool and ``preemption_mode="swap"`` (1 GiB of swap
+space) serves 4 concurrent greedy requests: their outputs equal the same requests served
 one at a time (no preemption), GetStats shows swapped bytes, and every device and host
 block is free afterwards. Then the store actor is killed: the same requests recover by
 recompute and the server keeps serving.
@@ -33,11 +33,9 @@ QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",
     "Why is the sky blue?",
-    "Write a haiku about the sea.",
-    "What is 12 times 12?",
     "Who wrote Hamlet?",
 ]
-KW = dict(max_tokens=40, temperature=0.0, ignore_eos=True)
+KW = dict(max_tokens=32, temperature=0.0, ignore_eos=True)
 
 
 class LoopThread:
@@ -62,7 +60,7 @@ def swap_cluster(served_model_dir: str):
         os.environ.setdefault(k, v)
     config = ClusterConfig(
         model=ModelConfig(model=served_model_dir, max_model_len=512),
-        cache=CacheConfig(block_size=16, num_blocks=16),
+        cache=CacheConfig(block_size=16, num_blocks=8),
         scheduler=SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=512),
         server=ServerConfig(host="127.0.0.1", port=0),
         num_workers=1,

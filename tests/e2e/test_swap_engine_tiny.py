@@ -311,3 +311,43 @@ def test_corrupted_blocks_fail_the_checksum_and_recompute(tiny_llama_dir: Path, 
     sw = sched.swap_stats()
     assert sw.num_swap_failures > 0 and sw.num_swap_ins == 0
     assert_all_free(sched, bad)
+
+
+def test_beam_requests_swap_as_groups_and_equal_hf(tiny_llama_dir: Path, store) -> None:
+    """Four beam searches (K=3) on a pool that holds one or two at a time: beams of the
+    younger ones are swapped out together and resume together; all equal HF's beams."""
+    from helpers import assert_same_beams, hf_beams
+    from transformers import AutoModelForCausalLM
+
+    address, st = store
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="eager").eval()
+    k, max_new = 3, 10
+    sampling = SamplingParams(max_tokens=max_new, beam_width=k, n=k, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[5]]
+    refs = [hf_beams(hf, p, k, k, max_new, 1.0, None) for p in prompts]
+    workers = make_workers(tiny_llama_dir, 1, 21, address)  # K x 7 blocks: one request fits
+    sched = make_scheduler(workers, "swap", 64, budget=64)
+    beam_groups: list[int] = []
+
+    def record(s: Scheduler, wid: int, so) -> None:
+        beam_groups.extend(len(t.seq_ids) for t in so.blocks_to_swap_out)
+
+    finals: dict[str, list] = {}
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, sampling, (2,))
+    for _ in range(3000):
+        if not sched.has_work(0):
+            break
+        so = sched.schedule(0)
+        if so.is_empty:
+            continue
+        for o in sched.update(0, so, workers[0].execute_model(so)):
+            finals.setdefault(o.request_id, []).append(o)
+        sched.check_integrity()
+        record(sched, 0, so)
+    assert not sched.has_work(0)
+    for i, ref in enumerate(refs):
+        assert_same_beams(sorted(finals[f"r{i}"], key=lambda o: o.choice_index), ref)
+    assert sched.num_preemptions > 0
+    assert beam_groups and max(beam_groups) > 1  # beams left together
+    assert_all_free(sched, st)
