@@ -159,3 +159,19 @@ def test_unreachable_store_raises_swap_error() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostBlockStore(0)
+
+
+def test_serve_flags_and_host_store_command_parse() -> None:
+    from pagedserve.cluster.cli import build_parser, serve_config
+
+    parser = build_parser()
+    cfg = serve_config(
+        parser.parse_args(["serve", "--preemption-mode", "swap", "--swap-space", "1"])
+    )
+    assert (cfg.scheduler.preemption_mode, cfg.swap_space) == ("swap", 1 << 30)
+    cfg = serve_config(parser.parse_args(["serve"]))
+    assert (cfg.scheduler.preemption_mode, cfg.swap_space) == ("auto", 4 << 30)
+    args = parser.parse_args(["host-store", "--port", "0", "--swap-space", "0.5"])
+    assert (args.command, args.port, args.swap_space) == ("host-store", 0, 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--preemption-mode", "sometimes"])
