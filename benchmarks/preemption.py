@@ -223,6 +223,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
     ap.add_argument("--models", default="smollm2,llama7b-2l")
+    ap.add_argument(
+        "--synthetic-lengths", default=None, help="lengths for llama7b-2l (default: --lengths)"
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bandwidth-mib", type=int, default=64)
     args = ap.parse_args()
@@ -235,11 +238,14 @@ def main() -> None:
         block_bytes = {}
         with tempfile.TemporaryDirectory() as tmp:
             for model in args.models.split(","):
+                mine = lengths
                 if model == "smollm2":
                     folder = str(resolve_model("default", progress=False))
                 else:
-                    folder = str(synthetic_llama(Path(tmp) / model, max(lengths)))
-                r, bb = measure_model(model, folder, lengths, address, args.repeats)
+                    if args.synthetic_lengths:
+                        mine = [int(x) for x in args.synthetic_lengths.split(",")]
+                    folder = str(synthetic_llama(Path(tmp) / model, max(mine)))
+                r, bb = measure_model(model, folder, mine, address, args.repeats)
                 rows += r
                 block_bytes[model] = bb
     finally:
