@@ -197,6 +197,7 @@ def plot(rows: list[dict], crossings: dict[str, float | None], path: Path) -> No
 
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {"smollm2": "tab:blue", "llama7b-2l": "tab:red"}
+    notes = []
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
         xs = [r["context_len"] for r in mine]
@@ -204,7 +205,10 @@ def plot(rows: list[dict], crossings: dict[str, float | None], path: Path) -> No
         ax.plot(xs, [r["swap_s"] for r in mine], "o-", color=c, label=f"{model}: swap out + in")
         ax.plot(xs, [r["recompute_s"] for r in mine], "s--", color=c, label=f"{model}: recompute")
         x = crossings.get(model)
-        if x is not None:
+        if x is None:
+            cheaper = "swap" if mine[0]["swap_s"] < mine[0]["recompute_s"] else "recompute"
+            notes.append(f"{model}: no crossover in range ({cheaper} cheaper throughout)")
+        else:
             ax.axvline(x, color=c, alpha=0.4, linestyle=":")
             ax.annotate(f"crossover ~{x:.0f}", (x, ax.get_ylim()[0]), color=c, rotation=90,
                         va="bottom", ha="right")  # fmt: skip
@@ -215,6 +219,9 @@ def plot(rows: list[dict], crossings: dict[str, float | None], path: Path) -> No
     ax.set_title("Preemption cost: swap to host over gRPC vs recompute (CPU)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    if notes:
+        ax.text(0.99, 0.02, "\n".join(notes), transform=ax.transAxes, ha="right", va="bottom",
+                fontsize=8)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -228,7 +235,12 @@ def main() -> None:
     )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--bandwidth-mib", type=int, default=64)
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from the JSON")
     args = ap.parse_args()
+    if args.replot:
+        saved = json.loads((RESULTS / "preemption.json").read_text())
+        plot(saved["rows"], saved["crossover_context_len"], RESULTS / "preemption.png")
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     RESULTS.mkdir(exist_ok=True)
     proc, address = start_store(swap_gib=4.0)
