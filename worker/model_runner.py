@@ -301,7 +301,7 @@ class ModelRunner:
         self.seqs.pop(probe, None)
         return elapsed / n
 
-    def measure_swap_bandwidth(self, num_bytes: int = 16 << 20) -> float:
+    def measure_swap_bandwidth(self, num_bytes: int = 8 << 20) -> float:
         """Bytes per second of one swap-out + swap-in through the host store (the mean of
         the two directions), with about ``num_bytes`` of real pool blocks; host blocks
         ``0..`` are written and freed (call before the scheduler swaps anything).

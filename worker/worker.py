@@ -39,7 +39,7 @@ class Worker:
         """Swap to and from the host block store at ``address`` (``host:port``)."""
         self.runner.connect_host_store(address)
 
-    def measure_swap_costs(self, prefill_tokens: int = 256) -> tuple[float, float]:
+    def measure_swap_costs(self, prefill_tokens: int = 128) -> tuple[float, float]:
         """``(swap bandwidth in bytes/s, prefill seconds per token)`` measured on this
         worker's model and hardware (before serving; see
         :meth:`ModelRunner.measure_swap_bandwidth` and
