@@ -26,6 +26,7 @@ from pagedserve.cluster.config import (
 )
 from pagedserve.scheduler.config import (
     ADMISSION_RESERVES,
+    PREEMPTION_MODES,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
 )
@@ -121,6 +122,19 @@ def _add_serve(sub: Any) -> None:
         default=3,
         help="Ray restarts of a dead scheduler actor (it restarts empty); -1 = always",
     )
+    p.add_argument(
+        "--preemption-mode",
+        choices=list(PREEMPTION_MODES),
+        default="auto",
+        help="free a victim's blocks and recompute it, swap them to the host block store, "
+        "or per victim whichever is estimated cheaper",
+    )
+    p.add_argument(
+        "--swap-space",
+        type=float,
+        default=4.0,
+        help="GiB of CPU memory in the host block store (0 = no store: recompute only)",
+    )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument("--cpus-per-worker", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -194,6 +208,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             routing_load_threshold=args.routing_load_threshold,
             scheduling_policy=args.scheduling_policy,
             admission_reserve=args.reserve,
+            preemption_mode=args.preemption_mode,
         ),
         server=ServerConfig(
             host=args.host,
@@ -210,6 +225,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         attention_backend=args.attention_backend,
         worker_max_restarts=args.worker_max_restarts,
         scheduler_max_restarts=args.scheduler_max_restarts,
+        swap_space=int(args.swap_space * (1 << 30)),
     )
     return config
 
@@ -277,6 +293,14 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}"
     )
+    sw = st["swap"]
+    console.print(
+        f"preemption {sw['preemption_mode']}  by mode {sw['preemptions_by_mode']}  swapped "
+        f"{sw['num_requests_swapped']}  host blocks {sw['host_blocks_free']} free of "
+        f"{sw['host_blocks_total']}  swap-out {sw['num_swap_outs']} "
+        f"({sw['swap_out_bytes']} B)  swap-in {sw['num_swap_ins']} ({sw['swap_in_bytes']} B)  "
+        f"failed {sw['num_swap_failures']}"
+    )
     table = Table(
         "worker",
         "num_blocks",
@@ -311,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_generate(sub)
     _add_stats(sub)
+    from pagedserve.cluster import host_store
+
+    host_store.add_parser(sub)
     try:
         from pagedserve.sim import cli as simulate_cmd
     except ImportError:  # pragma: no cover - present in every install
@@ -324,7 +351,14 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pagedserve`` console script."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    handlers = {"serve": _serve, "generate": _generate, "stats": _stats}
+    from pagedserve.cluster import host_store
+
+    handlers = {
+        "serve": _serve,
+        "generate": _generate,
+        "stats": _stats,
+        "host-store": host_store.run,
+    }
     try:
         if args.command in handlers:
             return handlers[args.command](args)

@@ -295,6 +295,18 @@ class Client:
             "num_requests_running": r.num_requests_running,
             "num_requests_waiting": r.num_requests_waiting,
             "num_preemptions": r.num_preemptions,
+            "swap": {
+                "preemption_mode": r.swap.preemption_mode,
+                "num_requests_swapped": r.swap.num_requests_swapped,
+                "host_blocks_total": r.swap.host_blocks_total,
+                "host_blocks_free": r.swap.host_blocks_free,
+                "swap_out_bytes": r.swap.swap_out_bytes,
+                "swap_in_bytes": r.swap.swap_in_bytes,
+                "num_swap_outs": r.swap.num_swap_outs,
+                "num_swap_ins": r.swap.num_swap_ins,
+                "num_swap_failures": r.swap.num_swap_failures,
+                "preemptions_by_mode": dict(r.swap.preemptions_by_mode),
+            },
             "workers": [
                 {
                     "worker_id": w.worker_id,

@@ -76,6 +76,9 @@ class ClusterConfig:
             ``max_restarts``); a restarted worker rejoins with an empty pool.
         scheduler_max_restarts: the same for the scheduler actor; a restarted scheduler
             starts empty (requests in flight at its death fail with UNAVAILABLE).
+        swap_space: bytes of CPU memory of the host block store that swap preemption
+            uses (``scheduler.preemption_mode`` swap or auto); 0 starts no store and
+            preempts by recompute only.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -89,10 +92,13 @@ class ClusterConfig:
     attention_backend: str = "auto"
     worker_max_restarts: int = 3
     scheduler_max_restarts: int = 3
+    swap_space: int = 0
 
     def __post_init__(self) -> None:
         if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:
             raise ValueError("worker_max_restarts / scheduler_max_restarts must be >= -1")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.cpus_per_worker < 0:

@@ -220,6 +220,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             model=self._info.name,
             max_model_len=self._info.max_model_len,
         )
+        sw = st.swap
+        resp.swap.CopyFrom(
+            pb.SwapStats(
+                preemption_mode=sw.preemption_mode,
+                num_requests_swapped=sw.num_requests_swapped,
+                host_blocks_total=sw.host_blocks_total,
+                host_blocks_free=sw.host_blocks_free,
+                swap_out_bytes=sw.swap_out_bytes,
+                swap_in_bytes=sw.swap_in_bytes,
+                num_swap_outs=sw.num_swap_outs,
+                num_swap_ins=sw.num_swap_ins,
+                num_swap_failures=sw.num_swap_failures,
+                preemptions_by_mode=sw.preemptions_by_mode,
+            )
+        )
         for w in st.workers:
             resp.workers.add(
                 worker_id=w.worker_id,

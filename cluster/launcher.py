@@ -22,6 +22,7 @@ from pagedserve.cluster.metrics import MetricsExporter
 from pagedserve.cluster.openai_api import OpenAIServer
 from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
 from pagedserve.scheduler.scheduler import WorkerSpec
+from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class ClusterHandle:
     pipeline: RequestPipeline | None = None
     servicer: GenerationServicer | None = None
     watch_task: asyncio.Task[None] | None = None
+    host_store: Any = None
 
     @property
     def address(self) -> str:
@@ -127,6 +129,8 @@ class ClusterHandle:
             log.debug("scheduler shutdown failed", exc_info=True)
         for actor in [self.scheduler, *self.workers]:
             ray.kill(actor)
+        if self.host_store is not None:
+            ray.kill(self.host_store)
         if self.owns_ray:
             ray.shutdown()
 
@@ -189,10 +193,11 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         max_model_len = min(i.max_model_len for i in infos)
         specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        host_store, swap = await start_host_store(config, workers, infos[0].block_bytes)
         scheduler = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
-            .remote(sched_cfg, workers, specs)
+            .remote(sched_cfg, workers, specs, swap=swap)
         )
         await scheduler.ready.remote()
         info = ModelInfo(
@@ -235,7 +240,52 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         pipeline,
         servicer,
         watch_task,
+        host_store,
     )
+
+
+async def start_host_store(
+    config: ClusterConfig, workers: list[Any], block_bytes: int
+) -> tuple[Any, SwapSpec | None]:
+    """Start the host block store actor on this node, connect the workers to it and
+    measure swap bandwidth and prefill cost on worker 0 (the cost model's start).
+
+    Returns ``(actor, SwapSpec)``, or ``(None, None)`` when swapping is off
+    (``preemption_mode`` recompute or ``swap_space`` 0).
+
+    Raises:
+        ValueError: ``swap_space`` holds no KV block.
+    """
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from pagedserve.cluster.host_store import HostStoreActor
+
+    if config.scheduler.preemption_mode == "recompute" or config.swap_space == 0:
+        return None, None
+    num_host_blocks = config.swap_space // block_bytes
+    if num_host_blocks < 1:
+        raise ValueError(
+            f"swap space of {config.swap_space} bytes holds no KV block ({block_bytes} bytes)"
+        )
+    # NOTE: one store, on the driver's node: workers on this node reach it on loopback.
+    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    store = (
+        ray.remote(HostStoreActor)
+        .options(num_cpus=0, max_concurrency=4, scheduling_strategy=node)
+        .remote(config.swap_space)
+    )
+    address = await store.address.remote()
+    await asyncio.gather(*(w.connect_host_store.remote(address) for w in workers))
+    bandwidth, prefill = await workers[0].measure_swap_costs.remote()
+    log.info(
+        "host block store %s: %d blocks; swap %.1f MB/s, prefill %.2f ms/token",
+        address,
+        num_host_blocks,
+        bandwidth / 1e6,
+        prefill * 1e3,
+    )
+    return store, SwapSpec(num_host_blocks, block_bytes, bandwidth, prefill, address)
 
 
 def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:

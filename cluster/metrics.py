@@ -112,6 +112,22 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
         [model_name], snap.num_requests_swapped
     )
 
+    sw = st.swap
+    gauge(
+        "host_kv_cache_usage_perc",
+        "Host block store usage: host blocks held / total, 0..1 (0 without a store).",
+    ).add_metric(
+        [model_name],
+        1 - sw.host_blocks_free / sw.host_blocks_total if sw.host_blocks_total else 0.0,
+    )
+    swap_bytes = counter(
+        "swap_bytes", "KV bytes moved by finished swap transfers, by direction.", [*m, "direction"]
+    )
+    swap_bytes.add_metric([model_name, "out"], sw.swap_out_bytes)
+    swap_bytes.add_metric([model_name, "in"], sw.swap_in_bytes)
+    counter(
+        "swap_failures", "Swap transfers that failed (their sequences were recomputed)."
+    ).add_metric([model_name], sw.num_swap_failures)
     pre = counter("num_preemptions", "Preemptions by mode.", [*m, "mode"])
     for mode, n in sorted(snap.num_preemptions.items()):
         pre.add_metric([model_name, mode], n)

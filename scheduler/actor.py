@@ -25,6 +25,7 @@ from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
+from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class SchedulerActor:
         workers: Ray actor handles of the workers, index = worker id.
         specs: the KV pool of each worker (from the workers' ``get_info``).
         probe_interval_s: how often idle workers are pinged (seconds).
+        swap: the host block store for swap preemption (None: recompute only).
     """
 
     def __init__(
@@ -45,9 +47,11 @@ class SchedulerActor:
         workers: list[Any],
         specs: list[WorkerSpec],
         probe_interval_s: float = 2.0,
+        swap: SwapSpec | None = None,
     ) -> None:
         self._probe_interval_s = probe_interval_s
-        self._scheduler = Scheduler(config, specs)
+        self._scheduler = Scheduler(config, specs, swap)
+        self._swap = swap
         self._workers = workers
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
         self._wakeups: dict[int, asyncio.Event] = {}
@@ -277,6 +281,11 @@ class SchedulerActor:
         try:
             await asyncio.wait_for(worker.ping.remote(), timeout_s)
             await asyncio.wait_for(worker.reset.remote(), timeout_s)
+            if self._swap is not None and self._swap.host_store_address is not None:
+                # A restarted actor is a new process: connect it to the host store again.
+                await asyncio.wait_for(
+                    worker.connect_host_store.remote(self._swap.host_store_address), timeout_s
+                )
         except (TimeoutError, ray.exceptions.RayActorError):
             return  # still dead (or restarting)
         if self._scheduler.workers[worker_id].alive:

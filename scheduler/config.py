@@ -11,6 +11,7 @@ from dataclasses import dataclass
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_RESERVES = ("none", "max_tokens", "max_model_len")
+PREEMPTION_MODES = ("recompute", "swap", "auto")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,11 @@ class SchedulerConfig:
             pool can hold its whole reservation, as pre-paging servers did:
             ``"max_tokens"`` reserves prompt + max_tokens, ``"max_model_len"`` reserves
             max_model_len (both capped at the pool size).
+        preemption_mode: how a running sequence gives its blocks back: ``"recompute"``
+            (free them; prefill again later), ``"swap"`` (copy them to the host block
+            store and back; recompute when the store is full or unreachable) or
+            ``"auto"`` (per victim, whichever the cost model estimates cheaper; see
+            :mod:`pagedserve.scheduler.swap`). Swap needs a host store (``SwapSpec``).
     """
 
     max_num_seqs: int = 64
@@ -50,6 +56,7 @@ class SchedulerConfig:
     routing_load_threshold: int = 8
     scheduling_policy: str = "fcfs"
     admission_reserve: str = "none"
+    preemption_mode: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -75,4 +82,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"admission_reserve must be one of {ADMISSION_RESERVES}, "
                 f"got {self.admission_reserve!r}"
+            )
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
             )

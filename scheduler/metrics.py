@@ -51,7 +51,7 @@ REQUEST_LATENCY_BUCKETS_S = (
 )  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-PREEMPTION_MODES = ("recompute",)  # "swap" arrives with swap-based preemption
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
@@ -132,8 +132,8 @@ class MetricsSnapshot:
 
     Attributes:
         stats: queue lengths and per-worker block pools (gauges).
-        num_requests_swapped: sequences swapped out to host memory (0: no swap yet).
-        preemption_mode: how this scheduler preempts ("recompute").
+        num_requests_swapped: sequences whose KV is in the host block store.
+        preemption_mode: how this scheduler preempts ("recompute", "swap" or "auto").
         enable_prefix_caching: whether full blocks are shared by hash.
         prompt_tokens: prompt tokens of sequences that produced a first token (each counted
             once, cached ones included; vLLM's ``prompt_tokens``).
@@ -261,7 +261,7 @@ class SchedulerMetrics:
         """Freeze the counters and histograms together with the scheduler's gauges."""
         return MetricsSnapshot(
             stats=stats,
-            num_requests_swapped=0,
+            num_requests_swapped=stats.swap.num_requests_swapped,
             preemption_mode=preemption_mode,
             enable_prefix_caching=enable_prefix_caching,
             prompt_tokens=self.prompt_tokens,

@@ -84,6 +84,47 @@ class CachedSequenceData:
 
 
 @dataclass(frozen=True)
+class SwapTransfer:
+    """Blocks to move between the worker's KV pool and the host block store.
+
+    Attributes:
+        transfer_id: unique id of the transfer (its result is keyed by it).
+        block_ids: physical blocks of this worker's pool: the gather source of a
+            swap-out, the scatter destination of a swap-in.
+        host_block_ids: the host block of each entry of ``block_ids`` (same length).
+            Distinct for a swap-out; a swap-in may name one host block for several
+            device blocks (a partial block two sequences shared is restored as one copy
+            each).
+        seq_ids: the sequences whose KV this is. A failed swap-in drops them from the
+            step (the scheduler recomputes them).
+        host_blocks_to_free: after a successful swap-in, host blocks to free on the store.
+    """
+
+    transfer_id: str
+    block_ids: list[int]
+    host_block_ids: list[int]
+    seq_ids: list[str] = field(default_factory=list)
+    host_blocks_to_free: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """How one :class:`SwapTransfer` (or a free of host blocks) went on the worker.
+
+    Attributes:
+        ok: the blocks moved and their checksums matched.
+        num_bytes: payload bytes moved.
+        seconds: wall time of the transfer (pack/unpack included).
+        error: why it failed (empty when ``ok``).
+    """
+
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What one worker runs in one step.
 
@@ -98,6 +139,13 @@ class SchedulerOutput:
             running.
         blocks_to_copy: (src, dst) physical block pairs to copy before running
             (copy-on-write).
+        blocks_to_swap_out: transfers to the host store, run first (before any swap-in,
+            copy or model write: their blocks may be reused in this very step).
+        blocks_to_swap_in: transfers from the host store into freshly allocated blocks,
+            run after the swap-outs and before ``blocks_to_copy`` and the model.
+        host_blocks_to_free: host blocks to drop from the store (best effort; result
+            under the transfer id ``free_transfer_id``).
+        free_transfer_id: names the free of ``host_blocks_to_free`` in the results.
     """
 
     step_id: int
@@ -106,6 +154,10 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_seq_ids: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[SwapTransfer] = field(default_factory=list)
+    blocks_to_swap_in: list[SwapTransfer] = field(default_factory=list)
+    host_blocks_to_free: list[int] = field(default_factory=list)
+    free_transfer_id: str = ""
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -113,7 +165,13 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens and not self.finished_seq_ids
+        return not (
+            self.num_scheduled_tokens
+            or self.finished_seq_ids
+            or self.blocks_to_swap_out
+            or self.blocks_to_swap_in
+            or self.host_blocks_to_free
+        )
 
 
 @dataclass(frozen=True)
@@ -130,6 +188,8 @@ class RunnerOutput:
         beam_candidates: seq_id -> the ``(token_id, logprob)`` pairs (best first, fp32
             log-softmax of the raw logits) of a beam-search sequence whose tokens are all
             computed; such sequences sample nothing and appear only here.
+        swap_results: transfer_id -> outcome of each swap transfer of the step (and of
+            the free of ``host_blocks_to_free``).
     """
 
     step_id: int
@@ -137,3 +197,4 @@ class RunnerOutput:
     execute_time_s: float = 0.0
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
     beam_candidates: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    swap_results: dict[str, SwapResult] = field(default_factory=dict)

@@ -57,7 +57,7 @@ from pagedserve.scheduler.errors import (
     InvalidRequest,
     RequestRejected,
 )
-from pagedserve.scheduler.forking import BeamRequest, ForkingMixin
+from pagedserve.scheduler.forking import BeamRequest
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.metrics import MetricsSnapshot, SchedulerMetrics
 from pagedserve.scheduler.outputs import (
@@ -69,6 +69,8 @@ from pagedserve.scheduler.outputs import (
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.routing import Router
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.swap import SwapSpec
+from pagedserve.scheduler.swapping import SwapMixin
 from pagedserve.scheduler.worker_state import (
     SchedulerStats,
     WorkerSpec,
@@ -77,19 +79,26 @@ from pagedserve.scheduler.worker_state import (
 )
 
 
-class Scheduler(ForkingMixin):
+class Scheduler(SwapMixin):
     """Owns every sequence and every worker's block metadata; decides what runs each step.
 
     Args:
         config: token budget, batch limits, prefix caching and ``max_model_len`` (which
             must be set).
         workers: one spec per worker (the size of its KV pool).
+        swap: the host block store (size, measured costs) for ``preemption_mode`` swap
+            or auto; None preempts by recompute only.
 
     Raises:
         ValueError: when no workers are given or ``config.max_model_len`` is unset.
     """
 
-    def __init__(self, config: SchedulerConfig, workers: Iterable[WorkerSpec]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        workers: Iterable[WorkerSpec],
+        swap: SwapSpec | None = None,
+    ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be set for a Scheduler")
         self.config = config
@@ -110,6 +119,7 @@ class Scheduler(ForkingMixin):
         self.num_preemptions = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
         self._wake_others = False
+        self._init_swap(swap)
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -224,7 +234,7 @@ class Scheduler(ForkingMixin):
         ws = self.workers[worker_id]
         if not ws.alive:
             return False
-        if ws.running or ws.pending_finished or ws.waiting:
+        if ws.running or ws.pending_finished or ws.waiting or self._host_free_queue:
             return True
         return any(w.waiting for w in self.workers.values() if w.alive)
 
@@ -234,6 +244,7 @@ class Scheduler(ForkingMixin):
         kv = ws.kv
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
+        self._step_scheduled = num_scheduled  # swap declines victims already scheduled
         # Per-step staging (vLLM's req_to_new_blocks): seq_id -> (new_blocks_start,
         # new_block_ids) of the block-table delta allocated in this step.
         new_blocks: dict[str, tuple[int, list[int]]] = {}
@@ -266,7 +277,7 @@ class Scheduler(ForkingMixin):
                 victim = ws.running[-1]
                 self._preempt(ws, victim)
                 preempted = True
-                if victim is seq:
+                if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or its group)
                     break
             if result is None:  # the sequence preempted itself
                 break
@@ -301,6 +312,12 @@ class Scheduler(ForkingMixin):
         seats = ws.num_seats
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
+            if self._is_swapped(seq):  # resumes with its KV from the host store
+                admitted = self._admit_swapped(ws, seq, budget, seats, num_scheduled)
+                if admitted is None:
+                    break
+                budget, seats = admitted
+                continue
             width = 1 + len(seq.fork_children)
             if seats + width > max_seqs and seats > 0:
                 break  # n > max_num_seqs still runs, alone
@@ -388,6 +405,7 @@ class Scheduler(ForkingMixin):
                     )
                 )
             seq.unsent_token_ids = []  # new_seqs carry every token
+        swap_outs, swap_ins, host_free, free_tid = self._drain_swaps(ws)
         out = SchedulerOutput(
             step_id=ws.next_step_id,
             new_seqs=new_seqs,
@@ -395,6 +413,10 @@ class Scheduler(ForkingMixin):
             num_scheduled_tokens=num_scheduled,
             finished_seq_ids=ws.pending_finished,
             blocks_to_copy=blocks_to_copy,
+            blocks_to_swap_out=swap_outs,
+            blocks_to_swap_in=swap_ins,
+            host_blocks_to_free=host_free,
+            free_transfer_id=free_tid,
         )
         ws.pending_finished = []
         ws.next_step_id += 1
@@ -411,6 +433,7 @@ class Scheduler(ForkingMixin):
         ws = self.workers[worker_id]
         outputs: list[SequenceOutput] = []
         finished_requests: set[str] = set()
+        self._apply_swap_results(worker_id, sched_out, runner_out)
         self.metrics.on_step(sum(sched_out.num_scheduled_tokens.values()))
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
             seq = self.sequences.get(seq_id)
@@ -491,7 +514,10 @@ class Scheduler(ForkingMixin):
         return self.workers[seq.queued_on]
 
     def _preempt(self, ws: WorkerState, seq: Sequence) -> None:
-        """Preempt by recompute: free the blocks, drop worker state, requeue at the front."""
+        """Preempt by swap when the swap policy takes the victim (:mod:`swapping`), else
+        by recompute: free the blocks, drop worker state, requeue at the front."""
+        if self._try_swap_out(ws, seq):
+            return
         self._release(ws, seq)
         seq.status = SequenceStatus.WAITING
         seq.worker_id = None
@@ -514,6 +540,7 @@ class Scheduler(ForkingMixin):
             ws.pending_finished.append(seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self._forget_swapped(seq)
         if seq.fork_children:
             # Ends before its prompt was computed (abort): the next choice takes over as
             # the one that prefills, in this sequence's place in the queue.
@@ -586,12 +613,16 @@ class Scheduler(ForkingMixin):
             workers=workers,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
+            swap=self.swap_stats(),
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:
         """Gauges (:meth:`stats`) with the counters and histograms of
         :attr:`metrics`, for the Prometheus exporter."""
-        return self.metrics.snapshot(self.stats(), "recompute", self.config.enable_prefix_caching)
+        stats = self.stats()
+        return self.metrics.snapshot(
+            stats, stats.swap.preemption_mode, self.config.enable_prefix_caching
+        )
 
     def mark_worker_dead(self, worker_id: int) -> list[SequenceOutput]:
         """Take a dead worker out of service; nothing accepted is lost.
@@ -604,6 +635,7 @@ class Scheduler(ForkingMixin):
         """
         ws = self.workers[worker_id]
         ws.alive = False
+        self._swap_step_failed(worker_id)  # its transfers in flight: recompute
         for seq in reversed(list(ws.running)):
             self._preempt(ws, seq)
         ws.pending_finished.clear()  # nobody to tell
@@ -643,6 +675,7 @@ class Scheduler(ForkingMixin):
         deltas (reason ABORT).
         """
         outputs: list[SequenceOutput] = []
+        self._swap_step_failed(worker_id)
         for request_id in {
             self.sequences[s].request_id
             for s in sched_out.num_scheduled_tokens
@@ -662,6 +695,7 @@ class Scheduler(ForkingMixin):
         Raises:
             IntegrityError: on the first violation.
         """
+        self.check_swap_integrity()
         for wid, ws in self.workers.items():
             ws.kv.check_integrity()
             for seq in ws.waiting:

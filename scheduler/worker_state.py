@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.request import Sequence
+from pagedserve.scheduler.swap import SwapStats
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class SchedulerStats:
         workers: one :class:`WorkerStats` per worker, by worker id.
         prefix_cache_queries: prompt tokens looked up in the prefix cache.
         prefix_cache_hits: of those, tokens found cached.
+        swap: swap preemption counters and host pool occupancy.
     """
 
     num_running: int
@@ -112,6 +114,7 @@ class SchedulerStats:
     workers: tuple[WorkerStats, ...]
     prefix_cache_queries: int
     prefix_cache_hits: int
+    swap: SwapStats = field(default_factory=SwapStats)
 
 
 def worker_stats(ws: WorkerState) -> WorkerStats:

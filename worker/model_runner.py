@@ -28,11 +28,19 @@ import torch
 
 from pagedserve import kernels
 from pagedserve.scheduler.beam_search import num_beam_candidates
-from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs, SchedulerOutput
+from pagedserve.scheduler.outputs import (
+    NewSequenceData,
+    RunnerOutput,
+    SampleLogprobs,
+    SchedulerOutput,
+    SwapResult,
+)
+from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
-from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.kv_pool import KVPool, bytes_per_block
+from pagedserve.worker.kv_swap import KVSwapper
 from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.sampler import Sampler
@@ -55,6 +63,7 @@ class WorkerInfo:
         device: ``"cpu"`` or ``"cuda:N"``.
         dtype: model and KV dtype name, e.g. ``"float32"``.
         model_path: the resolved Hugging Face folder.
+        block_bytes: bytes of one KV block, all layers, K and V.
     """
 
     worker_id: int
@@ -66,6 +75,7 @@ class WorkerInfo:
     device: str
     dtype: str
     model_path: str
+    block_bytes: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,6 +127,7 @@ class ModelRunner:
         self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
+        self.swapper = KVSwapper(self.kv_pool, self.backend)
 
     def get_info(self) -> WorkerInfo:
         """Static facts about this worker (see :class:`WorkerInfo`)."""
@@ -130,6 +141,7 @@ class ModelRunner:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             model_path=str(self.model_path),
+            block_bytes=bytes_per_block(self.arch, self.kv_pool.block_size, self.dtype),
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -177,15 +189,22 @@ class ModelRunner:
         """
         start = time.perf_counter()
         self._update_states(so)
+        # NOTE: swap-outs first: their blocks may be reused by this very step (swap-in
+        # destinations, copy-on-write targets, new KV); swap-ins before the copies, which
+        # may read a block just swapped in.
+        swaps = self.swapper.run(so) if self._has_swaps(so) else {}
+        dropped = self._drop_failed_swap_ins(so, swaps)
         if so.blocks_to_copy:
             mapping = torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
             kernels.copy_blocks(
                 self.kv_pool.key_caches, self.kv_pool.value_caches, mapping, self.backend
             )
-        if not so.num_scheduled_tokens:
-            return RunnerOutput(so.step_id, {}, time.perf_counter() - start)
+        if not so.num_scheduled_tokens.keys() - dropped:
+            return RunnerOutput(so.step_id, {}, time.perf_counter() - start, swap_results=swaps)
 
-        scheduled = [(self.seqs[r], n) for r, n in so.num_scheduled_tokens.items()]
+        scheduled = [
+            (self.seqs[r], n) for r, n in so.num_scheduled_tokens.items() if r not in dropped
+        ]
         for state, n in scheduled:
             if state.num_computed_tokens + n > self.max_model_len:
                 raise ValueError(
@@ -220,7 +239,93 @@ class ModelRunner:
             if state.seq_id not in beams:  # beam search: the scheduler chooses the token
                 state.token_ids.append(token)
                 sampled[state.seq_id] = token
-        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start, logprobs, beams)
+        return RunnerOutput(
+            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps
+        )
+
+    @staticmethod
+    def _has_swaps(so: SchedulerOutput) -> bool:
+        return bool(so.blocks_to_swap_out or so.blocks_to_swap_in or so.host_blocks_to_free)
+
+    def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:
+        """Forget the sequences of failed swap-ins (the scheduler recomputes them)."""
+        dropped: set[str] = set()
+        for t in so.blocks_to_swap_in:
+            if not swaps[t.transfer_id].ok:
+                dropped.update(t.seq_ids)
+        for seq_id in dropped:
+            self.seqs.pop(seq_id, None)
+        return dropped
+
+    # ------------------------------------------------------------------ swap setup
+    def connect_host_store(self, address: str) -> None:
+        """Use the host block store at ``address`` (``host:port``) for swap transfers."""
+        from pagedserve.worker.swap_client import HostStoreClient
+
+        if self.swapper.client is not None:
+            self.swapper.client.close()
+        self.swapper.client = HostStoreClient(address)
+
+    def measure_prefill_s_per_token(self, num_tokens: int = 256) -> float:
+        """Seconds per token of one prefill of ``num_tokens`` (capped by the pool and
+        ``max_model_len``), run on scratch state before serving (blocks 0.. are
+        overwritten; call only while no sequence is resident).
+
+        Raises:
+            RuntimeError: sequences are resident.
+        """
+        if self.seqs:
+            raise RuntimeError("measure_prefill_s_per_token needs an idle worker")
+        bs = self.kv_pool.block_size
+        n = max(1, min(num_tokens, self.max_model_len - 1, self.kv_pool.num_blocks * bs))
+        probe = "__prefill_probe__"
+        tokens = [(7 * i + 3) % self.arch.vocab_size for i in range(n)]
+        new = NewSequenceData(
+            seq_id=probe,
+            token_ids=tokens,
+            num_prompt_tokens=n,
+            block_ids=list(range(-(-n // bs))),
+            num_computed_tokens=0,
+            sampling=SamplingParams(temperature=0.0, max_tokens=1),
+        )
+        self.execute_model(SchedulerOutput(0, new_seqs=[new], num_scheduled_tokens={probe: 1}))
+        t0 = time.perf_counter()
+        so = SchedulerOutput(
+            1,
+            new_seqs=[new],
+            num_scheduled_tokens={probe: n},
+            finished_seq_ids=[probe],
+        )
+        self.execute_model(so)
+        elapsed = time.perf_counter() - t0
+        self.seqs.pop(probe, None)
+        return elapsed / n
+
+    def measure_swap_bandwidth(self, num_bytes: int = 8 << 20) -> float:
+        """Bytes per second of one swap-out + swap-in through the host store (the mean of
+        the two directions), with about ``num_bytes`` of real pool blocks; host blocks
+        ``0..`` are written and freed (call before the scheduler swaps anything).
+
+        Raises:
+            SwapError: no store is connected, or it fails.
+        """
+        from pagedserve.worker.swap_client import SwapError
+
+        client = self.swapper.client
+        if client is None:
+            raise SwapError("no host block store is connected")
+        per_block = bytes_per_block(self.arch, self.kv_pool.block_size, self.dtype)
+        n = max(1, min(self.kv_pool.num_blocks, num_bytes // per_block))
+        ids = list(range(n))
+        t0 = time.perf_counter()
+        packed = self.swapper.pack(ids)
+        client.swap_out("__bandwidth_probe__", packed, ids)
+        back = self.swapper.host_buffer(n)
+        client.swap_in("__bandwidth_probe__", ids, back)
+        self.swapper.unpack(ids, back)
+        t2 = time.perf_counter()
+        client.free(ids)
+        return 2 * n * per_block / (t2 - t0)
 
     def _beam_candidates(
         self, logits: torch.Tensor, states: list[SequenceState]

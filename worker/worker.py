@@ -40,6 +40,22 @@ class Worker:
         restarted scheduler starts empty and reuses none of them."""
         self.runner.seqs.clear()
 
+    def connect_host_store(self, address: str) -> None:
+        """Swap to and from the host block store at ``address`` (``host:port``)."""
+        self.runner.connect_host_store(address)
+
+    def measure_swap_costs(self, prefill_tokens: int = 128) -> tuple[float, float]:
+        """``(swap bandwidth in bytes/s, prefill seconds per token)`` measured on this
+        worker's model and hardware (before serving; see
+        :meth:`ModelRunner.measure_swap_bandwidth` and
+        :meth:`ModelRunner.measure_prefill_s_per_token`).
+
+        Raises:
+            SwapError: the host store is not connected or fails.
+        """
+        bandwidth = self.runner.measure_swap_bandwidth()
+        return bandwidth, self.runner.measure_prefill_s_per_token(prefill_tokens)
+
     def ping(self) -> str:
         """Liveness check; returns ``"pong"``."""
         return "pong"

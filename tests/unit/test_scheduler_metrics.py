@@ -93,7 +93,7 @@ def test_exact_counts_and_timings_of_a_known_workload():
     assert snap.prompt_tokens == 8
     assert snap.generation_tokens == 6
     assert snap.request_success == {"stop": 0, "length": 2, "abort": 0}
-    assert snap.num_preemptions == {"recompute": 0}
+    assert snap.num_preemptions == {"recompute": 0, "swap": 0}
     assert snap.stats.num_running == 0 and snap.stats.num_waiting == 0
     assert snap.stats.workers[0].num_free_blocks == 16
     # Steps computed 8, then 2, 1, 1 tokens (the last sampled token is never computed).

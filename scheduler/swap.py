@@ -1,0 +1,191 @@
+"""Swap-to-host metadata and policy: host block ids, swapped groups, the cost model.
+
+Pure Python (no torch, no gRPC): the scheduler owns *which* host block holds *which*
+sequence's KV; the host block store (:mod:`pagedserve.worker.host_store`) holds the bytes,
+and the workers move them (``SchedulerOutput.blocks_to_swap_out`` / ``blocks_to_swap_in``).
+
+Cost model (``preemption_mode="auto"``): swapping a victim moves its KV bytes out and back
+in, ``2 * bytes / bandwidth`` seconds; recomputing it costs a prefill of its computed
+tokens, ``tokens * prefill_s_per_token``. Both rates are measured by a worker at startup
+(a round trip through the store, a prefill of a few hundred tokens) and refined with an
+exponential moving average from observed transfers and steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedserve.scheduler.errors import IntegrityError
+
+_EMA = 0.2  # weight of a new observation
+_MIN_STEP_TOKENS = 64  # steps this large are prefill-dominated: they refine s/token
+
+
+@dataclass(frozen=True)
+class SwapSpec:
+    """What the scheduler knows about the host block store, measured at startup.
+
+    Attributes:
+        num_host_blocks: KV blocks the store holds (``swap_space // block_bytes``).
+        block_bytes: bytes of one KV block, all layers, K and V.
+        bandwidth_bytes_per_s: measured one-way swap bandwidth through the store (> 0).
+        prefill_s_per_token: measured prefill cost, seconds per token (> 0).
+        host_store_address: ``host:port`` of the store, for reconnecting a worker that
+            Ray restarted (None: not known).
+    """
+
+    num_host_blocks: int
+    block_bytes: int
+    bandwidth_bytes_per_s: float
+    prefill_s_per_token: float
+    host_store_address: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_host_blocks < 0 or self.block_bytes < 1:
+            raise ValueError(
+                f"num_host_blocks must be >= 0 and block_bytes >= 1, got "
+                f"{self.num_host_blocks} and {self.block_bytes}"
+            )
+        if not (self.bandwidth_bytes_per_s > 0 and self.prefill_s_per_token > 0):
+            raise ValueError("bandwidth_bytes_per_s and prefill_s_per_token must be > 0")
+
+
+class CostModel:
+    """Estimated seconds of swapping vs recomputing a victim (see the module docstring)."""
+
+    def __init__(self, bandwidth_bytes_per_s: float, prefill_s_per_token: float) -> None:
+        self.bandwidth_bytes_per_s = bandwidth_bytes_per_s
+        self.prefill_s_per_token = prefill_s_per_token
+
+    def swap_s(self, num_bytes: int) -> float:
+        """Seconds to move ``num_bytes`` out and back in."""
+        return 2.0 * num_bytes / self.bandwidth_bytes_per_s
+
+    def recompute_s(self, num_tokens: int) -> float:
+        """Seconds to prefill ``num_tokens`` again."""
+        return num_tokens * self.prefill_s_per_token
+
+    def observe_transfer(self, num_bytes: int, seconds: float) -> None:
+        """Refine the bandwidth from one finished transfer."""
+        if num_bytes > 0 and seconds > 0:
+            bw = num_bytes / seconds
+            self.bandwidth_bytes_per_s += _EMA * (bw - self.bandwidth_bytes_per_s)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """Refine seconds per prefill token from a large (prefill-dominated) step."""
+        if num_tokens >= _MIN_STEP_TOKENS and seconds > 0:
+            per = seconds / num_tokens
+            self.prefill_s_per_token += _EMA * (per - self.prefill_s_per_token)
+
+
+class HostBlockPool:
+    """Free list of host block ids ``[0, num_blocks)`` (metadata only).
+
+    Raises:
+        ValueError: ``num_blocks`` < 0.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._is_free = [True] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` host block ids, or None (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        out = [self._free.popleft() for _ in range(n)]
+        for i in out:
+            self._is_free[i] = False
+        return out
+
+    def free(self, ids: list[int]) -> None:
+        """Return ids to the pool.
+
+        Raises:
+            IntegrityError: an id is out of range or already free.
+        """
+        for i in ids:
+            if not 0 <= i < self.num_blocks or self._is_free[i]:
+                raise IntegrityError(f"host block {i} freed twice or unknown")
+            self._is_free[i] = True
+            self._free.append(i)
+
+
+@dataclass
+class SwapGroup:
+    """Sequences of one request swapped out together (they may share blocks).
+
+    Attributes:
+        transfer_id: the swap-out transfer that wrote the group.
+        request_id: their request.
+        host_tables: seq_id -> host block id per logical block (shared blocks appear in
+            several tables under the same id).
+        num_tokens: seq_id -> KV slots its table covered when swapped out.
+        pending: the swap-out is in flight (the group cannot be resumed yet).
+        worker_id: the worker that swapped it out.
+    """
+
+    transfer_id: str
+    request_id: str
+    host_tables: dict[str, list[int]]
+    num_tokens: dict[str, int]
+    worker_id: int
+    pending: bool = True
+
+    def host_ids(self) -> set[int]:
+        """Every host block some member's table holds."""
+        return {h for table in self.host_tables.values() for h in table}
+
+
+@dataclass
+class InFlight:
+    """A transfer sent to a worker whose result is not back yet.
+
+    ``kind``: "out" (swap-out of ``group``), "in" (swap-in of ``group``; ``seq_ids`` are
+    its members now running) or "free" (``host_ids`` being freed on the store).
+    """
+
+    kind: str
+    transfer_id: str
+    group: SwapGroup | None
+    host_ids: list[int]
+    seq_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SwapStats:
+    """Swap counters since start (``GetStats``, ``pagedserve stats``, metrics).
+
+    Attributes:
+        preemption_mode: recompute, swap or auto.
+        num_requests_swapped: sequences whose KV is in the host store now.
+        host_blocks_total: host blocks (0 without a store).
+        host_blocks_free: host blocks no sequence holds.
+        swap_out_bytes, swap_in_bytes: payload bytes moved by finished transfers.
+        num_swap_outs, num_swap_ins: finished transfers (groups).
+        num_swap_failures: transfers that failed (their sequences were recomputed).
+        bandwidth_bytes_per_s: the cost model's current bandwidth estimate (0 without).
+        prefill_s_per_token: its current prefill estimate (0 without).
+        preemptions_by_mode: preemptions since start, "recompute" and "swap".
+    """
+
+    preemption_mode: str = "recompute"
+    num_requests_swapped: int = 0
+    host_blocks_total: int = 0
+    host_blocks_free: int = 0
+    swap_out_bytes: int = 0
+    swap_in_bytes: int = 0
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_failures: int = 0
+    bandwidth_bytes_per_s: float = 0.0
+    prefill_s_per_token: float = 0.0
+    preemptions_by_mode: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,177 @@
+"""The host block store over gRPC on loopback: bit-exact round trips, refusals, all or nothing."""
+
+from __future__ import annotations
+
+import zlib
+
+import grpc
+import pytest
+import torch
+
+from pagedserve.v1 import kv_transfer_pb2 as pb
+from pagedserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+from pagedserve.worker.host_store import HostBlockStore, serve_host_store
+from pagedserve.worker.swap_client import HostStoreClient, SwapError
+
+
+@pytest.fixture()
+def served():
+    server, port, store = serve_host_store(4 << 20)
+    yield f"127.0.0.1:{port}", store
+    server.stop(0)
+
+
+def random_blocks(n: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random bit patterns (every byte value; NaN payloads included) of the packed shape."""
+    g = torch.Generator().manual_seed(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = n * torch.Size(shape).numel()
+    raw = torch.randint(0, 256, (numel * itemsize,), generator=g, dtype=torch.uint8)
+    return raw.view(dtype).reshape(n, *shape)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "chunk"),
+    [
+        (torch.float32, (2, 2, 16, 2, 16), 1 << 20),  # one chunk
+        (torch.float16, (3, 2, 4, 1, 24), 700),  # a block per chunk (odd head dim)
+        (torch.bfloat16, (1, 2, 1, 4, 64), 1000),  # several blocks per chunk
+    ],
+)
+def test_swap_out_then_swap_in_is_bit_exact(served, dtype, shape, chunk) -> None:
+    address, store = served
+    n = 7
+    packed = random_blocks(n, shape, dtype, seed=n)
+    host_ids = [40, 3, 17, 0, 9, 11, 25]
+    with HostStoreClient(address, max_chunk_bytes=chunk) as client:
+        sent = client.swap_out("t1", packed, host_ids)
+        assert sent == packed.numel() * packed.element_size()
+        assert store.num_blocks_stored == n and store.used_bytes == sent
+        back = torch.empty_like(packed)
+        assert client.swap_in("t1", host_ids, back) == sent
+        assert torch.equal(back.view(torch.uint8), packed.view(torch.uint8))
+        # Another order, a subset: block i comes back from its own id.
+        order = [4, 0, 6]
+        part = torch.empty_like(packed[: len(order)])
+        client.swap_in("t2", [host_ids[i] for i in order], part)
+        assert torch.equal(part.view(torch.uint8), packed[order].view(torch.uint8))
+        st = client.stats()
+        assert (st.num_swap_outs, st.num_swap_ins) == (1, 2)
+        assert (
+            st.swap_out_bytes == sent
+            and st.swap_in_bytes == sent + part.numel() * part.element_size()
+        )
+        assert client.free(host_ids) == n
+        assert client.free(host_ids) == 0  # unknown ids are ignored
+    assert store.num_blocks_stored == 0 and store.used_bytes == 0
+
+
+def test_overwrite_replaces_a_block(served) -> None:
+    address, store = served
+    a = random_blocks(2, (1, 2, 2, 1, 8), torch.float32, 1)
+    b = random_blocks(2, (1, 2, 2, 1, 8), torch.float32, 2)
+    with HostStoreClient(address) as client:
+        client.swap_out("a", a, [0, 1])
+        client.swap_out("b", b, [1, 2])
+        assert store.num_blocks_stored == 3 and store.used_bytes == 3 * a[0].numel() * 4
+        out = torch.empty_like(a)
+        client.swap_in("r", [0, 1], out)
+        assert torch.equal(out[0], a[0]) and torch.equal(out[1], b[0])
+
+
+def test_full_store_refuses_and_keeps_nothing(served) -> None:
+    address, store = served  # 4 MiB
+    big = torch.zeros((5, 1, 2, 16, 8, 64), dtype=torch.float32)  # 5 x 64 KiB
+    with HostStoreClient(address) as client:
+        client.swap_out("fits", big, [0, 1, 2, 3, 4])
+        huge = torch.zeros((64, 1, 2, 16, 8, 64), dtype=torch.float32)  # 4 MiB more
+        with pytest.raises(SwapError, match="RESOURCE_EXHAUSTED"):
+            client.swap_out("too-big", huge, list(range(100, 164)))
+        assert store.num_blocks_stored == 5
+        with pytest.raises(SwapError, match="NOT_FOUND"):
+            client.swap_in("missing", [7], torch.empty_like(big[:1]))
+
+
+def _chunk(**kw) -> pb.KVChunk:
+    data = kw.pop("data", bytes(64))
+    fields = dict(
+        transfer_id="x",
+        host_block_ids=[1],
+        layer_start=0,
+        layer_end=1,
+        dtype="float32",
+        shape=[1, 1, 2, 1, 1, 8],
+        data=data,
+        checksum=zlib.crc32(data),
+    )
+    fields.update(kw)
+    return pb.KVChunk(**fields)
+
+
+@pytest.mark.parametrize(
+    ("chunk", "code"),
+    [
+        (_chunk(checksum=123), grpc.StatusCode.DATA_LOSS),
+        (_chunk(shape=[2, 1, 2, 1, 1, 8]), grpc.StatusCode.INVALID_ARGUMENT),
+        (_chunk(layer_end=3), grpc.StatusCode.INVALID_ARGUMENT),
+        (_chunk(data=bytes(60)), grpc.StatusCode.INVALID_ARGUMENT),
+        (_chunk(host_block_ids=[]), grpc.StatusCode.INVALID_ARGUMENT),
+        (_chunk(dtype=""), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+def test_bad_chunks_are_refused_with_a_status(served, chunk, code) -> None:
+    address, store = served
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.HostBlockStoreStub(ch)
+        good = _chunk(host_block_ids=[5])
+        with pytest.raises(grpc.RpcError) as err:
+            stub.SwapOut(iter([good, chunk]), timeout=10)
+        assert err.value.code() == code
+    assert store.num_blocks_stored == 0  # the good chunk before it is not kept either
+    if code == grpc.StatusCode.DATA_LOSS:
+        assert store.num_checksum_failures == 1
+
+
+def test_a_stream_broken_mid_transfer_stores_nothing(served) -> None:
+    address, store = served
+
+    def chunks():
+        yield _chunk(host_block_ids=[1])
+        raise RuntimeError("client died")
+
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.HostBlockStoreStub(ch)
+        with pytest.raises(grpc.RpcError):
+            stub.SwapOut(chunks(), timeout=10)
+    assert store.num_blocks_stored == 0 and store.used_bytes == 0
+
+
+def test_unreachable_store_raises_swap_error() -> None:
+    server, port, _ = serve_host_store(1 << 20)
+    server.stop(0).wait()
+    with (
+        HostStoreClient(f"127.0.0.1:{port}", timeout_s=5) as client,
+        pytest.raises(SwapError, match="UNAVAILABLE"),
+    ):
+        client.swap_out("t", torch.zeros((1, 1, 2, 1, 1, 8)), [0])
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        HostBlockStore(0)
+
+
+def test_serve_flags_and_host_store_command_parse() -> None:
+    from pagedserve.cluster.cli import build_parser, serve_config
+
+    parser = build_parser()
+    cfg = serve_config(
+        parser.parse_args(["serve", "--preemption-mode", "swap", "--swap-space", "1"])
+    )
+    assert (cfg.scheduler.preemption_mode, cfg.swap_space) == ("swap", 1 << 30)
+    cfg = serve_config(parser.parse_args(["serve"]))
+    assert (cfg.scheduler.preemption_mode, cfg.swap_space) == ("auto", 4 << 30)
+    args = parser.parse_args(["host-store", "--port", "0", "--swap-space", "0.5"])
+    assert (args.command, args.port, args.swap_space) == ("host-store", 0, 0.5)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--preemption-mode", "sometimes"])

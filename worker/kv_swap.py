@@ -1,0 +1,128 @@
+"""The worker's half of swap preemption: pack blocks and stream them to the host store, and
+receive them back into freshly allocated blocks.
+
+A swap-out packs the transfer's blocks of every layer into one contiguous buffer
+(:func:`pagedserve.kernels.gather_blocks`; on a GPU into a pinned host buffer, so the copy
+is one DMA) and streams it to the store (:class:`~pagedserve.worker.swap_client.HostStoreClient`);
+a swap-in receives into such a buffer and scatters it (:func:`pagedserve.kernels.scatter_blocks`).
+Failures never raise: each transfer gets a :class:`SwapResult` and the scheduler recomputes
+what did not move.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pagedserve import kernels
+from pagedserve.scheduler.outputs import SchedulerOutput, SwapResult, SwapTransfer
+from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.swap_client import HostStoreClient, SwapError
+
+log = logging.getLogger(__name__)
+
+
+class KVSwapper:
+    """Runs the swap transfers of a step on one worker's KV pool.
+
+    Args:
+        kv_pool: the worker's caches.
+        backend: the kernels backend name.
+        client: the host store's client; None until connected (every transfer then fails).
+    """
+
+    def __init__(
+        self, kv_pool: KVPool, backend: str, client: HostStoreClient | None = None
+    ) -> None:
+        self.kv_pool = kv_pool
+        self.backend = backend
+        self.client = client
+
+    def host_buffer(self, n: int) -> torch.Tensor:
+        """An uninitialised host buffer for ``n`` packed blocks (pinned on a GPU worker)."""
+        k = self.kv_pool.key_caches[0]
+        _, bs, heads, dim = k.shape
+        shape = (n, self.kv_pool.num_layers, 2, bs, heads, dim)
+        return torch.empty(shape, dtype=k.dtype, pin_memory=k.is_cuda)
+
+    def pack(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks of every layer in one host buffer ``[n, L, 2, bs, Hkv, D]``."""
+        pool = self.kv_pool
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.key_caches[0].device)
+        out = self.host_buffer(len(block_ids))
+        kernels.gather_blocks(
+            pool.key_caches, pool.value_caches, ids, out=out, backend=self.backend
+        )
+        return out
+
+    def unpack(self, block_ids: Sequence[int], packed: torch.Tensor) -> None:
+        """Write ``packed[i]`` into block ``block_ids[i]`` of every layer."""
+        pool = self.kv_pool
+        ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.key_caches[0].device)
+        kernels.scatter_blocks(pool.key_caches, pool.value_caches, ids, packed, self.backend)
+
+    def run(self, so: SchedulerOutput) -> dict[str, SwapResult]:
+        """Swap-outs, then swap-ins, then the free of ``host_blocks_to_free``."""
+        results: dict[str, SwapResult] = {}
+        for t in so.blocks_to_swap_out:
+            results[t.transfer_id] = self._timed(self._swap_out, t)
+        for t in so.blocks_to_swap_in:
+            results[t.transfer_id] = self._timed(self._swap_in, t)
+        if so.host_blocks_to_free:
+            start = time.perf_counter()
+            try:
+                self._client().free(so.host_blocks_to_free)
+                res = SwapResult(True, 0, time.perf_counter() - start)
+            except SwapError as exc:
+                res = SwapResult(False, 0, time.perf_counter() - start, str(exc))
+            results[so.free_transfer_id] = res
+        return results
+
+    def _client(self) -> HostStoreClient:
+        if self.client is None:
+            raise SwapError("no host block store is connected")
+        return self.client
+
+    def _timed(self, fn: Callable[[SwapTransfer], int], t: SwapTransfer) -> SwapResult:
+        start = time.perf_counter()
+        try:
+            nbytes = fn(t)
+        except (SwapError, ValueError, RuntimeError) as exc:
+            log.warning("swap transfer %s failed: %s", t.transfer_id, exc)
+            return SwapResult(False, 0, time.perf_counter() - start, str(exc))
+        return SwapResult(True, int(nbytes), time.perf_counter() - start)
+
+    def _swap_out(self, t: SwapTransfer) -> int:
+        client = self._client()
+        packed = self.pack(t.block_ids)
+        try:
+            return client.swap_out(t.transfer_id, packed, t.host_block_ids)
+        except SwapError:
+            # All or nothing on the store; a call that failed after the commit (deadline)
+            # could still leave the blocks there.
+            with contextlib.suppress(SwapError):
+                client.free(t.host_block_ids)
+            raise
+
+    def _swap_in(self, t: SwapTransfer) -> int:
+        client = self._client()
+        unique = list(dict.fromkeys(t.host_block_ids))
+        buf = self.host_buffer(len(unique))
+        try:
+            nbytes = client.swap_in(t.transfer_id, unique, buf)
+            if len(unique) != len(t.host_block_ids):
+                pos = {h: i for i, h in enumerate(unique)}
+                index = torch.tensor([pos[h] for h in t.host_block_ids], dtype=torch.int64)
+                buf = buf.index_select(0, index)
+            self.unpack(t.block_ids, buf)
+        finally:
+            if t.host_blocks_to_free:
+                try:
+                    client.free(t.host_blocks_to_free)
+                except SwapError:
+                    log.warning("could not free host blocks of %s", t.transfer_id)
+        return nbytes
