@@ -1,0 +1,82 @@
+"""Batch-invariant mode: a sequence's logits are bitwise the same whatever it is batched with.
+
+Why logits move with the batch: a dense matmul's library kernel (MKL / oneDNN on CPU) is
+chosen and blocked by the number of rows M, and different kernels sum the K products in
+different orders, so the same row of activations gives results that differ in the last
+bits depending on how many other tokens share the step (measured on SmolLM2: 3-6e-5 on the
+logits). Seeded sampling draws the same uniform for the same (seed, choice, position)
+(:mod:`pagedserve.worker.sampler`), but a near-tie between two tokens can still flip.
+
+The fix (the idea of vLLM's batch-invariant mode: batch-size-independent reductions): every
+matmul of the model runs on fixed-shape row tiles. :func:`invariant_linear` copies the
+rows into a zero-padded ``[ROWS, K]`` buffer and calls the library GEMM on that one shape,
+so each output row is computed by the same kernel with the same blocking and reduction
+order whatever M is; the rest of the CPU path is already per-row or per-sequence with a
+fixed order (RMSNorm, rotary, SiLU, the paged attention kernel: one task per sequence and
+KV head, keys summed in position order), and the sampler works row by row. The cost is
+the padding of the last tile and a loss of the large-M GEMM efficiency (see README,
+"Seeded sampling and batch invariance").
+
+Only the fused fp32 CPU path is covered; :func:`make_batch_invariant` refuses others.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ROWS = 16  # rows per GEMM call in batch-invariant mode
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = ROWS
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed on fixed ``[rows, K]`` tiles, so that output
+    row i depends only on ``x[i]`` (bitwise), not on how many rows ``x`` has.
+
+    Args:
+        x: ``[..., K]`` activations.
+        weight: ``[N, K]``.
+        bias: ``[N]`` or None.
+        rows: tile height (the one M the GEMM library ever sees).
+
+    Returns:
+        ``[..., N]`` in ``x``'s dtype.
+    """
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    total = flat.shape[0]
+    out = flat.new_empty(total, weight.shape[0])
+    # A fresh buffer per call: the same shape and (allocator) alignment every time.
+    tile = flat.new_zeros(rows, flat.shape[1])
+    for start in range(0, total, rows):
+        n = min(rows, total - start)
+        tile[:n].copy_(flat[start : start + n])
+        if n < rows:
+            tile[n:].zero_()
+        out[start : start + n].copy_(F.linear(tile, weight, bias)[:n])
+    return out.view(*lead, weight.shape[0])
+
+
+class InvariantLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward is :func:`invariant_linear` (same parameters)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)
+
+
+def make_batch_invariant(model: nn.Module) -> int:
+    """Switch every ``nn.Linear`` of ``model`` to :class:`InvariantLinear` in place (the
+    parameters stay) and set ``model.batch_invariant`` (the LM head reads it).
+
+    Returns:
+        how many linear layers were switched.
+    """
+    count = 0
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = InvariantLinear  # same state; only forward changes
+            count += 1
+    model.batch_invariant = True
+    return count
