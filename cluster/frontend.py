@@ -28,7 +28,6 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.cluster.auth import ApiKeyInterceptor, grpc_server_credentials
 from pagedserve.cluster.config import ServerConfig
-from pagedserve.cluster.wire import MalformedRequest, safe_parser
 from pagedserve.cluster.pipeline import (
     ChoiceDelta,
     GenerateInput,
@@ -36,6 +35,7 @@ from pagedserve.cluster.pipeline import (
     RequestPipeline,
     SamplingRequest,
 )
+from pagedserve.cluster.wire import MalformedRequest, safe_parser
 from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc as pb_grpc

@@ -242,7 +242,9 @@ async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
     if handle.http_address is not None:
         scheme = "https" if config.server.tls else "http"
         print(f"pagedserve: metrics on {scheme}://{handle.http_address}/metrics", flush=True)
-        print(f"pagedserve: OpenAI-compatible API on {scheme}://{handle.http_address}/v1", flush=True)
+        print(
+            f"pagedserve: OpenAI-compatible API on {scheme}://{handle.http_address}/v1", flush=True
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -26,8 +26,8 @@ from torch.nn import functional as F
 from pagedserve import kernels
 from pagedserve.kernels import cpu_native
 from pagedserve.worker.arch import ModelArch
-from pagedserve.worker.batch_invariant import invariant_linear
 from pagedserve.worker.attention import AttentionMetadata, paged_attention
+from pagedserve.worker.batch_invariant import invariant_linear
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
