@@ -225,7 +225,7 @@ def add_generation_service(servicer: GenerationServicer, server: Any) -> None:
     but with request parsers that turn malformed bytes into INVALID_ARGUMENT naming the
     field (:func:`pagedserve.cluster.wire.safe_parser`) instead of grpc's INTERNAL."""
     service = pb.DESCRIPTOR.services_by_name["Generation"]
-    handlers = {}
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
