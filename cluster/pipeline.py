@@ -257,8 +257,10 @@ class RequestPipeline:
         needed = prompt_len + max_tokens  # per choice: choices can take turns
         if needed > info.max_kv_slots:
             raise RequestRejected(
-                f"a sequence of this request needs up to {needed} KV slots; the largest "
-                f"worker pool holds {info.max_kv_slots}"
+                f"max_tokens: a sequence of this request (prompt {prompt_len} + max_tokens "
+                f"{max_tokens}) needs up to {needed} KV slots; the largest worker pool holds "
+                f"{info.max_kv_slots}",
+                "max_tokens",
             )
         return max_tokens
 

@@ -17,7 +17,9 @@ KV head, keys summed in position order), and the sampler works row by row. The c
 the padding of the last tile and a loss of the large-M GEMM efficiency (see README,
 "Seeded sampling and batch invariance").
 
-Only the fused fp32 CPU path is covered; :func:`make_batch_invariant` refuses others.
+Only the fused fp32 CPU path is covered (the worker refuses others), and
+:func:`make_batch_invariant` first checks on this machine that the GEMM library treats the
+rows of one call alike (:func:`check_row_invariance`), refusing to start otherwise.
 """
 
 from __future__ import annotations
@@ -66,17 +68,53 @@ class InvariantLinear(nn.Linear):
         return invariant_linear(x, self.weight, self.bias)
 
 
-def make_batch_invariant(model: nn.Module) -> int:
+def check_row_invariance(weight: torch.Tensor, rows: int = ROWS, seed: int = 0) -> None:
+    """Verify on this machine's GEMM library that a row's result does not depend on its
+    position in the tile or on the other rows (the property :func:`invariant_linear` relies
+    on: the library must treat the rows of one fixed-shape call alike).
+
+    Raises:
+        RuntimeError: a row's result changed bitwise with its neighbours or position.
+    """
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    k = weight.shape[1]
+    x = torch.randn(2 * rows, k, generator=gen).to(weight.device, weight.dtype)
+    ref = invariant_linear(x[:1], weight)[0]
+    for pos in range(rows):
+        tile = x[rows : 2 * rows].clone()
+        tile[pos] = x[0]
+        if not torch.equal(invariant_linear(tile, weight)[pos], ref):
+            raise RuntimeError(
+                f"the GEMM library gives a row a different result at position {pos} of a "
+                f"[{rows}, {k}] x [{k}, {weight.shape[0]}] call: batch invariance cannot be "
+                "guaranteed on this machine"
+            )
+
+
+def make_batch_invariant(model: nn.Module, lm_head_weight: torch.Tensor | None = None) -> int:
     """Switch every ``nn.Linear`` of ``model`` to :class:`InvariantLinear` in place (the
-    parameters stay) and set ``model.batch_invariant`` (the LM head reads it).
+    parameters stay) and set ``model.batch_invariant`` (the LM head reads it), after
+    checking each distinct weight shape with :func:`check_row_invariance`.
+
+    Args:
+        model: the model (modified in place).
+        lm_head_weight: the LM head's weight when it is not an ``nn.Linear`` (tied
+            embeddings), to check its shape too.
 
     Returns:
         how many linear layers were switched.
+
+    Raises:
+        RuntimeError: see :func:`check_row_invariance`.
     """
-    count = 0
-    for module in model.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = InvariantLinear  # same state; only forward changes
-            count += 1
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    weights = {tuple(m.weight.shape): m.weight for m in linears}
+    if lm_head_weight is not None:
+        weights.setdefault(tuple(lm_head_weight.shape), lm_head_weight)
+    with torch.no_grad():
+        for weight in weights.values():
+            check_row_invariance(weight)
+    for module in linears:
+        module.__class__ = InvariantLinear  # same state; only forward changes
     model.batch_invariant = True
-    return count
+    return len(linears)

@@ -135,7 +135,7 @@ class ModelRunner:
                 f"float32, attention backend auto or cpu); got device {self.device}, dtype "
                 f"{self.dtype}, backend {self.backend}"
             )
-        make_batch_invariant(self.model)
+        make_batch_invariant(self.model, self.model.embed_tokens.weight)
 
     def get_info(self) -> WorkerInfo:
         """Static facts about this worker (see :class:`WorkerInfo`)."""
