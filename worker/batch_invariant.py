@@ -11,11 +11,17 @@ The fix (the idea of vLLM's batch-invariant mode: batch-size-independent reducti
 matmul of the model runs on fixed-shape row tiles. :func:`invariant_linear` copies the
 rows into a zero-padded ``[ROWS, K]`` buffer and calls the library GEMM on that one shape,
 so each output row is computed by the same kernel with the same blocking and reduction
-order whatever M is; the rest of the CPU path is already per-row or per-sequence with a
-fixed order (RMSNorm, rotary, SiLU, the paged attention kernel: one task per sequence and
-KV head, keys summed in position order), and the sampler works row by row. The cost is
-the padding of the last tile and a loss of the large-M GEMM efficiency (see README,
-"Seeded sampling and batch invariance").
+order whatever M is (measured: ``F.linear`` gives a row different bits for 63 of the
+M = 1..64; the tiles for none). RMSNorm, rotary and SiLU are per row already, and the
+sampler works row by row. The paged attention kernel gives a decode row the same bits
+whatever else is in the batch (one task per sequence and KV head), but a row of a prefill
+tile (16 query rows sharing one pass over the keys) differs in the last bits from the same
+token computed as a decode (measured: up to 3e-7), so a chunked prefill, a recompute after
+preemption and plain decoding would disagree; :func:`per_token_metadata` presents every
+query row to the kernel as its own one-token sequence, so each token is computed exactly
+as a decode is. The cost: the padding of the last tile, the large-M GEMM efficiency, and
+prefill attention reading the keys once per query row (see README, "Seeded sampling and
+batch invariance").
 
 Only the fused fp32 CPU path is covered (the worker refuses others), and
 :func:`make_batch_invariant` first checks on this machine that the GEMM library treats the
@@ -27,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from pagedserve.worker.attention import AttentionMetadata
 
 ROWS = 16  # rows per GEMM call in batch-invariant mode
 
@@ -59,6 +67,34 @@ def invariant_linear(
             tile[n:].zero_()
         out[start : start + n].copy_(F.linear(tile, weight, bias)[:n])
     return out.view(*lead, weight.shape[0])
+
+
+def per_token_metadata(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
+    """The same attention as ``meta`` with every query row as a one-token sequence.
+
+    Token ``t`` of sequence ``s`` at position ``p`` attends keys ``0..p`` of ``s``'s
+    block table, exactly as ``meta`` says, but through the kernel's decode shape (a tile
+    of one row), so its output does not depend on how the step chunked its sequence.
+
+    Args:
+        meta: the step's metadata (int32 ``block_tables``, ``seq_lens``, ``cu_seqlens_q``).
+        positions: int64 ``[num_tokens]``, each token's position in its sequence.
+
+    Returns:
+        metadata with ``num_tokens`` sequences: ``block_tables`` ``[num_tokens,
+        max_blocks]`` (each token's sequence's row), ``seq_lens = positions + 1``,
+        ``cu_seqlens_q = 0..num_tokens``, ``max_query_len`` 1; ``slot_mapping`` unchanged.
+    """
+    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).to(torch.int64)
+    seq_of_token = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    num_tokens = positions.numel()
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        block_tables=meta.block_tables.index_select(0, seq_of_token).contiguous(),
+        seq_lens=(positions + 1).to(torch.int32).contiguous(),
+        cu_seqlens_q=torch.arange(num_tokens + 1, dtype=torch.int32),
+        max_query_len=1 if num_tokens else 0,
+    )
 
 
 class InvariantLinear(nn.Linear):

@@ -27,7 +27,7 @@ from pagedserve import kernels
 from pagedserve.kernels import cpu_native
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.attention import AttentionMetadata, paged_attention
-from pagedserve.worker.batch_invariant import invariant_linear
+from pagedserve.worker.batch_invariant import invariant_linear, per_token_metadata
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -255,6 +255,8 @@ class LlamaForCausalLM(nn.Module):
             cu_seqlens_q=meta.cu_seqlens_q.to(torch.int32).contiguous(),
             max_query_len=meta.max_query_len,
         )
+        if self.batch_invariant:  # every token attends as a decode does
+            meta = per_token_metadata(meta, positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             decoder = cast(LlamaDecoderLayer, layer)
