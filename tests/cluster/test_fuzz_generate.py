@@ -9,10 +9,12 @@ server still serves."""
 from __future__ import annotations
 
 import re
+import string
+import struct
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tiny_cluster import assert_all_blocks_free, running_cluster
 
@@ -47,39 +49,82 @@ def opt(strategy: st.SearchStrategy) -> st.SearchStrategy:
     return st.one_of(st.none(), strategy)
 
 
-sampling_fields = st.fixed_dictionaries(
-    {
-        "max_tokens": opt(st.one_of(st.integers(0, 12), st.sampled_from([129, 1000, U32]))),
-        "temperature": opt(floats),
-        "top_p": opt(floats),
-        "top_k": opt(i32),
-        "seed": opt(st.integers(0, 2**64 - 1)),
-        "n": opt(st.one_of(st.integers(0, 4), st.sampled_from([16, 64, 65, U32]))),
-        "ignore_eos": opt(st.booleans()),
-        "logprobs": opt(st.one_of(st.integers(0, 21), st.just(U32))),
-        "repetition_penalty": opt(floats),
-        "presence_penalty": opt(floats),
-        "frequency_penalty": opt(floats),
-        "min_tokens": opt(st.one_of(st.integers(0, 14), st.just(U32))),
-        "include_stop_str_in_output": opt(st.booleans()),
-        "cache_salt": opt(st.one_of(texts, st.just("s" * 1025))),
-        "beam_width": opt(st.one_of(st.integers(0, 5), st.sampled_from([16, 17, U32]))),
-        "length_penalty": opt(floats),
-        "priority": opt(i32),
-    }
-)
-inputs = st.one_of(
-    st.none(),
-    st.tuples(st.just("text"), texts),
-    st.tuples(st.just("token_ids"), st.lists(u32, max_size=40)),
-    st.tuples(
-        st.just("chat"),
-        st.lists(
-            st.tuples(st.sampled_from(["system", "user", "assistant", "tool", "", "x"]), texts),
-            max_size=4,
+def f32(lo: float, hi: float) -> st.SearchStrategy:
+    return st.floats(lo, hi).map(lambda x: struct.unpack("f", struct.pack("f", x))[0])
+
+
+short = st.text(alphabet=string.ascii_letters + " .,!?", min_size=1, max_size=30)
+ROLES = ["system", "user", "assistant", "tool"]
+# field -> (valid values, extreme or malformed values)
+FIELDS: dict[str, tuple[st.SearchStrategy, st.SearchStrategy]] = {
+    "max_tokens": (st.integers(1, 12), st.sampled_from([0, 129, 1000, U32])),
+    "temperature": (f32(0, 2), floats),
+    "top_p": (f32(0.05, 1), floats),
+    "top_k": (st.integers(-1, 50), st.sampled_from([-2, -(2**31), 2**31 - 1])),
+    "seed": (st.integers(0, 2**64 - 1), st.just(2**64 - 1)),
+    "n": (st.integers(1, 4), st.sampled_from([0, 16, 64, 65, U32])),
+    "ignore_eos": (st.booleans(), st.booleans()),
+    "logprobs": (st.integers(0, 5), st.sampled_from([20, 21, U32])),
+    "repetition_penalty": (f32(0.5, 2), floats),
+    "presence_penalty": (f32(-2, 2), floats),
+    "frequency_penalty": (f32(-2, 2), floats),
+    "min_tokens": (st.integers(0, 3), st.sampled_from([13, U32])),
+    "include_stop_str_in_output": (st.booleans(), st.booleans()),
+    "cache_salt": (short, st.sampled_from(["", "s" * 1025])),
+    "beam_width": (st.integers(1, 3), st.sampled_from([0, 16, 17, U32])),
+    "length_penalty": (f32(-2, 2), floats),
+    "priority": (st.integers(-5, 5), st.sampled_from([-(2**31), 2**31 - 1])),
+    "request_id": (st.just(""), st.one_of(texts, st.just("r" * 257))),
+    "stop": (
+        st.lists(short, max_size=2),
+        st.one_of(st.lists(texts, max_size=3), st.just(["x"] * 17), st.just(["y" * 1025])),
+    ),
+    "stop_token_ids": (
+        st.lists(st.integers(0, 127), max_size=3),
+        st.one_of(st.lists(u32, max_size=4), st.just([3] * 257)),
+    ),
+    "input": (
+        st.one_of(
+            st.tuples(st.just("text"), short),
+            st.tuples(st.just("token_ids"), st.lists(st.integers(0, 127), min_size=1, max_size=30)),
+            st.tuples(
+                st.just("chat"),
+                st.lists(st.tuples(st.sampled_from(ROLES), short), min_size=1, max_size=3),
+            ),
+        ),
+        st.one_of(
+            st.none(),
+            st.tuples(st.just("text"), texts),
+            st.tuples(st.just("token_ids"), st.lists(u32, max_size=40)),
+            st.tuples(
+                st.just("chat"),
+                st.lists(st.tuples(st.sampled_from([*ROLES, "", "x"]), texts), max_size=4),
+            ),
         ),
     ),
-)
+}
+NOT_OPTIONAL = {"request_id", "stop", "stop_token_ids", "input"}
+
+
+@st.composite
+def request_fields(draw: st.DrawFn) -> dict:
+    """Every field: mostly valid (so requests get served), exactly one extreme field, or
+    all of them anything (chaos)."""
+    mode = draw(st.sampled_from(["valid", "one_bad", "chaos"]))
+    bad = draw(st.sampled_from(sorted(FIELDS))) if mode == "one_bad" else None
+    event(f"mode: {mode}")
+    out = {}
+    for name, (valid, extreme) in FIELDS.items():
+        if name == bad:
+            strategy = extreme
+        elif mode == "chaos":
+            strategy = st.one_of(valid, extreme)
+        else:
+            strategy = valid
+        out[name] = draw(strategy if name in NOT_OPTIONAL else opt(strategy))
+    return out
+
+
 # Random bytes spliced in as a string field (path, wire bytes prefix); the last occurrence
 # of a singular field wins, nested messages merge.
 RAW_STRING_FIELDS = {
@@ -136,7 +181,7 @@ def set_fields(msg, prefix: str = "") -> set[str]:
     for fd, value in msg.ListFields():
         names |= {fd.name, prefix + fd.name}
         if fd.message_type is not None:
-            items = value if fd.label == fd.LABEL_REPEATED else [value]
+            items = value if fd.is_repeated else [value]
             for item in items:
                 names |= set_fields(item, prefix + fd.name + ".")
     return names
@@ -166,21 +211,12 @@ def server(tiny_llama_dir):
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
-@given(
-    request_id=st.one_of(st.just(""), texts, st.just("r" * 257)),
-    inp=inputs,
-    sampling=sampling_fields,
-    stop=st.one_of(st.lists(texts, max_size=3), st.just(["x"] * 17), st.just(["y" * 1025])),
-    stop_token_ids=st.one_of(st.lists(u32, max_size=4), st.just([3] * 257)),
-    return_ids=st.booleans(),
-    raw=raw_strings,
-)
-def test_generate_never_crashes_hangs_or_leaks(
-    server, request_id, inp, sampling, stop, stop_token_ids, return_ids, raw
-):
+@given(f=request_fields(), return_ids=st.booleans(), raw=raw_strings)
+def test_generate_never_crashes_hangs_or_leaks(server, f, return_ids, raw):
     _, call = server
-    req = build(request_id, inp, sampling, stop, stop_token_ids, return_ids)
-    fields = set_fields(req) | ({"prompt"} if inp is not None else {"input"})
+    sampling = {k: v for k, v in f.items() if k not in NOT_OPTIONAL}
+    req = build(f["request_id"], f["input"], sampling, f["stop"], f["stop_token_ids"], return_ids)
+    fields = set_fields(req) | ({"prompt"} if f["input"] is not None else {"input"})
     data = req.SerializeToString()
     if raw is not None:
         path, payload = raw
@@ -195,10 +231,12 @@ def test_generate_never_crashes_hangs_or_leaks(
                 finished[msg.index] = msg.finish_reason
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details() or ""
+        event(f"refused: {code.name}")
         assert code in ACCEPTED, f"{code}: {details}"
         assert names_a_field(details, fields), f"{details!r} names none of {sorted(fields)}"
         return
     beam_width = sampling["beam_width"] or 1
     n = sampling["n"] if sampling["n"] is not None else (beam_width if beam_width > 1 else 1)
     assert sorted(finished) == list(range(n)), "not every choice ended"
+    event("served: every choice finished")
     assert set(finished.values()) <= {pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH}
