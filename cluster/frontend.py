@@ -223,7 +223,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 def add_generation_service(servicer: GenerationServicer, server: Any) -> None:
     """Register ``pagedserve.v1.Generation`` as the generated ``add_..._to_server`` does,
     but with request parsers that turn malformed bytes into INVALID_ARGUMENT naming the
-    field (:func:`pagedserve.cluster.wire.safe_parser`) instead of grpc's INTERNAL."""
+    field (:func:`pagedserve.cluster.wire.safe_parser`) instead of grpc's UNKNOWN."""
     service = pb.DESCRIPTOR.services_by_name["Generation"]
     handlers: dict[str, grpc.RpcMethodHandler] = {}
     for method in service.methods:

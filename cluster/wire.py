@@ -1,7 +1,7 @@
-"""Parse gRPC requests without letting a malformed one become INTERNAL, and name the field.
+"""Parse gRPC requests without letting a malformed one become UNKNOWN, and name the field.
 
-grpc answers a request whose bytes its deserializer rejects with INTERNAL ("Exception
-deserializing request"), which is the server's fault by its own taxonomy. The frontend
+grpc answers a request whose bytes its deserializer rejects with UNKNOWN ("Unexpected
+<class DecodeError>"), as if the server had failed. The frontend
 registers its service with :func:`safe_parser` instead: a protobuf ``DecodeError`` becomes
 a :class:`MalformedRequest` value the servicer turns into INVALID_ARGUMENT, with the path of
 the offending field found by :func:`find_bad_field` (a walk over the wire format:
@@ -124,7 +124,7 @@ def _bad_in_chunk(field: FieldDescriptor, chunk: bytes, name: str, depth: int) -
 
 def safe_parser(message_cls: Any) -> Callable[[bytes], Any]:
     """A gRPC request deserializer: the parsed message, or a :class:`MalformedRequest`
-    naming the bad field (never an exception, which grpc would report as INTERNAL)."""
+    naming the bad field (never an exception, which grpc would report as UNKNOWN)."""
 
     def parse(data: bytes) -> Any:
         try:
