@@ -30,6 +30,8 @@ rows of one call alike (:func:`check_row_invariance`), refusing to start otherwi
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -152,5 +154,5 @@ def make_batch_invariant(model: nn.Module, lm_head_weight: torch.Tensor | None =
             check_row_invariance(weight)
     for module in linears:
         module.__class__ = InvariantLinear  # same state; only forward changes
-    model.batch_invariant = True
+    cast(Any, model).batch_invariant = True  # read by LlamaForCausalLM._lm_head
     return len(linears)
