@@ -207,7 +207,7 @@ class RequestPipeline:
         if not ids:
             field = "text" if prompt.text is not None else "token_ids"
             field = "chat" if prompt.messages is not None else field
-            raise InvalidRequest(f"{field}: the prompt tokenized to zero tokens", field)
+            raise InvalidRequest(f"{field}: the prompt tokenized to zero tokens")
         max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, provisional.beam_width)
         try:
             sampling = dataclasses.replace(provisional, max_tokens=max_tokens)
@@ -259,8 +259,7 @@ class RequestPipeline:
             raise RequestRejected(
                 f"max_tokens: a sequence of this request (prompt {prompt_len} + max_tokens "
                 f"{max_tokens}) needs up to {needed} KV slots; the largest worker pool holds "
-                f"{info.max_kv_slots}",
-                "max_tokens",
+                f"{info.max_kv_slots}"
             )
         return max_tokens
 
@@ -344,8 +343,7 @@ class RequestPipeline:
             bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise InvalidRequest(
-                    f"token_ids: token id {bad[0]} is out of range [0, {self.info.vocab_size})",
-                    "token_ids",
+                    f"token_ids: token id {bad[0]} is out of range [0, {self.info.vocab_size})"
                 )
             return ids
         if prompt.messages is not None:
