@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from pagedserve.cluster.auth import API_KEY_ENV
 from pagedserve.cluster.config import (
     CacheConfig,
     ClusterConfig,
@@ -139,6 +140,51 @@ def _add_serve(sub: Any) -> None:
     p.add_argument("--cpus-per-worker", type=int, default=None)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="bitwise batch-invariant logits (fixed-shape matmuls; slower; CPU only): a "
+        "seeded request gives the same tokens whatever it is batched with",
+    )
+    _add_server_security(p)
+
+
+def _add_server_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"bearer token clients must send (default: ${API_KEY_ENV}); health stays open",
+    )
+    p.add_argument("--tls-cert", default=None, help="PEM certificate: serve gRPC and HTTP over TLS")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA: require client certificates (mutual TLS)"
+    )
+
+
+def _add_client_security(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key", default=None, help=f"bearer token to send (default: ${API_KEY_ENV})"
+    )
+    p.add_argument("--tls-ca", default=None, help="PEM CA that signed the server's certificate")
+    p.add_argument("--tls-cert", default=None, help="PEM client certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
+def _client(args: argparse.Namespace) -> Any:
+    """The gRPC :class:`Client` of a ``generate`` / ``stats`` invocation."""
+    import os
+
+    from pagedserve.cluster.client import Client
+
+    return Client(
+        args.address,
+        timeout_s=args.timeout,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
 
 
 def _add_generate(sub: Any) -> None:
@@ -167,6 +213,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--request-id", default="")
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
+    _add_client_security(p)
 
 
 def _add_stats(sub: Any) -> None:
@@ -174,6 +221,7 @@ def _add_stats(sub: Any) -> None:
     p.add_argument("--address", default="127.0.0.1:50051")
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds")
+    _add_client_security(p)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -198,7 +246,11 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     if cpus is None:
         cpus = max(1, (os.cpu_count() or 1) // args.workers)
     config = ClusterConfig(
-        model=ModelConfig(model=args.model, max_model_len=args.max_model_len),
+        model=ModelConfig(
+            model=args.model,
+            max_model_len=args.max_model_len,
+            batch_invariant=getattr(args, "batch_invariant", False),
+        ),
         cache=cache,
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
@@ -217,6 +269,10 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             served_model_name=args.served_model_name,
             drain_timeout_s=args.drain_timeout,
             max_stream_buffer=args.max_stream_buffer,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
         ),
         ray_address=args.address,
         num_workers=args.workers,
@@ -231,8 +287,6 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from pagedserve.cluster.client import Client
-
     kwargs: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -259,7 +313,7 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = None
     else:
         prompt = args.prompt
-    with Client(args.address, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         if args.output == "json":
             print(json.dumps(client.generate(prompt, **kwargs).to_dict()))
             return 0
@@ -280,9 +334,7 @@ def _stats(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from pagedserve.cluster.client import Client
-
-    with Client(args.address, timeout_s=args.timeout) as client:
+    with _client(args) as client:
         st = client.stats()
     if args.output == "json":
         print(json.dumps(st))

@@ -170,24 +170,61 @@ def build_request(
     return req
 
 
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} {path!r}: {exc.strerror}") from exc
+
+
 class Client:
     """Blocking client over one gRPC channel.
 
     Args:
         address: ``host:port`` of a pagedserve frontend.
         timeout_s: per-call deadline in seconds (None = no deadline).
+        api_key: sent as ``authorization: Bearer <key>`` metadata on every call (servers
+            started with ``--api-key`` refuse calls without it: UNAUTHENTICATED).
+        tls_ca: PEM file of the CA that signed the server's certificate; any of
+            ``tls_ca`` / ``tls_cert`` connects over TLS (without ``tls_ca``: the system roots).
+        tls_cert: PEM client certificate, for servers that require one (mutual TLS).
+        tls_key: PEM private key of ``tls_cert``.
+
+    Raises:
+        ValueError: a TLS file cannot be read, or only one of tls_cert / tls_key is given.
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout_s: float | None = None):
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", 64 << 20),
-                ("grpc.max_send_message_length", 64 << 20),
-            ],
-        )
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout_s: float | None = None,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
+        options = [
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+        ]
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if tls_ca is not None or tls_cert is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca, "tls_ca"),
+                private_key=_read(tls_key, "tls_key"),
+                certificate_chain=_read(tls_cert, "tls_cert"),
+            )
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def __enter__(self) -> Client:
         return self
@@ -209,7 +246,7 @@ class Client:
             grpc.RpcError: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ... with the server's message.
         """
         req = build_request(prompt, **kwargs)
-        call = self._stub.Generate(req, timeout=self._timeout)
+        call = self._stub.Generate(req, timeout=self._timeout, metadata=self._metadata)
         try:
             yield from self._deltas(call)
         finally:
@@ -283,12 +320,14 @@ class Client:
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight; True when it was."""
         return self._stub.Abort(
-            pb.AbortRequest(request_id=request_id), timeout=self._timeout
+            pb.AbortRequest(request_id=request_id), timeout=self._timeout, metadata=self._metadata
         ).aborted
 
     def stats(self) -> dict[str, Any]:
         """Cluster statistics as a dict (the JSON of ``pagedserve stats``)."""
-        r = self._stub.GetStats(pb.GetStatsRequest(), timeout=self._timeout)
+        r = self._stub.GetStats(
+            pb.GetStatsRequest(), timeout=self._timeout, metadata=self._metadata
+        )
         return {
             "model": r.model,
             "max_model_len": r.max_model_len,

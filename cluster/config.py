@@ -34,6 +34,14 @@ class ServerConfig:
             completion before they are aborted (seconds); new requests are refused at once.
         max_stream_buffer: most outputs held for one stream whose client is not reading;
             past it the request is aborted with RESOURCE_EXHAUSTED.
+        api_key: bearer token every client call must carry (gRPC metadata / HTTP header
+            ``authorization: Bearer <key>``; the health checks stay open); ``None`` = no
+            authentication. Never printed (``repr=False``). See :mod:`pagedserve.cluster.auth`.
+        tls_cert: PEM certificate (chain) of the server; with ``tls_key`` gRPC and HTTP
+            are served over TLS.
+        tls_key: PEM private key of ``tls_cert``.
+        tls_client_ca: PEM CA bundle; when set, clients must present a certificate signed
+            by it (mutual TLS). Needs ``tls_cert``.
     """
 
     host: str = "127.0.0.1"
@@ -44,6 +52,10 @@ class ServerConfig:
     max_http_body_bytes: int = 16 << 20
     drain_timeout_s: float = 30.0
     max_stream_buffer: int = 4096
+    api_key: str | None = field(default=None, repr=False)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not self.drain_timeout_s >= 0:
@@ -61,6 +73,17 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.max_http_body_bytes < 1:
             raise ValueError(f"max_http_body_bytes must be >= 1, got {self.max_http_body_bytes}")
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("api_key must be non-empty, without surrounding whitespace")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+
+    @property
+    def tls(self) -> bool:
+        """True when the frontends serve TLS."""
+        return self.tls_cert is not None
 
 
 @dataclass(frozen=True)

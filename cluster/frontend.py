@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from pagedserve.cluster.auth import ApiKeyInterceptor, grpc_server_credentials
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.pipeline import (
     ChoiceDelta,
@@ -34,6 +35,7 @@ from pagedserve.cluster.pipeline import (
     RequestPipeline,
     SamplingRequest,
 )
+from pagedserve.cluster.wire import MalformedRequest, safe_parser
 from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc as pb_grpc
@@ -117,6 +119,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
         flight = None
+
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
             # The id is in flight from now on, so an Abort during tokenization finds it.
             if request.request_id:
@@ -203,6 +208,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return msg
 
     async def Abort(self, request: Any, context: Any) -> Any:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         try:
@@ -212,6 +219,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return pb.AbortResponse(aborted=bool(aborted))
 
     async def GetStats(self, request: Any, context: Any) -> Any:
+        if isinstance(request, MalformedRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         st = await self._scheduler.get_stats.remote()
         resp = pb.GetStatsResponse(
             num_requests_running=st.num_running,
@@ -250,19 +259,48 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return resp
 
 
+def add_generation_service(servicer: GenerationServicer, server: Any) -> None:
+    """Register ``pagedserve.v1.Generation`` as the generated ``add_..._to_server`` does,
+    but with request parsers that turn malformed bytes into INVALID_ARGUMENT naming the
+    field (:func:`pagedserve.cluster.wire.safe_parser`) instead of grpc's UNKNOWN."""
+    service = pb.DESCRIPTOR.services_by_name["Generation"]
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=safe_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 async def start_server(config: ServerConfig, servicer: GenerationServicer) -> tuple[Any, int]:
-    """Start the grpc.aio server with Generation, health and reflection.
+    """Start the grpc.aio server with Generation, health and reflection; over TLS when
+    ``config`` names a certificate, behind the API-key check when it has a key
+    (:mod:`pagedserve.cluster.auth`).
 
     Returns:
-        (server, bound port). Raises RuntimeError when the port cannot be bound.
+        (server, bound port). Raises PortUnavailable when the port cannot be bound,
+        ValueError when a TLS file cannot be read.
     """
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),  # a second server must fail to bind, not share the port
     ]
-    server = grpc.aio.server(options=options)
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    add_generation_service(servicer, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -274,7 +312,12 @@ async def start_server(config: ServerConfig, servicer: GenerationServicer) -> tu
         server,
     )
     try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        if config.tls_cert is not None and config.tls_key is not None:
+            creds = grpc_server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+            port = server.add_secure_port(address, creds)
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:
         raise PortUnavailable(f"cannot bind {config.host}:{config.port}: {exc}") from exc
     if port == 0:

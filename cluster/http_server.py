@@ -107,12 +107,18 @@ class HttpServer:
         app: the ASGI app (see :func:`create_app`).
         host: interface to bind.
         port: TCP port; 0 picks a free one (see :attr:`port` after :meth:`start`).
+        ssl_options: ``uvicorn.Config`` TLS arguments (``ssl_certfile``, ``ssl_keyfile``,
+            ``ssl_ca_certs``, ``ssl_cert_reqs``; see ``pagedserve.cluster.auth``); empty =
+            plain HTTP.
     """
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    def __init__(
+        self, app: Any, host: str, port: int, ssl_options: dict[str, Any] | None = None
+    ) -> None:
         self.app = app
         self.host = host
         self.port = port
+        self.ssl_options = dict(ssl_options or {})
         self._server: _EmbeddedServer | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -132,6 +138,7 @@ class HttpServer:
             log_level="warning",
             access_log=False,
             timeout_graceful_shutdown=2,
+            **self.ssl_options,
         )
         self._server = _EmbeddedServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))

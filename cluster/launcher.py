@@ -14,6 +14,12 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagedserve.cluster.auth import (
+    ApiKeyMiddleware,
+    check_tls_files,
+    exposure_warning,
+    uvicorn_ssl_options,
+)
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.flights import watch_scheduler
 from pagedserve.cluster.frontend import GenerationServicer, check_port_free, start_server
@@ -162,6 +168,10 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     from pagedserve.worker.model_store import resolve_model
     from pagedserve.worker.worker import Worker
 
+    warning = exposure_warning(config.server.host, config.server.api_key)
+    if warning is not None:
+        log.warning(warning)
+    check_tls_files(config.server.tls_cert, config.server.tls_key, config.server.tls_client_ca)
     check_port_free(config.server.host, config.server.port)
     if config.server.http_port is not None:
         check_port_free(config.server.host, config.server.http_port)
@@ -299,23 +309,29 @@ def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:
     exporter = MetricsExporter(scheduler, model_name=short_name)
     names = (config.server.served_model_name or short_name, info.name)
     openai = OpenAIServer(pipeline, names, config.server.max_http_body_bytes)
-    return create_app(
+    app: Any = create_app(
         scheduler, exporter, routers=[openai.router()], serving=lambda: pipeline.flights.serving
     )
+    if config.server.api_key:
+        app = ApiKeyMiddleware(app, config.server.api_key)
+    return app
 
 
 async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpServer | None:
-    """Start the HTTP frontend (:func:`build_http_app`) when ``http_port`` is set.
+    """Start the HTTP frontend (:func:`build_http_app`) when ``http_port`` is set, over
+    TLS when ``tls_cert`` is set.
 
     Raises:
         PortUnavailable: the HTTP port cannot be bound.
     """
     from pagedserve.cluster.frontend import PortUnavailable
 
-    if config.server.http_port is None:
+    server = config.server
+    if server.http_port is None:
         return None
     app = build_http_app(config, pipeline)
-    http = HttpServer(app, config.server.host, config.server.http_port)
+    ssl_options = uvicorn_ssl_options(server.tls_cert, server.tls_key, server.tls_client_ca)
+    http = HttpServer(app, server.host, server.http_port, ssl_options)
     try:
         await http.start()
     except OSError as exc:
@@ -335,8 +351,11 @@ async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
     handle = await start_cluster(config)
     print(f"pagedserve: serving on {handle.address} (Ctrl-C to stop)", flush=True)
     if handle.http_address is not None:
-        print(f"pagedserve: metrics on http://{handle.http_address}/metrics", flush=True)
-        print(f"pagedserve: OpenAI-compatible API on http://{handle.http_address}/v1", flush=True)
+        scheme = "https" if config.server.tls else "http"
+        print(f"pagedserve: metrics on {scheme}://{handle.http_address}/metrics", flush=True)
+        print(
+            f"pagedserve: OpenAI-compatible API on {scheme}://{handle.http_address}/v1", flush=True
+        )
     stop = asyncio.Event()
     force = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict
 from pagedserve.cluster.pipeline import CHAT_ROLES, GenerateInput, SamplingRequest
 from pagedserve.scheduler.errors import InvalidRequest
 
+MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is its own request)
+
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the request's usage."""
@@ -187,7 +189,8 @@ def completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
     strings, a list of token ids, or a list of lists of token ids).
 
     Raises:
-        InvalidRequest: an empty prompt list (``param`` "prompt").
+        InvalidRequest: an empty prompt list, or more than ``MAX_PROMPTS`` prompts
+            (``param`` "prompt").
     """
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -196,6 +199,10 @@ def completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
         raise InvalidRequest("prompt is empty", "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [GenerateInput(token_ids=tuple(prompt))]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
+        raise InvalidRequest(
+            f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt"
+        )
     out = []
     for p in prompt:
         if isinstance(p, str):

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 256
+MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -231,7 +233,9 @@ class RequestPipeline:
         )
         ids = self._prompt_ids(prompt)
         if not ids:
-            raise InvalidRequest("the prompt tokenized to zero tokens")
+            field = "text" if prompt.text is not None else "token_ids"
+            field = "chat" if prompt.messages is not None else field
+            raise InvalidRequest(f"{field}: the prompt tokenized to zero tokens")
         max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, provisional.beam_width)
         try:
             sampling = dataclasses.replace(provisional, max_tokens=max_tokens)
@@ -239,7 +243,10 @@ class RequestPipeline:
             raise InvalidRequest(str(exc)) from exc
         for t in sampling.stop_token_ids:
             if t >= self.info.vocab_size:
-                raise InvalidRequest(f"stop token id {t} is out of range")
+                raise InvalidRequest(
+                    f"stop_token_ids: token id {t} is out of range [0, {self.info.vocab_size})",
+                    "stop_token_ids",
+                )
         request_id = request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
@@ -265,7 +272,8 @@ class RequestPipeline:
             context = min(info.max_model_len, per_beam_blocks * info.block_size)
             if prompt_len >= context:
                 raise InvalidRequest(
-                    f"the prompt ({prompt_len} tokens) leaves no room for output: the context "
+                    f"the prompt ({prompt_len} tokens) leaves no room for output (max_tokens "
+                    "unset): the context "
                     f"holds {context} tokens (max_model_len {info.max_model_len})"
                 )
             return context - prompt_len
@@ -277,8 +285,9 @@ class RequestPipeline:
         needed = prompt_len + max_tokens  # per choice: choices can take turns
         if needed > info.max_kv_slots:
             raise RequestRejected(
-                f"a sequence of this request needs up to {needed} KV slots; the largest "
-                f"worker pool holds {info.max_kv_slots}"
+                f"max_tokens: a sequence of this request (prompt {prompt_len} + max_tokens "
+                f"{max_tokens}) needs up to {needed} KV slots; the largest worker pool holds "
+                f"{info.max_kv_slots}"
             )
         return max_tokens
 
@@ -299,6 +308,12 @@ class RequestPipeline:
             raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         if any(len(s) > MAX_STOP_CHARS for s in req.stop):
             raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} are allowed, got "
+                f"{len(req.stop_token_ids)}",
+                "stop_token_ids",
+            )
         if req.n is not None and req.n > MAX_N:
             raise InvalidRequest(f"n must be <= {MAX_N}, got {req.n}")
 
@@ -356,7 +371,7 @@ class RequestPipeline:
             bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
             if bad:
                 raise InvalidRequest(
-                    f"token id {bad[0]} is out of range [0, {self.info.vocab_size})"
+                    f"token_ids: token id {bad[0]} is out of range [0, {self.info.vocab_size})"
                 )
             return ids
         if prompt.messages is not None:
@@ -366,6 +381,11 @@ class RequestPipeline:
     def _chat_ids(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         if not messages:
             raise InvalidRequest("the chat has no messages")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise InvalidRequest(
+                f"chat: at most {MAX_CHAT_MESSAGES} messages are allowed, got {len(messages)}",
+                "messages",
+            )
         if len(messages) > self.info.max_model_len:
             raise InvalidRequest(
                 f"{len(messages)} chat messages cannot fit in max_model_len "

@@ -23,7 +23,11 @@ class SamplingParams:
         top_k: keep the k most likely tokens; 0 (or -1) disables it.
         seed: per-request seed; ``None`` draws one at random. With a seed, the token at
             output position i is drawn from a generator seeded by (seed, choice index, i),
-            so results are reproducible and unaffected by batching or preemption.
+            so the draw itself does not depend on batching or preemption. The logits it
+            is applied to are bitwise batch-independent only in batch-invariant mode
+            (``pagedserve serve --batch-invariant``); otherwise they move in the last bits
+            with the batch (library GEMM blocking depends on the row count), which can
+            flip a near-tied draw. Same request, same batch history: same output.
         n: number of choices (with beam search: the best n of ``beam_width`` beams; default
             ``beam_width``).
         stop: stop strings; the output text is cut before the first match (after it with

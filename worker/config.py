@@ -25,12 +25,16 @@ class ModelConfig:
             model's ``max_position_embeddings``.
         cache_dir: where the default model is downloaded and converted; ``None`` means
             ``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``.
+        batch_invariant: compute every matmul on fixed-shape row tiles so a sequence's
+            logits are bitwise independent of its batch (slower; the fused fp32 CPU path
+            only; see :mod:`pagedserve.worker.batch_invariant`).
     """
 
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     max_model_len: int | None = None
     cache_dir: str | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -27,6 +27,7 @@ from pagedserve import kernels
 from pagedserve.kernels import cpu_native
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.attention import AttentionMetadata, paged_attention
+from pagedserve.worker.batch_invariant import invariant_linear, per_token_metadata
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -173,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         )
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
+        # Set by pagedserve.worker.batch_invariant.make_batch_invariant: fixed-shape matmuls.
+        self.batch_invariant = False
 
     def forward(
         self,
@@ -252,6 +255,8 @@ class LlamaForCausalLM(nn.Module):
             cu_seqlens_q=meta.cu_seqlens_q.to(torch.int32).contiguous(),
             max_query_len=meta.max_query_len,
         )
+        if self.batch_invariant:  # every token attends as a decode does
+            meta = per_token_metadata(meta, positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             decoder = cast(LlamaDecoderLayer, layer)
@@ -264,10 +269,15 @@ class LlamaForCausalLM(nn.Module):
         res = residual.index_select(0, logits_indices)
         hidden = cpu_native.rms_norm(hidden, self.norm.weight, self.norm.eps, residual=res)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return self._lm_head(hidden, weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and LM head: ``[N, hidden]`` -> fp32 ``[N, vocab_size]``."""
         hidden = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self._lm_head(hidden, weight).float()
+
+    def _lm_head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.batch_invariant:
+            return invariant_linear(hidden, weight)
+        return F.linear(hidden, weight)

@@ -37,6 +37,7 @@ from pagedserve.scheduler.outputs import (
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.arch import ModelArch
+from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block
@@ -124,10 +125,28 @@ class ModelRunner:
         self.model = load_model(
             self.model_path, self.arch, self.max_model_len, self.dtype, self.device, self.backend
         )
+        if config.model.batch_invariant:
+            self._make_batch_invariant()
         self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend)
+
+    def _make_batch_invariant(self) -> None:
+        """Fixed-shape matmuls (see :mod:`pagedserve.worker.batch_invariant`).
+
+        Raises:
+            ValueError: the model does not run on the fused fp32 CPU kernels, whose
+                attention and norms are the ones known to be batch-invariant.
+        """
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        if not self.model.uses_cpu_kernels(probe):
+            raise ValueError(
+                "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype "
+                f"float32, attention backend auto or cpu); got device {self.device}, dtype "
+                f"{self.dtype}, backend {self.backend}"
+            )
+        make_batch_invariant(self.model, self.model.embed_tokens.weight)
 
     def get_info(self) -> WorkerInfo:
         """Static facts about this worker (see :class:`WorkerInfo`)."""

@@ -16,7 +16,9 @@ The uniform of the token at output position ``i`` of choice ``c`` comes from a C
 ``torch.Generator`` seeded with a hash of ``(seed, c, i)``. The draw therefore depends only
 on the request and the logits: not on batch composition, on which step the token is
 computed in, or on a preemption and recompute in between (vLLM offers the same guarantee
-for per-request seeds).
+for per-request seeds). The logits themselves are bitwise independent of the batch only in
+batch-invariant mode (:mod:`pagedserve.worker.batch_invariant`); otherwise a last-bit
+difference can flip a near-tied draw.
 """
 
 from __future__ import annotations

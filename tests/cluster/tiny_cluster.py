@@ -1,0 +1,85 @@
+"""A real in-process cluster (embedded Ray, one CPU worker) on the tiny random Llama, for
+tests of the server's surfaces that do not need a real model (auth, limits, fuzz, load)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from pagedserve.cluster.client import Client
+from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, ServerConfig
+from pagedserve.cluster.launcher import RAY_ENV, ClusterHandle, start_cluster
+
+
+class LoopThread:
+    """An asyncio loop on a daemon thread; the cluster's frontend lives there."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 300.0) -> Any:
+        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout=timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@contextmanager
+def running_cluster(
+    model_dir: Path | str,
+    *,
+    num_blocks: int = 64,
+    block_size: int = 16,
+    max_model_len: int = 256,
+    **server: Any,
+) -> Iterator[tuple[ClusterHandle, LoopThread]]:
+    """Start a one-worker cluster on 127.0.0.1 (free ports; ``server`` goes to
+    :class:`ServerConfig`), yield it, stop it."""
+    for k, v in RAY_ENV.items():
+        os.environ.setdefault(k, v)
+    server.setdefault("http_port", None)
+    config = ClusterConfig(
+        model=ModelConfig(model=str(model_dir), max_model_len=max_model_len),
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        server=ServerConfig(host="127.0.0.1", port=0, **server),
+        num_workers=1,
+        # No Ray CPU reserved: joins the session's Ray (whose SmolLM2 worker may hold every
+        # CPU) when another module started it; the tiny model needs one thread.
+        cpus_per_worker=0,
+        device="cpu",
+    )
+    lt = LoopThread()
+    handle = lt.run(start_cluster(config))
+    try:
+        yield handle, lt
+    finally:
+        lt.run(handle.stop(), timeout=60)
+        lt.close()
+
+
+def assert_all_blocks_free(handle: ClusterHandle, client: Client, timeout_s: float = 30.0) -> None:
+    """Wait until nothing runs or waits and every block is free; then the scheduler's
+    integrity check (ref counts, free queue, block tables, prefix index) must pass."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        st = client.stats()
+        idle = st["num_requests_running"] == 0 and st["num_requests_waiting"] == 0
+        if idle and all(w["num_free_blocks"] == w["num_blocks"] for w in st["workers"]):
+            break
+        if time.monotonic() > deadline:
+            raise AssertionError(f"blocks not freed: {st}")
+        time.sleep(0.1)
+    assert ray.get(handle.scheduler.check_integrity.remote(), timeout=30) is True
