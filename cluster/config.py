@@ -62,6 +62,8 @@ class ClusterConfig:
             of an existing cluster to join (``"auto"`` or ``host:port``).
         num_workers: worker actors (one per GPU; CPU workers when none).
         cpus_per_worker: Ray CPUs reserved by each CPU worker (and its torch threads).
+        adaptive_threads: CPU workers use fewer torch threads while other processes keep
+            cores busy (see :mod:`pagedserve.worker.cpu_threads`).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -73,6 +75,7 @@ class ClusterConfig:
     cpus_per_worker: int = 1
     device: str = "auto"
     attention_backend: str = "auto"
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -89,4 +92,5 @@ class ClusterConfig:
             device=self.device,
             num_threads=self.cpus_per_worker,
             attention_backend=self.attention_backend,
+            adaptive_threads=self.adaptive_threads,
         )

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_RESERVES = ("none", "max_tokens", "max_model_len")
+ADMISSION_POLICIES = ("projected", "fits-now")
+PREEMPTION_VICTIMS = ("least-waste", "latest")
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,20 @@ class SchedulerConfig:
             pool can hold its whole reservation, as pre-paging servers did:
             ``"max_tokens"`` reserves prompt + max_tokens, ``"max_model_len"`` reserves
             max_model_len (both capped at the pool size).
+        admission: ``"projected"`` (default) admits a waiting sequence only while the
+            projected peak of the worker's pool, over the steps until its running
+            sequences finish, still fits (:mod:`pagedserve.scheduler.admission`);
+            ``"fits-now"`` admits whatever fits the free pool now and preempts as
+            sequences grow (vLLM v1's rule).
+        admission_growth_ratio: in (0, 1]: the share of each sequence's remaining
+            ``max_tokens`` the projection assumes it still generates. 1.0 never admits a
+            sequence whose growth would force a preemption later; smaller values admit
+            more (sequences that stop early leave room) at the risk of preempting.
+        preemption_victim: which running sequence gives its blocks up when one cannot
+            grow: ``"least-waste"`` (default: among the least urgent younger ones, the one
+            whose preemption discards the fewest computed tokens;
+            :mod:`pagedserve.scheduler.preemption`) or ``"latest"`` (the least urgent,
+            latest arrival).
     """
 
     max_num_seqs: int = 64
@@ -50,6 +66,9 @@ class SchedulerConfig:
     routing_load_threshold: int = 8
     scheduling_policy: str = "fcfs"
     admission_reserve: str = "none"
+    admission: str = "projected"
+    admission_growth_ratio: float = 1.0
+    preemption_victim: str = "least-waste"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -75,4 +94,17 @@ class SchedulerConfig:
             raise ValueError(
                 f"admission_reserve must be one of {ADMISSION_RESERVES}, "
                 f"got {self.admission_reserve!r}"
+            )
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}"
+            )
+        if not 0.0 < self.admission_growth_ratio <= 1.0:
+            raise ValueError(
+                f"admission_growth_ratio must be in (0, 1], got {self.admission_growth_ratio}"
+            )
+        if self.preemption_victim not in PREEMPTION_VICTIMS:
+            raise ValueError(
+                f"preemption_victim must be one of {PREEMPTION_VICTIMS}, "
+                f"got {self.preemption_victim!r}"
             )

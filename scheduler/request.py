@@ -53,6 +53,8 @@ class Sequence:
         fork_children: the request's other choices (status ``PENDING_FORK``) that fork
             from this sequence once its prompt is computed (n > 1 parallel sampling).
         queued_on: while waiting, the worker whose waiting queue holds it (None otherwise).
+        max_computed_tokens: the most tokens whose K/V this sequence ever had computed (a
+            high-water mark over its preemptions): a token computed below it is recomputed.
     """
 
     seq_id: str
@@ -76,6 +78,7 @@ class Sequence:
     unsent_token_ids: list[int] = field(default_factory=list, repr=False)
     fork_children: list[Sequence] = field(default_factory=list, repr=False)
     queued_on: int | None = None
+    max_computed_tokens: int = 0
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:

@@ -46,9 +46,11 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
+from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
@@ -66,6 +68,7 @@ from pagedserve.scheduler.outputs import (
     RunnerOutput,
     SchedulerOutput,
 )
+from pagedserve.scheduler.preemption import choose_victim
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.routing import Router
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -108,6 +111,7 @@ class Scheduler(ForkingMixin):
         self.requests: dict[str, list[Sequence]] = {}
         self.beam_requests: dict[str, BeamRequest] = {}
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
         self._wake_others = False
 
@@ -263,7 +267,7 @@ class Scheduler(ForkingMixin):
                 result = kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
                 if result is not None:
                     break
-                victim = ws.running[-1]
+                victim = self._choose_victim(ws, idx)
                 self._preempt(ws, victim)
                 preempted = True
                 if victim is seq:
@@ -299,6 +303,7 @@ class Scheduler(ForkingMixin):
         max_seqs = self.config.max_num_seqs
         # Choices still to fork from running sequences hold their seats in the batch.
         seats = ws.num_seats
+        projection: GrowthProjection | None = None
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
             width = 1 + len(seq.fork_children)
@@ -314,11 +319,20 @@ class Scheduler(ForkingMixin):
                 num_new = budget
             if self.config.admission_reserve != "none" and not self._reservation_fits(ws, seq):
                 break
+            footprints: list[Footprint] = []
+            if self.config.admission == "projected" and ws.running:
+                if projection is None:
+                    projection = self._projection(ws)
+                footprints = self._candidate_footprints(ws, seq, computed_blocks)
+                if not projection.fits(footprints):
+                    break
             result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
             if result is None:
                 break
             ws.waiting.popleft()
             seq.queued_on = None
+            if projection is not None:
+                projection.add(footprints)
             kv.record_prefix_query(len(tokens), num_computed)
             seq.status = SequenceStatus.RUNNING
             seq.worker_id = ws.spec.worker_id
@@ -331,6 +345,58 @@ class Scheduler(ForkingMixin):
             budget -= num_new
             seats += width
         return budget
+
+    def _growth(self, seq: Sequence, num_tokens: int) -> int:
+        """Token slots a sequence with ``num_tokens`` known tokens may still add (its last
+        sampled token is never stored), scaled by ``admission_growth_ratio``."""
+        remaining = seq.max_total_tokens - 1 - num_tokens
+        if remaining <= 0:
+            return 0
+        return math.ceil(remaining * self.config.admission_growth_ratio)
+
+    def _projection(self, ws: WorkerState) -> GrowthProjection:
+        """The projected demand of ``ws``'s running batch (:mod:`.admission`)."""
+        kv = ws.kv
+        bs = ws.spec.block_size
+        proj = GrowthProjection(ws.spec.num_blocks, bs, ws.spec.num_blocks - kv.num_free_blocks)
+        for seq in ws.running:
+            if kv.has_seq(seq.seq_id):
+                ids = kv.get_block_ids(seq.seq_id)
+                exclusive = sum(1 for b in ids if kv.get_ref_count(b) == 1)
+                allocated = kv.get_num_tokens(seq.seq_id)
+            else:
+                exclusive = allocated = 0
+            n = seq.num_tokens
+            proj.add_running(exclusive, allocated, n, self._growth(seq, n))
+            proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
+        return proj
+
+    def _child_footprint(self, parent: Sequence, bs: int) -> Footprint:
+        """A choice still to fork from ``parent``: it will share the prompt's full blocks."""
+        p = parent.num_prompt_tokens
+        return Footprint(-((p - 1) // bs), p, self._growth(parent, p))
+
+    def _candidate_footprints(
+        self, ws: WorkerState, seq: Sequence, computed_blocks: list[int]
+    ) -> list[Footprint]:
+        """Footprints of a waiting sequence and the choices that will fork from it; its
+        prefix-cache hits on blocks others hold add nothing."""
+        kv = ws.kv
+        bs = ws.spec.block_size
+        held = sum(1 for b in computed_blocks if kv.get_ref_count(b) > 0)
+        n = seq.num_tokens
+        out = [Footprint(-held, n, self._growth(seq, n))]
+        out.extend(self._child_footprint(seq, bs) for _ in seq.fork_children)
+        return out
+
+    def _choose_victim(self, ws: WorkerState, idx: int) -> Sequence:
+        """The sequence to preempt so that ``ws.running[idx]`` can grow (rank order kept:
+        only it or sequences ranked after it)."""
+        if self.config.preemption_victim == "latest":
+            return ws.running[-1]
+        return choose_victim(
+            ws.running[idx], ws.running[idx + 1 :], ws.kv, lambda s: self._rank(s)[0]
+        )
 
     def _reservation_fits(self, ws: WorkerState, seq: Sequence) -> bool:
         """Whether the free pool covers ``seq``'s whole reservation (``admission_reserve``).
@@ -420,7 +486,7 @@ class Scheduler(ForkingMixin):
                 or seq.worker_id != worker_id
             ):
                 continue  # aborted, preempted or moved while the step ran
-            seq.num_computed_tokens += num_new
+            self._count_computed(ws, seq, num_new)
             salt = seq.sampling.cache_salt
             if seq.sampling.use_beam_search:
                 ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
@@ -449,6 +515,18 @@ class Scheduler(ForkingMixin):
         for request_id in finished_requests:
             self._forget_if_done(request_id)
         return outputs
+
+    def _count_computed(self, ws: WorkerState, seq: Sequence, num_new: int) -> None:
+        """Advance ``seq`` by ``num_new`` computed tokens; those below its high-water mark
+        (computed before a preemption discarded them) count as recomputed."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = end = start + num_new
+        if seq.max_computed_tokens > start:
+            redone = min(end, seq.max_computed_tokens) - start
+            ws.num_recomputed_tokens += redone
+            self.num_recomputed_tokens += redone
+        if end > seq.max_computed_tokens:
+            seq.max_computed_tokens = end
 
     # ------------------------------------------------------------------ wakeups
     def drain_wakeups(self) -> bool:
@@ -498,6 +576,7 @@ class Scheduler(ForkingMixin):
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        ws.num_preemptions += 1
         self.metrics.on_preempted("recompute")
         self._enqueue(ws, seq, front=True)
         self._wake_others = True  # freed blocks and a requeued sequence: others may take it
@@ -586,6 +665,7 @@ class Scheduler(ForkingMixin):
             workers=workers,
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
+            num_recomputed_tokens=self.num_recomputed_tokens,
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:

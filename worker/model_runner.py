@@ -31,6 +31,7 @@ from pagedserve.scheduler.beam_search import num_beam_candidates
 from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs, SchedulerOutput
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.cpu_threads import ThreadGovernor
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool
 from pagedserve.worker.logits import compute_logprobs, process_logits
@@ -101,6 +102,9 @@ class ModelRunner:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        self.thread_governor: ThreadGovernor | None = None
+        if config.adaptive_threads and config.num_threads > 0 and self.device.type == "cpu":
+            self.thread_governor = ThreadGovernor(config.num_threads, torch.set_num_threads)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_path = resolve_model(config.model)
         self.arch = ModelArch.from_pretrained(self.model_path, config.model.max_model_len)
@@ -176,6 +180,8 @@ class ModelRunner:
                 position beyond ``max_model_len``).
         """
         start = time.perf_counter()
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         self._update_states(so)
         if so.blocks_to_copy:
             mapping = torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
