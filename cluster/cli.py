@@ -120,6 +120,12 @@ def _add_serve(sub: Any) -> None:
         "lost, or the latest arrival",
     )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="plan each step after the previous one's answer (no overlap of scheduling "
+        "and model execution)",
+    )
     p.add_argument("--cpus-per-worker", type=int, default=None)
     p.add_argument(
         "--no-adaptive-threads",
@@ -200,6 +206,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             admission=args.admission,
             admission_growth_ratio=args.admission_growth_ratio,
             preemption_victim=args.preemption_victim,
+            async_scheduling=not args.no_async_scheduling,
         ),
         server=ServerConfig(
             host=args.host,

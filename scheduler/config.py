@@ -55,6 +55,10 @@ class SchedulerConfig:
             whose preemption discards the fewest computed tokens;
             :mod:`pagedserve.scheduler.preemption`) or ``"latest"`` (the least urgent,
             latest arrival).
+        async_scheduling: overlapped scheduling: the scheduler plans and sends a
+            worker's step t+1 while step t runs (assuming each decode of t yields one
+            token; reconciled when t's answer arrives), so the worker does not idle
+            between steps. False: plan each step after the previous answer.
     """
 
     max_num_seqs: int = 64
@@ -69,6 +73,7 @@ class SchedulerConfig:
     admission: str = "projected"
     admission_growth_ratio: float = 1.0
     preemption_victim: str = "least-waste"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

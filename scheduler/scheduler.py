@@ -252,9 +252,15 @@ class Scheduler(ForkingMixin):
         idx = 0
         while idx < len(ws.running) and budget > 0:
             seq = ws.running[idx]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 and self._awaits_beam_step(seq):
-                idx += 1  # reported its candidates; waits for its sibling beams
+            # Overlapped scheduling: a step in flight counts as done, each token it will
+            # sample as known (a placeholder); without overlap both counts are 0 here.
+            computed = seq.num_computed_tokens + seq.num_inflight_tokens
+            if seq.num_pending_tokens and self._ends_with_pending(seq):
+                idx += 1  # the step in flight samples its last token
+                continue
+            num_new = min(seq.num_tokens + seq.num_pending_tokens - computed, budget)
+            if num_new <= 0 and (seq.num_inflight_tokens or self._awaits_beam_step(seq)):
+                idx += 1  # reported its candidates (or will): waits for its sibling beams
                 continue
             if num_new <= 0:
                 # A running sequence always has its sampled token left to compute: update()
@@ -264,7 +270,7 @@ class Scheduler(ForkingMixin):
                     f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
                 )
             while True:
-                result = kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+                result = kv.allocate_slots(seq.seq_id, computed + num_new)
                 if result is not None:
                     break
                 victim = self._choose_victim(ws, idx)
@@ -366,7 +372,7 @@ class Scheduler(ForkingMixin):
                 allocated = kv.get_num_tokens(seq.seq_id)
             else:
                 exclusive = allocated = 0
-            n = seq.num_tokens
+            n = seq.num_tokens + seq.num_pending_tokens
             proj.add_running(exclusive, allocated, n, self._growth(seq, n))
             proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
         return proj
@@ -427,8 +433,13 @@ class Scheduler(ForkingMixin):
     ) -> SchedulerOutput:
         new_seqs: list[NewSequenceData] = []
         cached: list[CachedSequenceData] = []
-        for seq_id in num_scheduled:
+        for seq_id, num_new in num_scheduled.items():
             seq = self.sequences[seq_id]
+            computed = seq.num_computed_tokens + seq.num_inflight_tokens
+            seq.num_inflight_tokens += num_new
+            samples = computed + num_new == seq.num_tokens + seq.num_pending_tokens
+            if samples and not seq.sampling.use_beam_search:
+                seq.num_pending_tokens += 1  # the worker samples a token for it
             if seq_id not in ws.resident:
                 new_seqs.append(
                     NewSequenceData(
@@ -442,6 +453,7 @@ class Scheduler(ForkingMixin):
                     )
                 )
                 ws.resident.add(seq_id)
+                seq.resident_since_step = ws.next_step_id
             else:
                 start, block_ids = new_blocks[seq_id]
                 cached.append(
@@ -449,7 +461,7 @@ class Scheduler(ForkingMixin):
                         seq_id=seq.seq_id,
                         new_blocks_start=start,
                         new_block_ids=block_ids,
-                        num_computed_tokens=seq.num_computed_tokens,
+                        num_computed_tokens=computed,
                         new_token_ids=seq.unsent_token_ids,
                     )
                 )
@@ -484,8 +496,10 @@ class Scheduler(ForkingMixin):
                 seq is None
                 or seq.status is not SequenceStatus.RUNNING
                 or seq.worker_id != worker_id
+                or sched_out.step_id < seq.resident_since_step
             ):
                 continue  # aborted, preempted or moved while the step ran
+            seq.num_inflight_tokens -= num_new
             self._count_computed(ws, seq, num_new)
             salt = seq.sampling.cache_salt
             if seq.sampling.use_beam_search:
@@ -498,6 +512,8 @@ class Scheduler(ForkingMixin):
             if token is None:
                 ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 continue
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= 1
             seq.append_token(token)
             self.metrics.on_token(seq)
             lp = runner_out.logprobs.get(seq_id)
@@ -515,6 +531,15 @@ class Scheduler(ForkingMixin):
         for request_id in finished_requests:
             self._forget_if_done(request_id)
         return outputs
+
+    @staticmethod
+    def _ends_with_pending(seq: Sequence) -> bool:
+        """Whether the tokens the steps in flight sample end ``seq`` by length."""
+        pending = seq.num_pending_tokens
+        return (
+            len(seq.output_token_ids) + pending >= seq.sampling.max_tokens
+            or seq.num_tokens + pending >= seq.max_total_tokens
+        )
 
     def _count_computed(self, ws: WorkerState, seq: Sequence, num_new: int) -> None:
         """Advance ``seq`` by ``num_new`` computed tokens; those below its high-water mark
@@ -586,6 +611,7 @@ class Scheduler(ForkingMixin):
         """Take a running sequence off its worker: batch, blocks, and worker state."""
         ws.running.remove(seq)
         seq.unsent_token_ids = []  # a resumed sequence is sent in full
+        seq.num_inflight_tokens = seq.num_pending_tokens = 0  # answers in flight are dropped
         if ws.kv.has_seq(seq.seq_id):  # a forked 1-token-prompt choice may hold none yet
             ws.kv.free(seq.seq_id)
         if seq.seq_id in ws.resident:
