@@ -46,6 +46,7 @@ HISTOGRAMS = {
     "request_prompt_tokens": "Prompt length per finished sequence, tokens.",
     "request_generation_tokens": "Output tokens per finished sequence, tokens.",
     "iteration_tokens_total": "Tokens computed per worker step (prefill chunks + decodes).",
+    "worker_step_gap_seconds": "Idle time of a busy worker between two steps, seconds.",
 }
 
 

@@ -130,6 +130,8 @@ class RunnerOutput:
         beam_candidates: seq_id -> the ``(token_id, logprob)`` pairs (best first, fp32
             log-softmax of the raw logits) of a beam-search sequence whose tokens are all
             computed; such sequences sample nothing and appear only here.
+        started_s: when the worker started the step (its monotonic clock, seconds; 0.0
+            when unknown): with ``execute_time_s``, the idle gap between two steps.
     """
 
     step_id: int
@@ -137,3 +139,4 @@ class RunnerOutput:
     execute_time_s: float = 0.0
     logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
     beam_candidates: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    started_s: float = 0.0

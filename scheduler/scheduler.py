@@ -490,6 +490,10 @@ class Scheduler(ForkingMixin):
         outputs: list[SequenceOutput] = []
         finished_requests: set[str] = set()
         self.metrics.on_step(sum(sched_out.num_scheduled_tokens.values()))
+        if runner_out.started_s > 0.0:
+            if ws.last_step_end_s is not None:
+                self.metrics.on_step_gap(runner_out.started_s - ws.last_step_end_s)
+            ws.last_step_end_s = runner_out.started_s + runner_out.execute_time_s
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
             seq = self.sequences.get(seq_id)
             if (
@@ -530,6 +534,8 @@ class Scheduler(ForkingMixin):
             outputs.append(self._delta(seq, (token,)))
         for request_id in finished_requests:
             self._forget_if_done(request_id)
+        if not ws.running:
+            ws.last_step_end_s = None  # the worker may idle for want of work: no gap
         return outputs
 
     @staticmethod

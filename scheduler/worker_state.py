@@ -49,6 +49,8 @@ class WorkerState:
     alive: bool = True
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    # When the worker's last step ended (its clock) if work remained; None when idle.
+    last_step_end_s: float | None = None
 
     @property
     def load(self) -> int:

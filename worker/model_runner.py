@@ -180,6 +180,7 @@ class ModelRunner:
                 position beyond ``max_model_len``).
         """
         start = time.perf_counter()
+        started_s = time.monotonic()
         if self.thread_governor is not None:
             self.thread_governor.tick()
         self._update_states(so)
@@ -189,7 +190,7 @@ class ModelRunner:
                 self.kv_pool.key_caches, self.kv_pool.value_caches, mapping, self.backend
             )
         if not so.num_scheduled_tokens:
-            return RunnerOutput(so.step_id, {}, time.perf_counter() - start)
+            return RunnerOutput(so.step_id, {}, time.perf_counter() - start, started_s=started_s)
 
         scheduled = [(self.seqs[r], n) for r, n in so.num_scheduled_tokens.items()]
         for state, n in scheduled:
@@ -226,7 +227,9 @@ class ModelRunner:
             if state.seq_id not in beams:  # beam search: the scheduler chooses the token
                 state.token_ids.append(token)
                 sampled[state.seq_id] = token
-        return RunnerOutput(so.step_id, sampled, time.perf_counter() - start, logprobs, beams)
+        return RunnerOutput(
+            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, started_s
+        )
 
     def _beam_candidates(
         self, logits: torch.Tensor, states: list[SequenceState]
