@@ -385,14 +385,17 @@ class Scheduler(ForkingMixin):
     def _candidate_footprints(
         self, ws: WorkerState, seq: Sequence, computed_blocks: list[int]
     ) -> list[Footprint]:
-        """Footprints of a waiting sequence and the choices that will fork from it; its
-        prefix-cache hits on blocks others hold add nothing."""
+        """Footprints of a waiting sequence and the choices (or beams) that will fork from
+        it; its prefix-cache hits on blocks others hold add nothing."""
         kv = ws.kv
         bs = ws.spec.block_size
         held = sum(1 for b in computed_blocks if kv.get_ref_count(b) > 0)
         n = seq.num_tokens
         out = [Footprint(-held, n, self._growth(seq, n))]
-        out.extend(self._child_footprint(seq, bs) for _ in seq.fork_children)
+        forks = len(seq.fork_children)
+        if seq.sampling.use_beam_search and not seq.output_token_ids:
+            forks += seq.sampling.beam_width - 1  # the beams fork from it after the prompt
+        out.extend(self._child_footprint(seq, bs) for _ in range(forks))
         return out
 
     def _choose_victim(self, ws: WorkerState, idx: int) -> Sequence:
