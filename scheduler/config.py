@@ -45,7 +45,7 @@ class SchedulerConfig:
             projected peak of the worker's pool, over the steps until its running
             sequences finish, still fits (:mod:`pagedserve.scheduler.admission`);
             ``"fits-now"`` admits whatever fits the free pool now and preempts as
-            sequences grow (vLLM v1's rule).
+            sequences grow (vLLM v1's rule). Not applied with an ``admission_reserve``.
         admission_growth_ratio: in (0, 1]: the share of each sequence's remaining
             ``max_tokens`` the projection assumes it still generates. 1.0 never admits a
             sequence whose growth would force a preemption later; smaller values admit

@@ -310,6 +310,7 @@ class Scheduler(ForkingMixin):
         # Choices still to fork from running sequences hold their seats in the batch.
         seats = ws.num_seats
         projection: GrowthProjection | None = None
+        reserve = self.config.admission_reserve  # a reservation mode needs no projection
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
             width = 1 + len(seq.fork_children)
@@ -323,10 +324,10 @@ class Scheduler(ForkingMixin):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.config.admission_reserve != "none" and not self._reservation_fits(ws, seq):
+            if reserve != "none" and not self._reservation_fits(ws, seq):
                 break
             footprints: list[Footprint] = []
-            if self.config.admission == "projected" and ws.running:
+            if self.config.admission == "projected" and reserve == "none" and ws.running:
                 if projection is None:
                     projection = self._projection(ws)
                 footprints = self._candidate_footprints(ws, seq, computed_blocks)
