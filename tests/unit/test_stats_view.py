@@ -42,7 +42,7 @@ class _Tok:
 
 def _preempted_scheduler() -> Scheduler:
     # Worker 1: two 6-token prompts in 4 blocks of 4, admitted whatever fits now: one
-    # preemption, 7 tokens recomputed (see test_scheduler_pressure). Worker 0 stays idle.
+    # preemption, 8 tokens recomputed (see test_scheduler_pressure). Worker 0 stays idle.
     cfg = SchedulerConfig(
         max_model_len=64, admission="fits-now", preemption_victim="latest",
         enable_prefix_caching=False, routing="round-robin",
@@ -78,15 +78,15 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         address = f"127.0.0.1:{port}"
         with Client(address, timeout_s=30) as c:
             st = c.stats()
-        assert st["num_preemptions"] == 1 and st["num_recomputed_tokens"] == 7
+        assert st["num_preemptions"] == 1 and st["num_recomputed_tokens"] == 8
         w0, w1 = st["workers"]
         assert (w0["num_preemptions"], w0["num_recomputed_tokens"]) == (0, 0)
-        assert (w1["num_preemptions"], w1["num_recomputed_tokens"]) == (1, 7)
+        assert (w1["num_preemptions"], w1["num_recomputed_tokens"]) == (1, 8)
         assert main(["stats", "--address", address, "--output", "json"]) == 0
         assert json.loads(capsys.readouterr().out) == st
         assert main(["stats", "--address", address]) == 0
         text = capsys.readouterr().out
-        assert "recomputed tokens 7" in text and "preemptions" in text
+        assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
