@@ -291,7 +291,9 @@ class Scheduler(ForkingMixin):
             # NOTE: an empty queue steals one sequence at a time, each admitted at once;
             # one that does not fit stays queued here (this worker is then not idle).
             while not ws.waiting and budget > 0:
-                found = self._router.find_stealable(ws, self.workers, self._pinned)
+                found = self._router.find_stealable(
+                    ws, self.workers, self._pinned, self._projection_admits
+                )
                 if found is None:
                     break
                 victim, seq = found
@@ -377,6 +379,20 @@ class Scheduler(ForkingMixin):
             proj.add_running(exclusive, allocated, n, self._growth(seq, n))
             proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
         return proj
+
+    def _projection_admits(self, ws: WorkerState, seq: Sequence) -> bool:
+        """Whether ``ws``'s projected-growth rule would admit ``seq`` now (True when that
+        rule is off or nothing runs there)."""
+        if (
+            self.config.admission != "projected"
+            or self.config.admission_reserve != "none"
+            or not ws.running
+        ):
+            return True
+        computed, _ = ws.kv.get_computed_blocks(
+            seq.all_token_ids, seq.sampling.cache_salt, count=False
+        )
+        return self._projection(ws).fits(self._candidate_footprints(ws, seq, computed))
 
     def _child_footprint(self, parent: Sequence, bs: int) -> Footprint:
         """A choice still to fork from ``parent``: it will share the prompt's full blocks."""
