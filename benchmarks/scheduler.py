@@ -9,7 +9,8 @@ the prefills, ``--steps`` decode steps are timed. Two cases:
   admission check (the projected-growth test of ``scheduler/admission.py``) and refuses.
 
 The fake worker answers every scheduled sequence with one token, as a real worker does, at
-no cost. Reports microseconds per step (mean, p50, p99) and per sequence; the growth from
+no cost. Reports microseconds per step (mean, p50, p99; and the p50 of the stepping
+thread's CPU time, which a shared machine inflates less) and per sequence; the growth from
 one size to the next shows how the cost scales. Writes ``benchmarks/results/scheduler.json``
 (or ``--out``).
 
@@ -77,16 +78,19 @@ def measure(n: int, prompt_len: int, steps: int, queued: bool) -> dict[str, floa
     """Time ``steps`` decode steps (schedule + fake worker + update) at batch ``n``."""
     s = build(n, prompt_len, steps, queued)
     times: list[float] = []
+    cpu: list[float] = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         so = s.schedule(0)
         ro = fake_execute(so)
         s.update(0, so, ro)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
         if len(so.num_scheduled_tokens) != n:
             raise RuntimeError(f"step scheduled {len(so.num_scheduled_tokens)} of {n}")
     s.check_integrity()
     times.sort()
+    cpu.sort()
     us = [t * 1e6 for t in times]
     return {
         "num_running": n,
@@ -94,6 +98,8 @@ def measure(n: int, prompt_len: int, steps: int, queued: bool) -> dict[str, floa
         "p50_us": us[len(us) // 2],
         "p99_us": us[min(len(us) - 1, int(len(us) * 0.99))],
         "per_seq_us": statistics.fmean(us) / n,
+        # CPU time of the stepping thread: what the step costs when the machine is shared
+        "cpu_p50_us": cpu[len(cpu) // 2] * 1e6,
     }
 
 
@@ -116,6 +122,7 @@ def main() -> None:
             print(
                 f"{case:13s} N={n:5d}  mean {row['mean_us']:9.1f} us  p50 {row['p50_us']:9.1f}"
                 f"  p99 {row['p99_us']:9.1f}  per seq {row['per_seq_us']:6.2f} us"
+                f"  cpu p50 {row['cpu_p50_us']:9.1f} us"
             )
         results[case] = rows
     out = {

@@ -62,9 +62,12 @@ class NewSequenceData:
     choice_index: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CachedSequenceData:
     """A sequence the worker already holds; only what changed since its last step.
+
+    Built for every running sequence at every step, so not frozen (a frozen dataclass's
+    ``__init__`` costs ~4x a plain one's); treat it as immutable.
 
     Attributes:
         seq_id: sequence id.

@@ -47,8 +47,9 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 from __future__ import annotations
 
 import math
+import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.config import SchedulerConfig
@@ -114,6 +115,10 @@ class Scheduler(ForkingMixin):
         self.num_recomputed_tokens = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
         self._wake_others = False
+        # The batch's sort key: arrival alone under fcfs (same order as _rank, cheaper).
+        self._sort_key: Callable[[Sequence], object] = (
+            operator.attrgetter("arrival_s") if config.scheduling_policy == "fcfs" else self._rank
+        )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -247,7 +252,7 @@ class Scheduler(ForkingMixin):
         # so forks stay behind their parent) and the victim is its last sequence: an
         # older sequence's blocks are never taken by a younger one, so the oldest always
         # progresses (no mutual preemption), even after it was preempted and re-admitted.
-        ws.running.sort(key=self._rank)
+        ws.running.sort(key=self._sort_key)
 
         idx = 0
         while idx < len(ws.running) and budget > 0:
@@ -514,37 +519,51 @@ class Scheduler(ForkingMixin):
             if ws.last_step_end_s is not None:
                 self.metrics.on_step_gap(runner_out.started_s - ws.last_step_end_s)
             ws.last_step_end_s = runner_out.started_s + runner_out.execute_time_s
+        # NOTE: the hot path of a step (one pass per scheduled sequence): lookups hoisted.
+        sequences = self.sequences
+        kv = ws.kv
+        sampled = runner_out.sampled_token_ids
+        logprobs = runner_out.logprobs
+        on_token = self.metrics.on_token
+        running = SequenceStatus.RUNNING
+        step_id = sched_out.step_id
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
-            seq = self.sequences.get(seq_id)
+            seq = sequences.get(seq_id)
             if (
                 seq is None
-                or seq.status is not SequenceStatus.RUNNING
+                or seq.status is not running
                 or seq.worker_id != worker_id
-                or sched_out.step_id < seq.resident_since_step
+                or step_id < seq.resident_since_step
             ):
                 continue  # aborted, preempted or moved while the step ran
             seq.num_inflight_tokens -= num_new
-            self._count_computed(ws, seq, num_new)
+            if seq.max_computed_tokens > seq.num_computed_tokens:  # recomputing
+                self._count_computed(ws, seq, num_new)
+            else:
+                seq.num_computed_tokens = seq.max_computed_tokens = (
+                    seq.num_computed_tokens + num_new
+                )
             salt = seq.sampling.cache_salt
             if seq.sampling.use_beam_search:
-                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 candidates = runner_out.beam_candidates.get(seq_id)
                 if candidates is not None:
                     outputs.extend(self._beam_report(seq, candidates))
                 continue
-            token = runner_out.sampled_token_ids.get(seq_id)
+            token = sampled.get(seq_id)
             if token is None:
-                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 continue
             if seq.num_pending_tokens:
                 seq.num_pending_tokens -= 1
             seq.append_token(token)
-            self.metrics.on_token(seq)
-            lp = runner_out.logprobs.get(seq_id)
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp.logprob
-            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+            on_token(seq)
+            if logprobs:
+                lp = logprobs.get(seq_id)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                    seq.cumulative_logprob += lp.logprob
+            kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
             if seq.fork_children:
                 self._fork_children(ws, seq)
             reason = seq.check_stop()
