@@ -361,12 +361,18 @@ class Scheduler(ForkingMixin):
         return budget
 
     def _growth(self, seq: Sequence, num_tokens: int) -> int:
-        """Token slots a sequence with ``num_tokens`` known tokens may still add (its last
-        sampled token is never stored), scaled by ``admission_growth_ratio``."""
+        """Steps a sequence with ``num_tokens`` known tokens may still grow (its last
+        sampled token is never stored), scaled by ``admission_growth_ratio``.
+
+        NOTE: with overlapped scheduling a finished sequence's blocks are freed when its
+        last step's answer is applied, which is after the next step was planned: it holds
+        them one step longer, counted here as one more step of growth (at most one block
+        too many per sequence)."""
+        lag = 1 if self.config.async_scheduling else 0
         remaining = seq.max_total_tokens - 1 - num_tokens
         if remaining <= 0:
-            return 0
-        return math.ceil(remaining * self.config.admission_growth_ratio)
+            return lag
+        return math.ceil(remaining * self.config.admission_growth_ratio) + lag
 
     def _projection(self, ws: WorkerState) -> GrowthProjection:
         """The projected demand of ``ws``'s running batch (:mod:`.admission`)."""
