@@ -208,6 +208,8 @@ def run_workload(address: str, reqs: list[dict[str, Any]], concurrency: int) -> 
 
 
 def main() -> None:
+    # A SIGTERM (e.g. from `timeout`) must still stop the server subprocess.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     argv = sys.argv[1:]
     extra: list[str] = []
     if "--" in argv:
