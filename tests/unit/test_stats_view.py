@@ -91,3 +91,26 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
+
+
+def test_serve_flags_reach_the_configs():
+    from pagedserve.cluster.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(
+        ["serve", "--admission", "fits-now", "--admission-growth-ratio", "0.5",
+         "--preemption-victim", "latest", "--no-async-scheduling", "--no-adaptive-threads",
+         "--cpus-per-worker", "2"]
+    )  # fmt: skip
+    cfg = serve_config(args)
+    sc = cfg.scheduler
+    assert (sc.admission, sc.admission_growth_ratio, sc.preemption_victim) == (
+        "fits-now",
+        0.5,
+        "latest",
+    )
+    assert sc.async_scheduling is False
+    wc = cfg.worker_config(0)
+    assert (wc.num_threads, wc.adaptive_threads) == (2, False)
+    default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.scheduler.admission == "projected" and default.scheduler.async_scheduling
+    assert default.worker_config(0).adaptive_threads
