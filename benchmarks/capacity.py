@@ -63,6 +63,7 @@ def run_one(
             max_model_len=info.max_model_len,
             max_num_seqs=max_num_seqs,
             admission_reserve=reserve,
+            admission="fits-now",  # paged = admit by current need (vLLM's rule), as measured
             enable_prefix_caching=False,  # only the admission policy differs between runs
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],

@@ -26,8 +26,10 @@ from pagedserve.cluster.config import (
     ServerConfig,
 )
 from pagedserve.scheduler.config import (
+    ADMISSION_POLICIES,
     ADMISSION_RESERVES,
     PREEMPTION_MODES,
+    PREEMPTION_VICTIMS,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
 )
@@ -136,8 +138,40 @@ def _add_serve(sub: Any) -> None:
         default=4.0,
         help="GiB of CPU memory in the host block store (0 = no store: recompute only)",
     )
+    p.add_argument(
+        "--admission",
+        choices=ADMISSION_POLICIES,
+        default="projected",
+        help="admit while the pool's projected peak (running sequences growing to their "
+        "max_tokens) fits, or whatever fits now (preempting as sequences grow)",
+    )
+    p.add_argument(
+        "--admission-growth-ratio",
+        type=float,
+        default=1.0,
+        help="projected admission: share of the remaining max_tokens assumed (0..1]; "
+        "below 1 admits more at the risk of preemptions",
+    )
+    p.add_argument(
+        "--preemption-victim",
+        choices=PREEMPTION_VICTIMS,
+        default="least-waste",
+        help="which younger running sequence loses its blocks: fewest computed tokens "
+        "lost, or the latest arrival",
+    )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    p.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="plan each step after the previous one's answer (no overlap of scheduling "
+        "and model execution)",
+    )
     p.add_argument("--cpus-per-worker", type=int, default=None)
+    p.add_argument(
+        "--no-adaptive-threads",
+        action="store_true",
+        help="keep --cpus-per-worker torch threads even while other processes busy the cores",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument(
@@ -261,6 +295,10 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             scheduling_policy=args.scheduling_policy,
             admission_reserve=args.reserve,
             preemption_mode=args.preemption_mode,
+            admission=args.admission,
+            admission_growth_ratio=args.admission_growth_ratio,
+            preemption_victim=args.preemption_victim,
+            async_scheduling=not args.no_async_scheduling,
         ),
         server=ServerConfig(
             host=args.host,
@@ -282,6 +320,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         worker_max_restarts=args.worker_max_restarts,
         scheduler_max_restarts=args.scheduler_max_restarts,
         swap_space=int(args.swap_space * (1 << 30)),
+        adaptive_threads=not args.no_adaptive_threads,
     )
     return config
 
@@ -343,7 +382,7 @@ def _stats(args: argparse.Namespace) -> int:
     console.print(
         f"model {st['model']}  max_model_len {st['max_model_len']}  running "
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
-        f"{st['num_preemptions']}"
+        f"{st['num_preemptions']}  recomputed tokens {st['num_recomputed_tokens']}"
     )
     sw = st["swap"]
     console.print(
@@ -362,6 +401,8 @@ def _stats(args: argparse.Namespace) -> int:
         "running",
         "waiting",
         "prefix_hit_rate",
+        "preemptions",
+        "recomputed",
         "alive",
     )
     for w in st["workers"]:
@@ -374,6 +415,8 @@ def _stats(args: argparse.Namespace) -> int:
             str(w["num_requests_running"]),
             str(w["num_requests_waiting"]),
             f"{w['prefix_cache_hit_rate']:.3f}",
+            str(w["num_preemptions"]),
+            str(w["num_recomputed_tokens"]),
             "yes" if w["alive"] else "no",
         )
     console.print(table)

@@ -346,6 +346,7 @@ class Client:
                 "num_swap_failures": r.swap.num_swap_failures,
                 "preemptions_by_mode": dict(r.swap.preemptions_by_mode),
             },
+            "num_recomputed_tokens": r.num_recomputed_tokens,
             "workers": [
                 {
                     "worker_id": w.worker_id,
@@ -356,6 +357,8 @@ class Client:
                     "num_requests_running": w.num_requests_running,
                     "num_requests_waiting": w.num_requests_waiting,
                     "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
+                    "num_preemptions": w.num_preemptions,
+                    "num_recomputed_tokens": w.num_recomputed_tokens,
                     "alive": w.alive,
                 }
                 for w in r.workers

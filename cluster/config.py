@@ -102,6 +102,8 @@ class ClusterConfig:
         swap_space: bytes of CPU memory of the host block store that swap preemption
             uses (``scheduler.preemption_mode`` swap or auto); 0 starts no store and
             preempts by recompute only.
+        adaptive_threads: CPU workers use fewer torch threads while other processes keep
+            cores busy (see :mod:`pagedserve.worker.cpu_threads`).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -116,6 +118,7 @@ class ClusterConfig:
     worker_max_restarts: int = 3
     scheduler_max_restarts: int = 3
     swap_space: int = 0
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:
@@ -136,4 +139,5 @@ class ClusterConfig:
             device=self.device,
             num_threads=self.cpus_per_worker,
             attention_backend=self.attention_backend,
+            adaptive_threads=self.adaptive_threads,
         )

@@ -226,6 +226,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             num_requests_running=st.num_running,
             num_requests_waiting=st.num_waiting,
             num_preemptions=st.num_preemptions,
+            num_recomputed_tokens=st.num_recomputed_tokens,
             model=self._info.name,
             max_model_len=self._info.max_model_len,
         )
@@ -255,6 +256,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 alive=w.alive,
                 num_requests_waiting=w.num_waiting,
                 prefix_cache_hit_rate=w.prefix_cache_hit_rate,
+                num_preemptions=w.num_preemptions,
+                num_recomputed_tokens=w.num_recomputed_tokens,
             )
         return resp
 

@@ -46,6 +46,7 @@ HISTOGRAMS = {
     "request_prompt_tokens": "Prompt length per finished sequence, tokens.",
     "request_generation_tokens": "Output tokens per finished sequence, tokens.",
     "iteration_tokens_total": "Tokens computed per worker step (prefill chunks + decodes).",
+    "worker_step_gap_seconds": "Idle time of a busy worker between two steps, seconds.",
 }
 
 
@@ -131,6 +132,13 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
     pre = counter("num_preemptions", "Preemptions by mode.", [*m, "mode"])
     for mode, n in sorted(snap.num_preemptions.items()):
         pre.add_metric([model_name, mode], n)
+    recomputed = counter(
+        "num_recomputed_tokens",
+        "Tokens computed again after a preemption discarded their KV, tokens.",
+        mw,
+    )
+    for w in st.workers:
+        recomputed.add_metric([model_name, str(w.worker_id)], w.num_recomputed_tokens)
     counter(
         "prefix_cache_queries", "Prompt tokens looked up in the prefix cache, tokens."
     ).add_metric([model_name], st.prefix_cache_queries)

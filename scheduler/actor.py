@@ -22,6 +22,7 @@ import ray
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.metrics import MetricsSnapshot
+from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
@@ -74,7 +75,7 @@ class SchedulerActor:
         for wid in self._scheduler.workers:
             if wid not in self._loops:
                 self._wakeups[wid] = asyncio.Event()
-                self._loops[wid] = loop.create_task(self._step_loop(wid))
+                self._loops[wid] = loop.create_task(self._step_loop_fn()(wid))
         if self._monitor is None:
             self._monitor = loop.create_task(self._probe_idle_workers(self._probe_interval_s))
         await self._workers_reset  # no request is added before the workers are clean
@@ -209,6 +210,14 @@ class SchedulerActor:
             if queue is not None:
                 queue.put_nowait(out)
 
+    def _step_loop_fn(self) -> Any:
+        """The per-worker loop: overlapped when ``async_scheduling`` is on and no host
+        block store is in use (swap transfers are planned against the step before them,
+        so swapping runs with serial steps)."""
+        if self._scheduler.config.async_scheduling and self._swap is None:
+            return self._overlapped_step_loop
+        return self._step_loop
+
     async def _step_loop(self, worker_id: int) -> None:
         worker = self._workers[worker_id]
         wake = self._wakeups[worker_id]
@@ -248,6 +257,61 @@ class SchedulerActor:
             self._dispatch(outputs)
             if any(o.finish_reason is not None for o in outputs) or sched.drain_wakeups():
                 self._wake_all()  # freed blocks may let another worker admit
+
+    async def _overlapped_step_loop(self, worker_id: int) -> None:
+        """:meth:`_step_loop` with step t+1 planned and sent while step t runs.
+
+        The scheduler plans t+1 as if t's decodes each yield one token (``Sequence.
+        num_pending_tokens``) and reconciles when t's answer arrives; the worker actor runs
+        one call at a time, in order, so t+1 starts as soon as t ends, without waiting
+        for the scheduler's update and the next schedule. A stop found in t's answer
+        drops that sequence's t+1 result (one wasted slot, never streamed).
+        """
+        worker = self._workers[worker_id]
+        wake = self._wakeups[worker_id]
+        sched = self._scheduler
+        if self._workers_reset is not None:
+            await self._workers_reset
+        inflight: tuple[SchedulerOutput, Any] | None = None
+        while True:
+            nxt: tuple[SchedulerOutput, Any] | None = None
+            if sched.has_work(worker_id):
+                sched_out = sched.schedule(worker_id)
+                if sched.drain_wakeups():
+                    self._wake_all()
+                if not sched_out.is_empty:
+                    self._in_step.add(worker_id)
+                    nxt = (sched_out, worker.execute_model.remote(sched_out))
+            if inflight is None:
+                if nxt is None:
+                    wake.clear()
+                    await wake.wait()
+                else:
+                    inflight = nxt  # plan the next step while this one runs
+                continue
+            sched_out, ref = inflight
+            try:
+                runner_out = await ref
+            except ray.exceptions.RayActorError:
+                log.exception("worker %d died; requeueing its sequences", worker_id)
+                self._in_step.discard(worker_id)
+                self._dispatch(sched.mark_worker_dead(worker_id))
+                self._wake_all()
+                return
+            except Exception:
+                log.exception("worker %d failed a step; aborting its requests", worker_id)
+                self._dispatch(sched.fail_step(worker_id, sched_out))
+                self._wake_all()
+                inflight = nxt
+                continue
+            finally:
+                if nxt is None:
+                    self._in_step.discard(worker_id)
+            inflight = nxt
+            outputs = sched.update(worker_id, sched_out, runner_out)
+            self._dispatch(outputs)
+            if any(o.finish_reason is not None for o in outputs) or sched.drain_wakeups():
+                self._wake_all()
 
     async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:
         """Ping idle live workers so a worker that dies between steps is noticed, and
@@ -294,7 +358,7 @@ class SchedulerActor:
         old = self._loops.get(worker_id)
         if old is None or old.done():  # its loop ended at the death (a probe's: it idles)
             self._loops[worker_id] = asyncio.get_running_loop().create_task(
-                self._step_loop(worker_id)
+                self._step_loop_fn()(worker_id)
             )
         log.warning("worker %d is back in service (empty pool)", worker_id)
         self._wake_all()

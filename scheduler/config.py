@@ -12,6 +12,8 @@ ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 ADMISSION_RESERVES = ("none", "max_tokens", "max_model_len")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
+ADMISSION_POLICIES = ("projected", "fits-now")
+PREEMPTION_VICTIMS = ("least-waste", "latest")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,24 @@ class SchedulerConfig:
             store and back; recompute when the store is full or unreachable) or
             ``"auto"`` (per victim, whichever the cost model estimates cheaper; see
             :mod:`pagedserve.scheduler.swap`). Swap needs a host store (``SwapSpec``).
+        admission: ``"projected"`` (default) admits a waiting sequence only while the
+            projected peak of the worker's pool, over the steps until its running
+            sequences finish, still fits (:mod:`pagedserve.scheduler.admission`);
+            ``"fits-now"`` admits whatever fits the free pool now and preempts as
+            sequences grow (vLLM v1's rule). Not applied with an ``admission_reserve``.
+        admission_growth_ratio: in (0, 1]: the share of each sequence's remaining
+            ``max_tokens`` the projection assumes it still generates. 1.0 never admits a
+            sequence whose growth would force a preemption later; smaller values admit
+            more (sequences that stop early leave room) at the risk of preempting.
+        preemption_victim: which running sequence gives its blocks up when one cannot
+            grow: ``"least-waste"`` (default: among the least urgent younger ones, the one
+            whose preemption discards the fewest computed tokens;
+            :mod:`pagedserve.scheduler.preemption`) or ``"latest"`` (the least urgent,
+            latest arrival).
+        async_scheduling: overlapped scheduling: the scheduler plans and sends a
+            worker's step t+1 while step t runs (assuming each decode of t yields one
+            token; reconciled when t's answer arrives), so the worker does not idle
+            between steps. False: plan each step after the previous answer.
     """
 
     max_num_seqs: int = 64
@@ -57,6 +77,10 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     admission_reserve: str = "none"
     preemption_mode: str = "recompute"
+    admission: str = "projected"
+    admission_growth_ratio: float = 1.0
+    preemption_victim: str = "least-waste"
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -86,4 +110,17 @@ class SchedulerConfig:
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}"
+            )
+        if self.admission not in ADMISSION_POLICIES:
+            raise ValueError(
+                f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}"
+            )
+        if not 0.0 < self.admission_growth_ratio <= 1.0:
+            raise ValueError(
+                f"admission_growth_ratio must be in (0, 1], got {self.admission_growth_ratio}"
+            )
+        if self.preemption_victim not in PREEMPTION_VICTIMS:
+            raise ValueError(
+                f"preemption_victim must be one of {PREEMPTION_VICTIMS}, "
+                f"got {self.preemption_victim!r}"
             )

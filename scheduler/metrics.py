@@ -49,6 +49,9 @@ REQUEST_LATENCY_BUCKETS_S = (
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
     240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
+STEP_GAP_BUCKETS_S = (
+    0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0,
+)  # fmt: skip
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -182,6 +185,7 @@ class SchedulerMetrics:
             "request_prompt_tokens": Histogram(token_buckets),
             "request_generation_tokens": Histogram(token_buckets),
             "iteration_tokens_total": Histogram(tuple(map(float, ITERATION_TOKENS_BUCKETS))),
+            "worker_step_gap_seconds": Histogram(STEP_GAP_BUCKETS_S),
         }
         self._times: dict[str, _SeqTimes] = {}
 
@@ -229,6 +233,10 @@ class SchedulerMetrics:
         sampling, the tokens delivered.
         """
         self.generation_tokens += num_tokens
+
+    def on_step_gap(self, gap_s: float) -> None:
+        """A busy worker idled ``gap_s`` seconds (its clock) between two steps."""
+        self.histograms["worker_step_gap_seconds"].observe(max(0.0, gap_s))
 
     def on_preempted(self, mode: str) -> None:
         """A running sequence was preempted (``mode``: one of PREEMPTION_MODES)."""

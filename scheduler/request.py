@@ -53,6 +53,15 @@ class Sequence:
         fork_children: the request's other choices (status ``PENDING_FORK``) that fork
             from this sequence once its prompt is computed (n > 1 parallel sampling).
         queued_on: while waiting, the worker whose waiting queue holds it (None otherwise).
+        max_computed_tokens: the most tokens whose K/V this sequence ever had computed (a
+            high-water mark over its preemptions): a token computed below it is recomputed.
+        num_inflight_tokens: overlapped scheduling: tokens scheduled in steps whose answer
+            has not been applied yet (counted as computed when the next step is planned).
+        num_pending_tokens: overlapped scheduling: tokens those steps will sample (known
+            to the worker, not yet to the scheduler); each is a placeholder for planning.
+        resident_since_step: the step that sent the sequence to its worker in full; an
+            answer to an earlier step (from before a preemption, or for a finished
+            sequence whose id was reused) is not applied to it.
     """
 
     seq_id: str
@@ -76,6 +85,10 @@ class Sequence:
     unsent_token_ids: list[int] = field(default_factory=list, repr=False)
     fork_children: list[Sequence] = field(default_factory=list, repr=False)
     queued_on: int | None = None
+    max_computed_tokens: int = 0
+    num_inflight_tokens: int = 0
+    num_pending_tokens: int = 0
+    resident_since_step: int = 0
     _all_token_ids: list[int] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
@@ -118,9 +131,12 @@ class Sequence:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceOutput:
     """A delta pushed to the frontend after a step.
+
+    Built for every sequence at every step, so not frozen (a frozen dataclass's
+    ``__init__`` costs ~4x a plain one's); treat it as immutable.
 
     Attributes:
         request_id: the client request.

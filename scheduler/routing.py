@@ -94,6 +94,7 @@ class Router:
         thief: WorkerState,
         workers: Mapping[int, WorkerState],
         pinned: Callable[[Sequence], bool],
+        admits: Callable[[WorkerState, Sequence], bool] | None = None,
     ) -> tuple[WorkerState, Sequence] | None:
         """A sequence queued for another live worker that ``thief`` may take, with its
         queue's worker; None when there is none.
@@ -102,7 +103,9 @@ class Router:
         with an empty batch admits its own queue at its next step. Walking a victim's queue in order, the
         victim keeps the sequences it could admit now that hit its prefix cache (their
         blocks and seats are set aside in turn); the first other one is stealable.
-        ``pinned`` sequences (beams whose siblings run) are never taken.
+        ``pinned`` sequences (beams whose siblings run) are never taken. ``admits(victim,
+        seq)``, when given, is the victim's own admission rule (e.g. projected growth): a
+        sequence it refuses is stealable even when the blocks are free.
         """
         victims = [
             ws
@@ -127,6 +130,8 @@ class Router:
                 need = -(-seq.num_tokens // kv.block_size) - len(computed) + len(fresh)
                 width = 1 + len(seq.fork_children)
                 if need > free or width > seats:
+                    return victim, seq
+                if admits is not None and not admits(victim, seq):
                     return victim, seq
                 revived.update(fresh)
                 free -= need

@@ -46,9 +46,12 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 
 from __future__ import annotations
 
+import math
+import operator
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
@@ -66,6 +69,7 @@ from pagedserve.scheduler.outputs import (
     RunnerOutput,
     SchedulerOutput,
 )
+from pagedserve.scheduler.preemption import choose_victim
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.routing import Router
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -117,9 +121,14 @@ class Scheduler(SwapMixin):
         self.requests: dict[str, list[Sequence]] = {}
         self.beam_requests: dict[str, BeamRequest] = {}
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
         self._wake_others = False
         self._init_swap(swap)
+        # The batch's sort key: arrival alone under fcfs (same order as _rank, cheaper).
+        self._sort_key: Callable[[Sequence], object] = (
+            operator.attrgetter("arrival_s") if config.scheduling_policy == "fcfs" else self._rank
+        )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -254,14 +263,20 @@ class Scheduler(SwapMixin):
         # so forks stay behind their parent) and the victim is its last sequence: an
         # older sequence's blocks are never taken by a younger one, so the oldest always
         # progresses (no mutual preemption), even after it was preempted and re-admitted.
-        ws.running.sort(key=self._rank)
+        ws.running.sort(key=self._sort_key)
 
         idx = 0
         while idx < len(ws.running) and budget > 0:
             seq = ws.running[idx]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 and self._awaits_beam_step(seq):
-                idx += 1  # reported its candidates; waits for its sibling beams
+            # Overlapped scheduling: a step in flight counts as done, each token it will
+            # sample as known (a placeholder); without overlap both counts are 0 here.
+            computed = seq.num_computed_tokens + seq.num_inflight_tokens
+            if seq.num_pending_tokens and self._ends_with_pending(seq):
+                idx += 1  # the step in flight samples its last token
+                continue
+            num_new = min(seq.num_tokens + seq.num_pending_tokens - computed, budget)
+            if num_new <= 0 and (seq.num_inflight_tokens or self._awaits_beam_step(seq)):
+                idx += 1  # reported its candidates (or will): waits for its sibling beams
                 continue
             if num_new <= 0:
                 # A running sequence always has its sampled token left to compute: update()
@@ -271,10 +286,10 @@ class Scheduler(SwapMixin):
                     f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
                 )
             while True:
-                result = kv.allocate_slots(seq.seq_id, seq.num_computed_tokens + num_new)
+                result = kv.allocate_slots(seq.seq_id, computed + num_new)
                 if result is not None:
                     break
-                victim = ws.running[-1]
+                victim = self._choose_victim(ws, idx)
                 self._preempt(ws, victim)
                 preempted = True
                 if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or its group)
@@ -292,7 +307,9 @@ class Scheduler(SwapMixin):
             # NOTE: an empty queue steals one sequence at a time, each admitted at once;
             # one that does not fit stays queued here (this worker is then not idle).
             while not ws.waiting and budget > 0:
-                found = self._router.find_stealable(ws, self.workers, self._pinned)
+                found = self._router.find_stealable(
+                    ws, self.workers, self._pinned, self._projection_admits
+                )
                 if found is None:
                     break
                 victim, seq = found
@@ -310,6 +327,8 @@ class Scheduler(SwapMixin):
         max_seqs = self.config.max_num_seqs
         # Choices still to fork from running sequences hold their seats in the batch.
         seats = ws.num_seats
+        projection: GrowthProjection | None = None
+        reserve = self.config.admission_reserve  # a reservation mode needs no projection
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
             if self._is_swapped(seq):  # resumes with its KV from the host store
@@ -329,13 +348,22 @@ class Scheduler(SwapMixin):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if self.config.admission_reserve != "none" and not self._reservation_fits(ws, seq):
+            if reserve != "none" and not self._reservation_fits(ws, seq):
                 break
+            footprints: list[Footprint] = []
+            if self.config.admission == "projected" and reserve == "none" and ws.running:
+                if projection is None:
+                    projection = self._projection(ws)
+                footprints = self._candidate_footprints(ws, seq, computed_blocks)
+                if not projection.fits(footprints):
+                    break
             result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
             if result is None:
                 break
             ws.waiting.popleft()
             seq.queued_on = None
+            if projection is not None:
+                projection.add(footprints)
             kv.record_prefix_query(len(tokens), num_computed)
             seq.status = SequenceStatus.RUNNING
             seq.worker_id = ws.spec.worker_id
@@ -348,6 +376,81 @@ class Scheduler(SwapMixin):
             budget -= num_new
             seats += width
         return budget
+
+    def _growth(self, seq: Sequence, num_tokens: int) -> int:
+        """Steps a sequence with ``num_tokens`` known tokens may still grow (its last
+        sampled token is never stored), scaled by ``admission_growth_ratio``.
+
+        NOTE: with overlapped scheduling a finished sequence's blocks are freed when its
+        last step's answer is applied, which is after the next step was planned: it holds
+        them one step longer, counted here as one more step of growth (at most one block
+        too many per sequence)."""
+        lag = 1 if self.config.async_scheduling else 0
+        remaining = seq.max_total_tokens - 1 - num_tokens
+        if remaining <= 0:
+            return lag
+        return math.ceil(remaining * self.config.admission_growth_ratio) + lag
+
+    def _projection(self, ws: WorkerState) -> GrowthProjection:
+        """The projected demand of ``ws``'s running batch (:mod:`.admission`)."""
+        kv = ws.kv
+        bs = ws.spec.block_size
+        proj = GrowthProjection(ws.spec.num_blocks, bs, ws.spec.num_blocks - kv.num_free_blocks)
+        for seq in ws.running:
+            if kv.has_seq(seq.seq_id):
+                ids = kv.get_block_ids(seq.seq_id)
+                exclusive = sum(1 for b in ids if kv.get_ref_count(b) == 1)
+                allocated = kv.get_num_tokens(seq.seq_id)
+            else:
+                exclusive = allocated = 0
+            n = seq.num_tokens + seq.num_pending_tokens
+            proj.add_running(exclusive, allocated, n, self._growth(seq, n))
+            proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
+        return proj
+
+    def _projection_admits(self, ws: WorkerState, seq: Sequence) -> bool:
+        """Whether ``ws``'s projected-growth rule would admit ``seq`` now (True when that
+        rule is off or nothing runs there)."""
+        if (
+            self.config.admission != "projected"
+            or self.config.admission_reserve != "none"
+            or not ws.running
+        ):
+            return True
+        computed, _ = ws.kv.get_computed_blocks(
+            seq.all_token_ids, seq.sampling.cache_salt, count=False
+        )
+        return self._projection(ws).fits(self._candidate_footprints(ws, seq, computed))
+
+    def _child_footprint(self, parent: Sequence, bs: int) -> Footprint:
+        """A choice still to fork from ``parent``: it will share the prompt's full blocks."""
+        p = parent.num_prompt_tokens
+        return Footprint(-((p - 1) // bs), p, self._growth(parent, p))
+
+    def _candidate_footprints(
+        self, ws: WorkerState, seq: Sequence, computed_blocks: list[int]
+    ) -> list[Footprint]:
+        """Footprints of a waiting sequence and the choices (or beams) that will fork from
+        it; its prefix-cache hits on blocks others hold add nothing."""
+        kv = ws.kv
+        bs = ws.spec.block_size
+        held = sum(1 for b in computed_blocks if kv.get_ref_count(b) > 0)
+        n = seq.num_tokens
+        out = [Footprint(-held, n, self._growth(seq, n))]
+        forks = len(seq.fork_children)
+        if seq.sampling.use_beam_search and not seq.output_token_ids:
+            forks += seq.sampling.beam_width - 1  # the beams fork from it after the prompt
+        out.extend(self._child_footprint(seq, bs) for _ in range(forks))
+        return out
+
+    def _choose_victim(self, ws: WorkerState, idx: int) -> Sequence:
+        """The sequence to preempt so that ``ws.running[idx]`` can grow (rank order kept:
+        only it or sequences ranked after it)."""
+        if self.config.preemption_victim == "latest":
+            return ws.running[-1]
+        return choose_victim(
+            ws.running[idx], ws.running[idx + 1 :], ws.kv, lambda s: self._rank(s)[0]
+        )
 
     def _reservation_fits(self, ws: WorkerState, seq: Sequence) -> bool:
         """Whether the free pool covers ``seq``'s whole reservation (``admission_reserve``).
@@ -378,8 +481,13 @@ class Scheduler(SwapMixin):
     ) -> SchedulerOutput:
         new_seqs: list[NewSequenceData] = []
         cached: list[CachedSequenceData] = []
-        for seq_id in num_scheduled:
+        for seq_id, num_new in num_scheduled.items():
             seq = self.sequences[seq_id]
+            computed = seq.num_computed_tokens + seq.num_inflight_tokens
+            seq.num_inflight_tokens += num_new
+            samples = computed + num_new == seq.num_tokens + seq.num_pending_tokens
+            if samples and not seq.sampling.use_beam_search:
+                seq.num_pending_tokens += 1  # the worker samples a token for it
             if seq_id not in ws.resident:
                 new_seqs.append(
                     NewSequenceData(
@@ -393,6 +501,7 @@ class Scheduler(SwapMixin):
                     )
                 )
                 ws.resident.add(seq_id)
+                seq.resident_since_step = ws.next_step_id
             else:
                 start, block_ids = new_blocks[seq_id]
                 cached.append(
@@ -400,7 +509,7 @@ class Scheduler(SwapMixin):
                         seq_id=seq.seq_id,
                         new_blocks_start=start,
                         new_block_ids=block_ids,
-                        num_computed_tokens=seq.num_computed_tokens,
+                        num_computed_tokens=computed,
                         new_token_ids=seq.unsent_token_ids,
                     )
                 )
@@ -435,33 +544,55 @@ class Scheduler(SwapMixin):
         finished_requests: set[str] = set()
         self._apply_swap_results(worker_id, sched_out, runner_out)
         self.metrics.on_step(sum(sched_out.num_scheduled_tokens.values()))
+        if runner_out.started_s > 0.0:
+            if ws.last_step_end_s is not None:
+                self.metrics.on_step_gap(runner_out.started_s - ws.last_step_end_s)
+            ws.last_step_end_s = runner_out.started_s + runner_out.execute_time_s
+        # NOTE: the hot path of a step (one pass per scheduled sequence): lookups hoisted.
+        sequences = self.sequences
+        kv = ws.kv
+        sampled = runner_out.sampled_token_ids
+        logprobs = runner_out.logprobs
+        on_token = self.metrics.on_token
+        running = SequenceStatus.RUNNING
+        step_id = sched_out.step_id
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
-            seq = self.sequences.get(seq_id)
+            seq = sequences.get(seq_id)
             if (
                 seq is None
-                or seq.status is not SequenceStatus.RUNNING
+                or seq.status is not running
                 or seq.worker_id != worker_id
+                or step_id < seq.resident_since_step
             ):
                 continue  # aborted, preempted or moved while the step ran
-            seq.num_computed_tokens += num_new
+            seq.num_inflight_tokens -= num_new
+            if seq.max_computed_tokens > seq.num_computed_tokens:  # recomputing
+                self._count_computed(ws, seq, num_new)
+            else:
+                seq.num_computed_tokens = seq.max_computed_tokens = (
+                    seq.num_computed_tokens + num_new
+                )
             salt = seq.sampling.cache_salt
             if seq.sampling.use_beam_search:
-                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 candidates = runner_out.beam_candidates.get(seq_id)
                 if candidates is not None:
                     outputs.extend(self._beam_report(seq, candidates))
                 continue
-            token = runner_out.sampled_token_ids.get(seq_id)
+            token = sampled.get(seq_id)
             if token is None:
-                ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 continue
+            if seq.num_pending_tokens:
+                seq.num_pending_tokens -= 1
             seq.append_token(token)
-            self.metrics.on_token(seq)
-            lp = runner_out.logprobs.get(seq_id)
-            if lp is not None:
-                seq.logprobs.append(lp)
-                seq.cumulative_logprob += lp.logprob
-            ws.kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+            on_token(seq)
+            if logprobs:
+                lp = logprobs.get(seq_id)
+                if lp is not None:
+                    seq.logprobs.append(lp)
+                    seq.cumulative_logprob += lp.logprob
+            kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
             if seq.fork_children:
                 self._fork_children(ws, seq)
             reason = seq.check_stop()
@@ -471,7 +602,30 @@ class Scheduler(SwapMixin):
             outputs.append(self._delta(seq, (token,)))
         for request_id in finished_requests:
             self._forget_if_done(request_id)
+        if not ws.running:
+            ws.last_step_end_s = None  # the worker may idle for want of work: no gap
         return outputs
+
+    @staticmethod
+    def _ends_with_pending(seq: Sequence) -> bool:
+        """Whether the tokens the steps in flight sample end ``seq`` by length."""
+        pending = seq.num_pending_tokens
+        return (
+            len(seq.output_token_ids) + pending >= seq.sampling.max_tokens
+            or seq.num_tokens + pending >= seq.max_total_tokens
+        )
+
+    def _count_computed(self, ws: WorkerState, seq: Sequence, num_new: int) -> None:
+        """Advance ``seq`` by ``num_new`` computed tokens; those below its high-water mark
+        (computed before a preemption discarded them) count as recomputed."""
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens = end = start + num_new
+        if seq.max_computed_tokens > start:
+            redone = min(end, seq.max_computed_tokens) - start
+            ws.num_recomputed_tokens += redone
+            self.num_recomputed_tokens += redone
+        if end > seq.max_computed_tokens:
+            seq.max_computed_tokens = end
 
     # ------------------------------------------------------------------ wakeups
     def drain_wakeups(self) -> bool:
@@ -524,6 +678,7 @@ class Scheduler(SwapMixin):
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        ws.num_preemptions += 1
         self.metrics.on_preempted("recompute")
         self._enqueue(ws, seq, front=True)
         self._wake_others = True  # freed blocks and a requeued sequence: others may take it
@@ -533,6 +688,7 @@ class Scheduler(SwapMixin):
         """Take a running sequence off its worker: batch, blocks, and worker state."""
         ws.running.remove(seq)
         seq.unsent_token_ids = []  # a resumed sequence is sent in full
+        seq.num_inflight_tokens = seq.num_pending_tokens = 0  # answers in flight are dropped
         if ws.kv.has_seq(seq.seq_id):  # a forked 1-token-prompt choice may hold none yet
             ws.kv.free(seq.seq_id)
         if seq.seq_id in ws.resident:
@@ -614,6 +770,7 @@ class Scheduler(SwapMixin):
             prefix_cache_queries=queries,
             prefix_cache_hits=hits,
             swap=self.swap_stats(),
+            num_recomputed_tokens=self.num_recomputed_tokens,
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:

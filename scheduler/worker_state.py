@@ -48,6 +48,10 @@ class WorkerState:
     pending_finished: list[str] = field(default_factory=list)
     next_step_id: int = 0
     alive: bool = True
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    # When the worker's last step ended (its clock) if work remained; None when idle.
+    last_step_end_s: float | None = None
 
     @property
     def load(self) -> int:
@@ -80,6 +84,9 @@ class WorkerStats:
             queued or running sequences.
         prefix_cache_hit_rate: prompt tokens found in its prefix cache / tokens looked up
             there, since start (0.0 before the first lookup).
+        num_preemptions: running sequences preempted on this worker, since start.
+        num_recomputed_tokens: tokens this worker computed again after a preemption had
+            discarded their K/V (prefix-cache hits are not recomputed), since start.
     """
 
     worker_id: int
@@ -91,6 +98,8 @@ class WorkerStats:
     alive: bool
     num_waiting: int = 0
     prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class SchedulerStats:
         prefix_cache_queries: prompt tokens looked up in the prefix cache.
         prefix_cache_hits: of those, tokens found cached.
         swap: swap preemption counters and host pool occupancy.
+        num_recomputed_tokens: tokens computed again after a preemption, all workers.
     """
 
     num_running: int
@@ -115,6 +125,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     swap: SwapStats = field(default_factory=SwapStats)
+    num_recomputed_tokens: int = 0
 
 
 def worker_stats(ws: WorkerState) -> WorkerStats:
@@ -129,4 +140,6 @@ def worker_stats(ws: WorkerState) -> WorkerStats:
         alive=ws.alive,
         num_waiting=ws.load - len(ws.running),
         prefix_cache_hit_rate=ws.kv.prefix_cache_stats.hit_rate,
+        num_preemptions=ws.num_preemptions,
+        num_recomputed_tokens=ws.num_recomputed_tokens,
     )

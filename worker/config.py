@@ -81,6 +81,8 @@ class WorkerConfig:
         cache: KV cache settings.
         device: ``"auto"`` (CUDA when visible, else CPU), ``"cpu"`` or ``"cuda"``.
         num_threads: torch intra-op threads on CPU; 0 leaves torch's default.
+        adaptive_threads: on CPU with ``num_threads`` set, use fewer threads while other
+            processes keep cores busy (:mod:`pagedserve.worker.cpu_threads`).
         attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"`` (see
             pagedserve.kernels).
     """
@@ -91,6 +93,7 @@ class WorkerConfig:
     device: str = "auto"
     num_threads: int = 0
     attention_backend: str = "auto"
+    adaptive_threads: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

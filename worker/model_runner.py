@@ -39,6 +39,7 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.cpu_threads import ThreadGovernor
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block
 from pagedserve.worker.kv_swap import KVSwapper
@@ -112,6 +113,9 @@ class ModelRunner:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        self.thread_governor: ThreadGovernor | None = None
+        if config.adaptive_threads and config.num_threads > 0 and self.device.type == "cpu":
+            self.thread_governor = ThreadGovernor(config.num_threads, torch.set_num_threads)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_path = resolve_model(config.model)
         self.arch = ModelArch.from_pretrained(self.model_path, config.model.max_model_len)
@@ -207,6 +211,9 @@ class ModelRunner:
                 position beyond ``max_model_len``).
         """
         start = time.perf_counter()
+        started_s = time.monotonic()
+        if self.thread_governor is not None:
+            self.thread_governor.tick()
         self._update_states(so)
         # NOTE: swap-outs first: their blocks may be reused by this very step (swap-in
         # destinations, copy-on-write targets, new KV); swap-ins before the copies, which
@@ -219,7 +226,13 @@ class ModelRunner:
                 self.kv_pool.key_caches, self.kv_pool.value_caches, mapping, self.backend
             )
         if not so.num_scheduled_tokens.keys() - dropped:
-            return RunnerOutput(so.step_id, {}, time.perf_counter() - start, swap_results=swaps)
+            return RunnerOutput(
+                so.step_id,
+                {},
+                time.perf_counter() - start,
+                swap_results=swaps,
+                started_s=started_s,
+            )
 
         scheduled = [
             (self.seqs[r], n) for r, n in so.num_scheduled_tokens.items() if r not in dropped
@@ -259,7 +272,7 @@ class ModelRunner:
                 state.token_ids.append(token)
                 sampled[state.seq_id] = token
         return RunnerOutput(
-            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps
+            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
         )
 
     @staticmethod

@@ -41,7 +41,10 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
     info = worker.get_info()
     sched = Scheduler(
         SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=info.max_model_len
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=info.max_model_len,
+            admission="fits-now",  # admit by current need, so that small pools preempt
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )

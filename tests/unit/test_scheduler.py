@@ -14,8 +14,12 @@ from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 EOS = 2
 
 
-def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, chunked=True, caching=True):
+def make(
+    num_blocks=16, block_size=4, budget=64, max_seqs=8, chunked=True, caching=True,
+    admission="projected",
+):  # fmt: skip
     cfg = SchedulerConfig(
+        admission=admission,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         enable_chunked_prefill=chunked,
@@ -107,13 +111,14 @@ def test_running_first_then_admission_fcfs_and_max_seqs():
     s.update(0, so, w.execute(so))
     so = s.schedule(0)
     assert so.num_scheduled_tokens == {"a/0": 1, "b/0": 1}
+    s.update(0, so, w.execute(so))  # a planned step is in flight until its answer is applied
     outs, _ = run(s, w)
     assert {o.request_id for o in outs if o.finish_reason} == {"a", "b", "c"}
 
 
 def test_preemption_by_recompute_and_resume():
     # 4 blocks of 4 slots: two requests of 6-token prompts need 2 blocks each, then grow.
-    s, w = make(num_blocks=4, block_size=4), FakeWorker()
+    s, w = make(num_blocks=4, block_size=4, admission="fits-now"), FakeWorker()
     s.add_request("a", [1] * 6, greedy(6), [EOS])
     s.add_request("b", [3] * 6, greedy(6), [EOS])
     outs, steps = run(s, w)

@@ -67,10 +67,10 @@ class FakeHandle:
         return self.inner.execute(so)
 
 
-def make_actor(handles, num_blocks=32, block_size=4, budget=64, max_len=256):
+def make_actor(handles, num_blocks=32, block_size=4, budget=64, max_len=256, **kw):
     specs = [WorkerSpec(i, num_blocks, block_size) for i in range(len(handles))]
     return SchedulerActor(
-        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_len),
+        SchedulerConfig(max_num_batched_tokens=budget, max_model_len=max_len, **kw),
         handles,
         specs,
         probe_interval_s=0.05,
@@ -237,12 +237,15 @@ def test_burst_of_unrelated_requests_is_split_between_workers():
     run(scenario())
 
 
-def test_polled_stats_show_no_worker_idle_while_work_waits():
-    """2 workers of 12 blocks, 8 concurrent long/short requests (pools under pressure)."""
+@pytest.mark.parametrize("admission", ["fits-now", "projected"])
+def test_polled_stats_show_no_worker_idle_while_work_waits(admission):
+    """2 workers of 12 blocks, 8 concurrent long/short requests (pools under pressure):
+    admitted by current need they preempt; by projected growth they wait, and an idle
+    worker steals what the busy one's projection refuses."""
 
     async def scenario():
         handles = [FakeHandle(), FakeHandle()]
-        actor = make_actor(handles, num_blocks=12, block_size=16, budget=2048)
+        actor = make_actor(handles, num_blocks=12, block_size=16, budget=2048, admission=admission)
         prefix = list(range(500, 516))
         lens = [170, 8, 170, 8, 170, 8, 150, 8]
         streams = [
@@ -263,7 +266,8 @@ def test_polled_stats_show_no_worker_idle_while_work_waits():
         # NOTE: the wake-up of an idle worker is queued before the poller's timer fires,
         # so a poll never sees the turn between a step that freed blocks and that wake-up.
         assert idle == 0
-        assert (await actor.get_stats()).num_preemptions > 0
+        preemptions = (await actor.get_stats()).num_preemptions
+        assert (preemptions > 0) is (admission == "fits-now")
         await actor.check_integrity()
         await actor.shutdown()
 

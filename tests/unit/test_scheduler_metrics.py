@@ -29,9 +29,12 @@ class Clock:
         return self.now
 
 
-def make(num_blocks=16, block_size=4, budget=64, caching=True):
+def make(num_blocks=16, block_size=4, budget=64, caching=True, admission="projected"):
     cfg = SchedulerConfig(
-        max_num_batched_tokens=budget, enable_prefix_caching=caching, max_model_len=256
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+        max_model_len=256,
+        admission=admission,
     )
     s = Scheduler(cfg, [WorkerSpec(0, num_blocks, block_size)])
     clock = Clock()
@@ -127,7 +130,7 @@ def test_prefix_cache_counters_are_tokens():
 
 def test_preemptions_and_aborts_are_counted():
     # 4 blocks of 4 slots: two sequences growing to 12 tokens cannot both fit.
-    s, clock = make(num_blocks=4, budget=64)
+    s, clock = make(num_blocks=4, budget=64, admission="fits-now")
     w = ScriptedWorker()
     s.add_request("a", [1, 3, 5, 7], greedy(8), [EOS])
     s.add_request("b", [1, 3, 5, 9], greedy(8), [EOS])

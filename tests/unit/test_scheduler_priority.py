@@ -13,8 +13,9 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
 
-def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, policy="fcfs"):
+def make(num_blocks=16, block_size=4, budget=64, max_seqs=8, policy="fcfs", admission="projected"):
     cfg = SchedulerConfig(
+        admission=admission,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         max_model_len=256,
@@ -63,7 +64,7 @@ def test_fcfs_policy_ignores_priority():
 def test_victim_is_least_urgent_even_when_admitted_first():
     # 4 blocks of 4 slots: "low" (admitted first) and "high" each hold 2 blocks; when
     # "high" grows into a third block, "low" is the one preempted.
-    s, w = make(num_blocks=4, policy="priority"), ScriptedWorker()
+    s, w = make(num_blocks=4, policy="priority", admission="fits-now"), ScriptedWorker()
     s.add_request("low", [1, 2, 3, 4, 5, 6, 7], greedy(6, priority=1), arrival_s=1.0)
     so = s.schedule(0)
     s.update(0, so, w.execute(so))

@@ -23,6 +23,7 @@ def make(reserve: str, num_blocks: int = 16, block_size: int = 4, max_model_len:
         max_num_batched_tokens=256,
         max_model_len=max_model_len,
         admission_reserve=reserve,
+        admission="fits-now",  # "none" is the paged baseline: admit by current need
     )
     return Scheduler(cfg, [WorkerSpec(0, num_blocks, block_size)])
 

@@ -18,8 +18,12 @@ BS = 16
 SYSTEM = list(range(1000, 1000 + 20 * BS))  # a 20-block system prompt
 
 
-def make(num_blocks=64, routing="prefix", threshold=8, budget=512, max_seqs=16, max_len=1024):
+def make(
+    num_blocks=64, routing="prefix", threshold=8, budget=512, max_seqs=16, max_len=1024,
+    admission="projected",
+):  # fmt: skip
     cfg = SchedulerConfig(
+        admission=admission,
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         max_model_len=max_len,
@@ -150,7 +154,7 @@ def test_idle_worker_leaves_cached_work_that_fits():
 
 def test_no_worker_idles_while_work_waits():
     """The reproduced case: 2 workers of 12 blocks, 8 requests sharing a 1-block prefix."""
-    s = make(num_blocks=12, budget=2048, max_len=256)
+    s = make(num_blocks=12, budget=2048, max_len=256, admission="fits-now")
     fakes = [ScriptedWorker(), ScriptedWorker()]
     lens = [170, 8, 170, 8, 170, 8, 150, 8]
     for i, n in enumerate(lens):

@@ -1,0 +1,116 @@
+"""GetStats through gRPC and ``pagedserve stats``: per-worker preemptions and recomputed
+tokens of a real Scheduler (two workers, fake model), without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from helpers import ScriptedWorker
+
+from pagedserve.cluster.cli import main
+from pagedserve.cluster.client import Client
+from pagedserve.cluster.config import ServerConfig
+from pagedserve.cluster.frontend import GenerationServicer, start_server
+from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+
+
+class _Remote:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def remote(self):
+        async def call():
+            return self._fn()
+
+        return call()
+
+
+class _SchedulerHandle:
+    def __init__(self, sched: Scheduler) -> None:
+        self.get_stats = _Remote(sched.stats)
+
+
+class _Tok:
+    def get_vocab(self):
+        return {"a": 0}
+
+
+def _preempted_scheduler() -> Scheduler:
+    # Worker 1: two 6-token prompts in 4 blocks of 4, admitted whatever fits now: one
+    # preemption, 8 tokens recomputed (see test_scheduler_pressure). Worker 0 stays idle.
+    cfg = SchedulerConfig(
+        max_model_len=64, admission="fits-now", preemption_victim="latest",
+        enable_prefix_caching=False, routing="round-robin",
+    )  # fmt: skip
+    s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 4, 4)])
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    for rid in ("x", "a", "y", "b"):
+        s.add_request(rid, [1] * 6 if rid in "ab" else [7], sp)
+    for rid in ("x", "y"):
+        s.abort_request(rid)
+    w = ScriptedWorker()
+    for _ in range(100):
+        if not s.has_work(1):
+            break
+        so = s.schedule(1)
+        s.update(1, so, w.execute(so))
+    return s
+
+
+def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
+    sched = _preempted_scheduler()
+    info = ModelInfo("m", 64, 1, (1,), 64)
+    servicer = GenerationServicer(
+        RequestPipeline(scheduler=_SchedulerHandle(sched), tokenizer=_Tok(), info=info)
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server, port = asyncio.run_coroutine_threadsafe(
+        start_server(ServerConfig(host="127.0.0.1", port=0), servicer), loop
+    ).result(timeout=30)
+    try:
+        address = f"127.0.0.1:{port}"
+        with Client(address, timeout_s=30) as c:
+            st = c.stats()
+        assert st["num_preemptions"] == 1 and st["num_recomputed_tokens"] == 8
+        w0, w1 = st["workers"]
+        assert (w0["num_preemptions"], w0["num_recomputed_tokens"]) == (0, 0)
+        assert (w1["num_preemptions"], w1["num_recomputed_tokens"]) == (1, 8)
+        assert main(["stats", "--address", address, "--output", "json"]) == 0
+        assert json.loads(capsys.readouterr().out) == st
+        assert main(["stats", "--address", address]) == 0
+        text = capsys.readouterr().out
+        assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def test_serve_flags_reach_the_configs():
+    from pagedserve.cluster.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(
+        ["serve", "--admission", "fits-now", "--admission-growth-ratio", "0.5",
+         "--preemption-victim", "latest", "--no-async-scheduling", "--no-adaptive-threads",
+         "--cpus-per-worker", "2"]
+    )  # fmt: skip
+    cfg = serve_config(args)
+    sc = cfg.scheduler
+    assert (sc.admission, sc.admission_growth_ratio, sc.preemption_victim) == (
+        "fits-now",
+        0.5,
+        "latest",
+    )
+    assert sc.async_scheduling is False
+    wc = cfg.worker_config(0)
+    assert (wc.num_threads, wc.adaptive_threads) == (2, False)
+    default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.scheduler.admission == "projected" and default.scheduler.async_scheduling
+    assert default.worker_config(0).adaptive_threads
