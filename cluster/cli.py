@@ -378,7 +378,8 @@ def _stats(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(json.dumps(st))
         return 0
-    console = Console()
+    # Piped output gets a wide console, so the per-worker table's columns are not cut.
+    console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(
         f"model {st['model']}  max_model_len {st['max_model_len']}  running "
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
@@ -394,13 +395,13 @@ def _stats(args: argparse.Namespace) -> int:
     )
     table = Table(
         "worker",
-        "num_blocks",
-        "num_free_blocks",
-        "num_used_blocks",
-        "block_size",
+        "blocks",
+        "free",
+        "used",
+        "block size",
         "running",
         "waiting",
-        "prefix_hit_rate",
+        "prefix hit rate",
         "preemptions",
         "recomputed",
         "alive",
