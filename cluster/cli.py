@@ -141,7 +141,7 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--admission",
         choices=ADMISSION_POLICIES,
-        default="projected",
+        default="fits-now",
         help="admit while the pool's projected peak (running sequences growing to their "
         "max_tokens) fits, or whatever fits now (preempting as sequences grow)",
     )

@@ -47,7 +47,7 @@ class SchedulerConfig:
             store and back; recompute when the store is full or unreachable) or
             ``"auto"`` (per victim, whichever the cost model estimates cheaper; see
             :mod:`pagedserve.scheduler.swap`). Swap needs a host store (``SwapSpec``).
-        admission: ``"projected"`` (default) admits a waiting sequence only while the
+        admission: ``"projected"`` admits a waiting sequence only while the
             projected peak of the worker's pool, over the steps until its running
             sequences finish, still fits (:mod:`pagedserve.scheduler.admission`);
             ``"fits-now"`` admits whatever fits the free pool now and preempts as
@@ -77,7 +77,7 @@ class SchedulerConfig:
     scheduling_policy: str = "fcfs"
     admission_reserve: str = "none"
     preemption_mode: str = "recompute"
-    admission: str = "projected"
+    admission: str = "fits-now"
     admission_growth_ratio: float = 1.0
     preemption_victim: str = "least-waste"
     async_scheduling: bool = True

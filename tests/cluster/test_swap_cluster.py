@@ -64,7 +64,7 @@ def swap_cluster(served_model_dir: str):
         scheduler=SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=512),
         server=ServerConfig(host="127.0.0.1", port=0),
         num_workers=1,
-        cpus_per_worker=2,
+        cpus_per_worker=0,  # schedulable next to the session's test cluster in this process
         device="cpu",
         swap_space=1 << 30,
     )

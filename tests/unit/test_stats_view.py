@@ -112,5 +112,5 @@ def test_serve_flags_reach_the_configs():
     wc = cfg.worker_config(0)
     assert (wc.num_threads, wc.adaptive_threads) == (2, False)
     default = serve_config(build_parser().parse_args(["serve"]))
-    assert default.scheduler.admission == "projected" and default.scheduler.async_scheduling
+    assert default.scheduler.admission == "fits-now" and default.scheduler.async_scheduling
     assert default.worker_config(0).adaptive_threads
