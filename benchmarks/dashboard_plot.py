@@ -38,6 +38,7 @@ import yaml
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, ServerConfig
 from pagedserve.cluster.launcher import RAY_ENV, start_cluster
+from pagedserve.scheduler.config import SchedulerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a concise assistant. Answer in one or two sentences, plainly. " * 3
@@ -79,6 +80,8 @@ def main() -> None:
     ap.add_argument("--waves", default="2,8,16,4", help="concurrent requests per wave")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--num-blocks", type=int, default=48, help="small: forces preemptions")
+    ap.add_argument("--preemption-mode", default="swap", help="recompute|swap|auto")
+    ap.add_argument("--swap-space-gib", type=float, default=1.0)
     ap.add_argument("--out", default="benchmarks/results/dashboard.png")
     args = ap.parse_args()
     prometheus = shutil.which("prometheus")
@@ -89,8 +92,10 @@ def main() -> None:
     config = ClusterConfig(
         model=ModelConfig(model="default"),
         cache=CacheConfig(num_blocks=args.num_blocks),
+        scheduler=SchedulerConfig(preemption_mode=args.preemption_mode),
         server=ServerConfig(port=0, http_port=0),
         cpus_per_worker=os.cpu_count() or 1,
+        swap_space=int(args.swap_space_gib * (1 << 30)),
     )
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
