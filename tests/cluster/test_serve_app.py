@@ -46,6 +46,13 @@ def _http(url: str, body: dict | None = None, timeout_s: float = 10.0) -> tuple[
         return r.status, r.read().decode()
 
 
+def _default_sigint() -> None:
+    """In the child: take SIGINT's default action back. A shell running this suite in the
+    background starts it with SIGINT ignored, and children inherit that, so `serve run`
+    would never see the Ctrl-C this test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _name(p: psutil.Process) -> str:
     try:
         return p.name()
@@ -79,6 +86,7 @@ def test_serve_run_serves_http_and_grpc_from_one_cluster(tmp_path: Path):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=_default_sigint,
     )
     seen: dict[int, psutil.Process] = {}
 
