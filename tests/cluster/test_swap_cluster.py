@@ -9,13 +9,12 @@ recompute and the server keeps serving.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from helpers import LoopThread
 
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import (
@@ -36,22 +35,6 @@ QUESTIONS = [
     "Who wrote Hamlet?",
 ]
 KW = dict(max_tokens=32, temperature=0.0, ignore_eos=True)
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread (the cluster's frontend lives there)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 600.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")

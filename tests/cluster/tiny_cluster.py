@@ -3,38 +3,19 @@ tests of the server's surfaces that do not need a real model (auth, limits, fuzz
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import ray
+from helpers import LoopThread
 
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, ServerConfig
 from pagedserve.cluster.launcher import RAY_ENV, ClusterHandle, start_cluster
-
-
-class LoopThread:
-    """An asyncio loop on a daemon thread; the cluster's frontend lives there."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro: Any, timeout: float = 300.0) -> Any:
-        fut: Future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout=timeout)
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=10)
 
 
 @contextmanager
