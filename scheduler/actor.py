@@ -211,10 +211,10 @@ class SchedulerActor:
                 queue.put_nowait(out)
 
     def _step_loop_fn(self) -> Any:
-        """The per-worker loop: overlapped when ``async_scheduling`` is on and no host
-        block store is in use (swap transfers are planned against the step before them,
-        so swapping runs with serial steps)."""
-        if self._scheduler.config.async_scheduling and self._swap is None:
+        """The per-worker loop: overlapped when ``async_scheduling`` is on (with or without
+        a host block store: a step that swaps a group in is the one not overlapped with
+        the next, see :meth:`_overlapped_step_loop`), else serial."""
+        if self._scheduler.config.async_scheduling:
             return self._overlapped_step_loop
         return self._step_loop
 
@@ -266,6 +266,11 @@ class SchedulerActor:
         one call at a time, in order, so t+1 starts as soon as t ends, without waiting
         for the scheduler's update and the next schedule. A stop found in t's answer
         drops that sequence's t+1 result (one wasted slot, never streamed).
+
+        With a host block store, step t+1 is not planned while t swaps a group in
+        (:meth:`Scheduler.can_plan_past`): that step's answer is awaited first, and the
+        overlap resumes with the step after it. Swap-outs and frees overlap as usual
+        (:mod:`pagedserve.scheduler.swapping` says why each case is safe).
         """
         worker = self._workers[worker_id]
         wake = self._wakeups[worker_id]
@@ -275,7 +280,8 @@ class SchedulerActor:
         inflight: tuple[SchedulerOutput, Any] | None = None
         while True:
             nxt: tuple[SchedulerOutput, Any] | None = None
-            if sched.has_work(worker_id):
+            ahead = inflight is None or sched.can_plan_past(inflight[0])
+            if ahead and sched.has_work(worker_id):
                 sched_out = sched.schedule(worker_id)
                 if sched.drain_wakeups():
                     self._wake_all()

@@ -832,7 +832,7 @@ class Scheduler(SwapMixin):
         deltas (reason ABORT).
         """
         outputs: list[SequenceOutput] = []
-        self._swap_step_failed(worker_id)
+        self._swap_step_failed(worker_id, sched_out.step_id)  # a later step's stay in flight
         for request_id in {
             self.sequences[s].request_id
             for s in sched_out.num_scheduled_tokens

@@ -151,12 +151,15 @@ class InFlight:
 
     ``kind``: "out" (swap-out of ``group``), "in" (swap-in of ``group``; ``seq_ids`` are
     its members now running) or "free" (``host_ids`` being freed on the store).
+    ``step_id``: the worker step that carries it (its answer resolves it; with overlapped
+    scheduling a later step of the same worker may be in flight too).
     """
 
     kind: str
     transfer_id: str
     group: SwapGroup | None
     host_ids: list[int]
+    step_id: int
     seq_ids: list[str] = field(default_factory=list)
 
 

@@ -27,6 +27,25 @@ Failures (store full or dead, checksum): a failed swap-out leaves its members wa
 no computed tokens (recompute); a failed swap-in takes its members off the worker and
 queues them for recompute. Host blocks return to the pool only once the worker that
 touched them answered, so a host id is never reused while a transfer may still write it.
+
+Overlapped scheduling (``async_scheduling``: step t+1 is planned while step t runs; the
+worker runs its steps one at a time, in order):
+
+- Each transfer is resolved by the answer of the step that carried it
+  (``InFlight.step_id``), never by the answer of the step before it.
+- A victim may have tokens in the step in flight: its answer for them is dropped (as for a
+  recompute preemption) and only the blocks of its *computed* tokens are swapped out
+  (``num_computed_tokens``, which excludes tokens in flight): the worker packs them at the
+  start of t+1, after t, and the group resumes exactly as after a serial swap-out, redoing
+  the tokens t computed. The blocks t writes for it are freed with the rest and may be
+  reused by t+1 (written only after the pack).
+- A swapped group is pinned (``pending``) until its swap-out's answer: it cannot be
+  swapped in by a step planned before that answer.
+- A step that swaps a group in is not overlapped with the next one
+  (:meth:`SwapMixin.can_plan_past`): if the swap-in fails the worker drops the group, so
+  a step planned before that answer would name sequences the worker no longer holds.
+  Swap-ins are rare; every other step keeps the overlap.
+- A worker death resolves every transfer of its steps in flight as failed (recompute).
 """
 
 from __future__ import annotations
@@ -115,8 +134,12 @@ class SwapMixin(ForkingMixin):
         if any(s.seq_id in self._step_scheduled for s in group):
             return False  # NOTE: their step's blocks are already handed to the worker
         kv = ws.kv
+        bs = ws.spec.block_size
+        # NOTE: only the blocks of computed tokens: with a step in flight a member's table
+        # also covers the slots that step writes, whose answer is dropped (recomputed).
+        tokens_of = {s.seq_id: s.num_computed_tokens if kv.has_seq(s.seq_id) else 0 for s in group}
         tables = {
-            s.seq_id: kv.get_block_ids(s.seq_id) if kv.has_seq(s.seq_id) else [] for s in group
+            sid: kv.get_block_ids(sid)[: _cdiv(n, bs)] if n else [] for sid, n in tokens_of.items()
         }
         unique = list(dict.fromkeys(b for t in tables.values() for b in t))
         if not unique or len(unique) + len(group) > ws.spec.num_blocks:
@@ -139,14 +162,14 @@ class SwapMixin(ForkingMixin):
             transfer_id=tid,
             request_id=victim.request_id,
             host_tables={sid: [to_host[b] for b in t] for sid, t in tables.items()},
-            num_tokens={
-                s.seq_id: kv.get_num_tokens(s.seq_id) if tables[s.seq_id] else 0 for s in group
-            },
+            num_tokens={sid: n if tables[sid] else 0 for sid, n in tokens_of.items()},
             worker_id=ws.spec.worker_id,
         )
         outs, _ = self._staged.setdefault(ws.spec.worker_id, ([], []))
         outs.append(SwapTransfer(tid, unique, host, [s.seq_id for s in group]))
-        self._inflight.setdefault(ws.spec.worker_id, []).append(InFlight("out", tid, g, host))
+        self._inflight.setdefault(ws.spec.worker_id, []).append(
+            InFlight("out", tid, g, host, ws.next_step_id)
+        )
         for s in reversed(group):  # front-inserted: the group keeps its order
             self._release(ws, s)
             s.status = SequenceStatus.WAITING
@@ -240,7 +263,7 @@ class SwapMixin(ForkingMixin):
         _, ins = self._staged.setdefault(ws.spec.worker_id, ([], []))
         ins.append(SwapTransfer(tid, dev, host, seq_ids, all_host))
         self._inflight.setdefault(ws.spec.worker_id, []).append(
-            InFlight("in", tid, g, all_host, seq_ids)
+            InFlight("in", tid, g, all_host, ws.next_step_id, seq_ids)
         )
         return left, seats + width
 
@@ -255,16 +278,34 @@ class SwapMixin(ForkingMixin):
             self._host_free_queue = []
             tid = self._transfer_id("free")
             self._inflight.setdefault(ws.spec.worker_id, []).append(
-                InFlight("free", tid, None, free)
+                InFlight("free", tid, None, free, ws.next_step_id)
             )
         return outs, ins, free, tid
+
+    def can_plan_past(self, sched_out: SchedulerOutput) -> bool:
+        """Whether the worker's next step may be planned while ``sched_out`` is in flight
+        (overlapped scheduling): False when it swaps a group in, whose failure makes the
+        worker drop the group (see the module docstring)."""
+        return not sched_out.blocks_to_swap_in
+
+    def _take_inflight(self, worker_id: int, step_id: int | None) -> list[InFlight]:
+        """Remove and return ``worker_id``'s transfers carried by steps up to ``step_id``
+        (all when None); those of later steps stay in flight."""
+        flights = self._inflight.pop(worker_id, None)
+        if not flights or step_id is None:
+            return flights or []
+        later = [f for f in flights if f.step_id > step_id]
+        if later:
+            self._inflight[worker_id] = later
+            return [f for f in flights if f.step_id <= step_id]
+        return flights
 
     def _apply_swap_results(
         self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput
     ) -> None:
         """Resolve the transfers of the step ``runner_out`` answers and refine the cost
         model with its timings (call first in update)."""
-        for f in self._inflight.pop(worker_id, []):
+        for f in self._take_inflight(worker_id, sched_out.step_id):
             res = runner_out.swap_results.get(f.transfer_id)
             self._resolve(worker_id, f, res or SwapResult(False, error="no result"))
         if self._cost is not None:
@@ -332,9 +373,10 @@ class SwapMixin(ForkingMixin):
         g.host_tables.clear()
         g.num_tokens.clear()
 
-    def _swap_step_failed(self, worker_id: int) -> None:
-        """The worker's step raised or the worker died: its transfers count as failed."""
-        for f in self._inflight.pop(worker_id, []):
+    def _swap_step_failed(self, worker_id: int, step_id: int | None = None) -> None:
+        """The worker's step ``step_id`` raised (None: the worker died): the transfers of
+        that step and earlier ones (None: all) count as failed."""
+        for f in self._take_inflight(worker_id, step_id):
             self._resolve(worker_id, f, SwapResult(False, error="step failed"))
 
     def _forget_swapped(self, seq: Sequence) -> None:
