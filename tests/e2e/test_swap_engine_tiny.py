@@ -381,10 +381,12 @@ def test_corrupted_blocks_fail_the_checksum_and_recompute(
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
 def test_beam_requests_swap_as_groups_and_equal_hf(
-    tiny_llama_dir: Path, store, overlap: bool
+    tiny_llama_dir: Path, expected, store, overlap: bool
 ) -> None:
     """Four beam searches (K=3) on a pool that holds one or two at a time: beams of the
-    younger ones are swapped out together and resume together; all equal HF's beams."""
+    younger ones are swapped out together and resume together; all equal HF's beams. A
+    greedy request runs alongside (beams wait for their beam step, so under overlap it is
+    the one whose steps are planned ahead) and equals HF's greedy."""
     from helpers import assert_same_beams, hf_beams
     from transformers import AutoModelForCausalLM
 
@@ -403,8 +405,10 @@ def test_beam_requests_swap_as_groups_and_equal_hf(
 
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, sampling, (2,))
+    sched.add_request("greedy", PROMPTS[4], GREEDY, (2,))
     outputs: list = []
-    drive(sched, workers, record, overlap=overlap, sink=outputs)
+    tokens = drive(sched, workers, record, overlap=overlap, sink=outputs)
+    assert tokens[("greedy", 0)] == expected[4]
     finals: dict[str, list] = {}
     for o in outputs:
         finals.setdefault(o.request_id, []).append(o)
