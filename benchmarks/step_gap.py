@@ -83,8 +83,10 @@ def run_level(handle: Any, loop: Any, concurrency: int, n: int, args: Any) -> di
 
     def swap() -> dict[str, Any]:
         fut = asyncio.run_coroutine_threadsafe(_get_stats(handle), loop)
-        sw = fut.result(timeout=60).swap
+        st = fut.result(timeout=60)
+        sw = st.swap
         return {
+            "recomputed_tokens": st.num_recomputed_tokens,
             "swap_outs": sw.num_swap_outs,
             "swap_ins": sw.num_swap_ins,
             "swap_failures": sw.num_swap_failures,
@@ -114,6 +116,7 @@ def run_level(handle: Any, loop: Any, concurrency: int, n: int, args: Any) -> di
         "gap_mean_ms": 1e3 * (ga.sum - gb.sum) / steps if steps else None,
         "gap_median_bucket_ms": (1e3 * b if (b := _median_bucket(gb, ga)) is not None else None),
         "steps": num_steps,
+        "tokens_computed": it_a.sum - it_b.sum,  # prompt + decode tokens, recomputes included
         "step_mean_ms": 1e3 * wall / num_steps if num_steps else None,
         "output_tokens_per_s": tokens[0] / wall,
         "wall_s": wall,
