@@ -33,12 +33,15 @@ worker runs its steps one at a time, in order):
 
 - Each transfer is resolved by the answer of the step that carried it
   (``InFlight.step_id``), never by the answer of the step before it.
-- A victim may have tokens in the step in flight: its answer for them is dropped (as for a
-  recompute preemption) and only the blocks of its *computed* tokens are swapped out
-  (``num_computed_tokens``, which excludes tokens in flight): the worker packs them at the
-  start of t+1, after t, and the group resumes exactly as after a serial swap-out, redoing
-  the tokens t computed. The blocks t writes for it are freed with the rest and may be
-  reused by t+1 (written only after the pack).
+- A victim may have tokens in step t, in flight. The worker packs the swap-out at the start
+  of t+1, after t, so the blocks of those slots are swapped out too
+  (``SwapGroup.late``), and t's answer for the member is applied when it arrives, although
+  the member now waits (:meth:`SwapMixin._late_answer`: its computed tokens advance, its
+  sampled token is streamed, a stop ends it). If t fails instead, the member resumes from
+  its computed tokens and redoes t's (the extra host blocks are freed with the group).
+  Beams and sequences with choices still to fork drop t's answer (redone after the
+  swap-in), keeping only computed blocks. The blocks t writes are freed with the rest and
+  may be reused by t+1 (written only after the pack).
 - A swapped group is pinned (``pending``) until its swap-out's answer: it cannot be
   swapped in by a step planned before that answer.
 - A step that swaps a group in is not overlapped with the next one
@@ -57,7 +60,7 @@ from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.forking import ForkingMixin
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
-from pagedserve.scheduler.request import Sequence, SequenceStatus
+from pagedserve.scheduler.request import Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.swap import (
     CostModel,
     HostBlockPool,
@@ -85,6 +88,13 @@ class SwapMixin(ForkingMixin):
     # Provided by the Scheduler.
     @staticmethod
     def _release(ws: WorkerState, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _delta(seq: Sequence, new_tokens: tuple[int, ...]) -> SequenceOutput:
+        raise NotImplementedError
+
+    def _count_computed(self, ws: WorkerState, seq: Sequence, num_new: int) -> None:
         raise NotImplementedError
 
     def _init_swap(self, spec: SwapSpec | None) -> None:
@@ -135,9 +145,23 @@ class SwapMixin(ForkingMixin):
             return False  # NOTE: their step's blocks are already handed to the worker
         kv = ws.kv
         bs = ws.spec.block_size
-        # NOTE: only the blocks of computed tokens: with a step in flight a member's table
-        # also covers the slots that step writes, whose answer is dropped (recomputed).
-        tokens_of = {s.seq_id: s.num_computed_tokens if kv.has_seq(s.seq_id) else 0 for s in group}
+        # Overlapped scheduling: a member's tokens in the step in flight (the one before
+        # this) are swapped out too and kept when that step answers (see the module
+        # docstring); a beam or a sequence with choices to fork keeps its computed ones.
+        in_flight = ws.next_step_id - 1
+        late = {
+            s.seq_id: (in_flight, s.num_inflight_tokens)
+            for s in group
+            if s.num_inflight_tokens and not (s.sampling.use_beam_search or s.fork_children)
+        }
+        tokens_of: dict[str, int] = {}
+        for s in group:
+            n = (
+                s.num_computed_tokens + late[s.seq_id][1]
+                if s.seq_id in late
+                else s.num_computed_tokens
+            )
+            tokens_of[s.seq_id] = n if kv.has_seq(s.seq_id) else 0
         tables = {
             sid: kv.get_block_ids(sid)[: _cdiv(n, bs)] if n else [] for sid, n in tokens_of.items()
         }
@@ -150,7 +174,7 @@ class SwapMixin(ForkingMixin):
             return False
         if self.config.preemption_mode == "auto":
             nbytes = len(unique) * self._swap_spec.block_bytes
-            tokens = sum(s.num_computed_tokens for s in group)
+            tokens = sum(tokens_of.values())
             if self._cost.swap_s(nbytes) >= self._cost.recompute_s(tokens):
                 return False
         host = self._host_pool.allocate(len(unique))
@@ -162,8 +186,9 @@ class SwapMixin(ForkingMixin):
             transfer_id=tid,
             request_id=victim.request_id,
             host_tables={sid: [to_host[b] for b in t] for sid, t in tables.items()},
-            num_tokens={sid: n if tables[sid] else 0 for sid, n in tokens_of.items()},
+            num_tokens={s.seq_id: s.num_computed_tokens if tables[s.seq_id] else 0 for s in group},
             worker_id=ws.spec.worker_id,
+            late={sid: v for sid, v in late.items() if tables[sid]},
         )
         outs, _ = self._staged.setdefault(ws.spec.worker_id, ([], []))
         outs.append(SwapTransfer(tid, unique, host, [s.seq_id for s in group]))
@@ -242,7 +267,7 @@ class SwapMixin(ForkingMixin):
             if tokens:
                 ids = kv.get_block_ids(m.seq_id)
                 dev.extend(ids[shared:])
-                host.extend(table[shared:])
+                host.extend(table[shared : len(ids)])  # a late step that never answered
         for m, n in plan:
             if n > 0:
                 res = kv.allocate_slots(m.seq_id, m.num_computed_tokens + n)
@@ -268,6 +293,34 @@ class SwapMixin(ForkingMixin):
         return left, seats + width
 
     # ------------------------------------------------------------------ results
+    def _late_answer(
+        self, ws: WorkerState, seq: Sequence, step_id: int, num_new: int, runner_out: RunnerOutput
+    ) -> SequenceOutput | None:
+        """Apply step ``step_id``'s answer for ``seq``, swapped out by the step after it
+        (``SwapGroup.late``); returns its delta, or None (nothing applies, or nothing
+        was sampled). Call from update for a sequence that is no longer running."""
+        g = self._groups.get(seq.seq_id)
+        if g is None or not g.pending or g.late.pop(seq.seq_id, None) != (step_id, num_new):
+            return None
+        if seq.max_computed_tokens > seq.num_computed_tokens:  # recomputing
+            self._count_computed(ws, seq, num_new)
+        else:
+            seq.num_computed_tokens = seq.max_computed_tokens = seq.num_computed_tokens + num_new
+        g.num_tokens[seq.seq_id] = seq.num_computed_tokens  # its table covers these slots
+        token = runner_out.sampled_token_ids.get(seq.seq_id)
+        if token is None:
+            return None  # a prefill chunk
+        seq.append_token(token)
+        self.metrics.on_token(seq)
+        lp = runner_out.logprobs.get(seq.seq_id)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
+        reason = seq.check_stop()
+        if reason is not None:
+            self._finish(seq, reason)  # frees its host blocks with the swap-out's result
+        return self._delta(seq, (token,))
+
     def _drain_swaps(
         self, ws: WorkerState
     ) -> tuple[list[SwapTransfer], list[SwapTransfer], list[int], str]:

@@ -374,6 +374,23 @@ def _victims_in_flight(counter: list[int]):
     return hook
 
 
+def count_late_answers(sched: Scheduler) -> list[str]:
+    """Record the sequences whose in-flight step's answer was applied after their
+    swap-out (``_late_answer`` kept their tokens)."""
+    applied: list[str] = []
+    orig = sched._late_answer
+
+    def wrapped(ws, seq, step_id, num_new, runner_out):
+        before = seq.num_computed_tokens
+        out = orig(ws, seq, step_id, num_new, runner_out)
+        if seq.num_computed_tokens > before:
+            applied.append(seq.seq_id)
+        return out
+
+    sched._late_answer = wrapped  # type: ignore[method-assign]
+    return applied
+
+
 def test_overlapped_forced_swap_keeps_every_token_and_frees_everything() -> None:
     ref = reference(PROMPTS)
     host: dict[int, list] = {}
@@ -382,8 +399,12 @@ def test_overlapped_forced_swap_keeps_every_token_and_frees_everything() -> None
     for i, p in enumerate(PROMPTS):
         sched.add_request(f"r{i}", p, GREEDY)
     victims = [0]
+    late = count_late_answers(sched)
     tokens, ahead = run_overlapped(sched, [FakeKVWorker(10, host)], _victims_in_flight(victims))
     assert tokens == ref
+    # Victims' tokens in flight were swapped out with them and kept: the fake reads every
+    # restored slot back, so a slot missing from the host copy would have failed there.
+    assert late
     sw = sched.swap_stats()
     assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
     # Every transfer is resolved by its own step's answer (none reported "no result").
@@ -391,6 +412,35 @@ def test_overlapped_forced_swap_keeps_every_token_and_frees_everything() -> None
     assert sw.preemptions_by_mode == {"recompute": 0, "swap": sched.num_preemptions}
     assert victims[0] > 0  # victims whose token from the step in flight was dropped
     assert ahead > 0
+    all_free(sched, host)
+
+
+def test_overlapped_victim_with_its_prefill_in_flight_keeps_it() -> None:
+    """Step 0 prefills A (8 tokens) and B (13); step 1, planned while step 0 runs, needs a
+    block for A's decode and swaps B out: B has no computed token yet, its whole prefill
+    is in flight. The swap-out (after step 0 on the worker) carries B's 4 blocks, step 0's
+    answer is applied to the waiting B (its first token streamed) and B resumes with its
+    prompt computed: nothing is recomputed."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [20 + i for i in range(13)]]
+    ref = reference(prompts)
+    host: dict[int, list] = {}
+    sched = make(6, budget=32)
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, GREEDY)
+    late = count_late_answers(sched)
+    outs: list[tuple[int, list[str], int]] = []
+
+    def record(s, wid, so, cur):
+        for t in so.blocks_to_swap_out:
+            outs.append((so.step_id, t.seq_ids, len(t.block_ids)))
+
+    tokens, _ = run_overlapped(sched, [FakeKVWorker(6, host)], record)
+    assert tokens == ref
+    assert outs[0] == (1, ["r1/0"], 4)
+    assert late[0] == "r1/0"
+    sw = sched.swap_stats()
+    assert sw.preemptions_by_mode == {"recompute": 0, "swap": len(outs)}
+    assert sched.num_recomputed_tokens == 0
     all_free(sched, host)
 
 
