@@ -186,9 +186,23 @@ def test_forced_swap_equals_hf(tiny_llama_dir: Path, expected, store, overlap: b
     workers = make_workers(tiny_llama_dir, 1, 14, address)
     sched = make_scheduler(workers, "swap", 64)
     add_all(sched, PROMPTS)
+    late: list[str] = []
+    real_late = sched._late_answer
+
+    def count_late(ws, seq, step_id, num_new, runner_out):
+        before = seq.num_computed_tokens
+        out = real_late(ws, seq, step_id, num_new, runner_out)
+        if seq.num_computed_tokens > before:
+            late.append(seq.seq_id)
+        return out
+
+    sched._late_answer = count_late  # type: ignore[method-assign]
     tokens = drive(sched, workers, overlap=overlap)
     for i, ref in enumerate(expected):
         assert tokens[(f"r{i}", 0)] == ref, i
+    # Overlapped: victims' tokens in flight were swapped out with them and kept (their
+    # K/V came back from the store, not recomputed), and outputs still equal HF.
+    assert bool(late) is overlap
     sw = sched.swap_stats()
     assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
     assert sw.swap_out_bytes == sw.swap_in_bytes > 0
