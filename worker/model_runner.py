@@ -291,12 +291,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ swap setup
     def connect_host_store(self, address: str) -> None:
-        """Use the host block store at ``address`` (``host:port``) for swap transfers."""
+        """Use the host block store at ``address`` (``host:port``) for swap transfers, with
+        the key and TLS trust of ``config.host_store_access``."""
         from pagedserve.worker.swap_client import HostStoreClient
 
         if self.swapper.client is not None:
             self.swapper.client.close()
-        self.swapper.client = HostStoreClient(address)
+        self.swapper.client = HostStoreClient(address, access=self.config.host_store_access)
 
     def measure_prefill_s_per_token(self, num_tokens: int = 256) -> float:
         """Seconds per token of one prefill of ``num_tokens`` (capped by the pool and
