@@ -335,10 +335,13 @@ def serve_host_store(
     )
     pb_grpc.add_HostBlockStoreServicer_to_server(HostBlockStoreServicer(store), server)
     address = f"{host}:{port}"
-    if credentials is None:
-        bound = server.add_insecure_port(address)
-    else:
-        bound = server.add_secure_port(address, credentials)
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
         raise RuntimeError(f"cannot bind the host block store to {host}:{port}")
     server.start()
