@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class StoreKeys:
-    """The secrets of one host block store: what its server needs (PEM bytes).
+    """The secrets of one host block store: what its server needs (PEM bytes; no field is
+    printed).
 
     Attributes:
         api_key: the bearer token every call must carry; ``None``: no check.
@@ -56,9 +57,9 @@ class StoreKeys:
     """
 
     api_key: str | None = field(default=None, repr=False)
-    tls_cert: bytes | None = None
+    tls_cert: bytes | None = field(default=None, repr=False)
     tls_key: bytes | None = field(default=None, repr=False)
-    tls_client_ca: bytes | None = None
+    tls_client_ca: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

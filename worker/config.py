@@ -79,7 +79,7 @@ class HostStoreAccess:
 
     Attributes:
         api_key: sent as ``authorization: Bearer <key>`` metadata on every call; ``None``
-            sends none. Never printed (``repr=False``).
+            sends none. No field is printed (``repr=False``: a secret, or a long PEM).
         tls_ca: PEM of the CA (or the self-signed certificate) the store's certificate must
             chain to; any of ``tls_ca`` / ``tls_cert`` makes the channel TLS (without
             ``tls_ca``: the system roots).
@@ -88,8 +88,8 @@ class HostStoreAccess:
     """
 
     api_key: str | None = field(default=None, repr=False)
-    tls_ca: bytes | None = None
-    tls_cert: bytes | None = None
+    tls_ca: bytes | None = field(default=None, repr=False)
+    tls_cert: bytes | None = field(default=None, repr=False)
     tls_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
