@@ -182,8 +182,8 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     # Refuse unsupported models here, with one clear error, before any actor starts.
     ModelArch.from_pretrained(model_dir, config.model.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    owns_ray = init_ray(config)
     store_keys, store_access = cluster_store_keys(config.server)
+    owns_ray = init_ray(config)
     try:
         cuda = _use_cuda(config)
         worker_cls = ray.remote(Worker)
