@@ -194,9 +194,7 @@ def main() -> None:
             "decode_tok_s": round(decode, 1),
             "fraction": round(decode / ceiling, 3),
         }
-        line = (
-            f"batch {batch:>3}: torch matmuls {row['matmul_ms']:7.1f} ms ({ceiling:7.1f} tok/s)"
-        )
+        line = f"batch {batch:>3}: torch matmuls {row['matmul_ms']:7.1f} ms ({ceiling:7.1f} tok/s)"
         if pk_s:
             pk_ceiling = batch / statistics.median(pk_s)
             row.update(

@@ -28,8 +28,8 @@ from pagedserve.kernels import cpu_native
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.attention import AttentionMetadata, paged_attention
 from pagedserve.worker.batch_invariant import invariant_linear, per_token_metadata
-from pagedserve.worker.packed_linear import PackedLinear, pack_linears, packed_logits
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from pagedserve.worker.packed_linear import PackedLinear, pack_linears, packed_logits
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
