@@ -43,6 +43,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -344,22 +345,27 @@ def linear_packed(
     Raises:
         ValueError: shapes that do not match the packed weight.
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got {tuple(x.shape)}")
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be 2-D fp32 [M, K], got {x.dtype} {tuple(x.shape)}")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
     width = panel_width()
-    if packed.numel() != ((out_features + width - 1) // width) * k * width:
+    if packed.numel() != -(-out_features // width) * k * width:
         raise ValueError(f"packed weight does not hold a [{out_features}, {k}] matrix")
     if bias is not None and (bias.numel() != out_features or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous [{out_features}] tensor")
     out = torch.empty((m, out_features), dtype=torch.float32)
-    if m == 0:
-        return out
-    _lib().linear_packed_f32(
-        x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), out_features,
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
-        torch.get_num_threads(),
-    )  # fmt: skip
+    if m:
+        _linear_packed_f32()(
+            x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
     return out
+
+
+@functools.cache
+def _linear_packed_f32() -> Any:
+    """The C entry point, looked up once (this is called ~120 times per decode step)."""
+    return _lib().linear_packed_f32

@@ -43,11 +43,11 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` fp32 -> ``[..., out_features]`` fp32."""
-        lead = x.shape[:-1]
+        if x.dim() == 2:  # the serving path: a flat token batch, no reshapes
+            return cpu_native.linear_packed(x, self.packed, self.out_features, self.bias)
         flat = x.reshape(-1, self.in_features)
-        bias = None if self.bias is None else self.bias.detach()
-        out = cpu_native.linear_packed(flat, self.packed, self.out_features, bias)
-        return out.view(*lead, self.out_features)
+        out = cpu_native.linear_packed(flat, self.packed, self.out_features, self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
