@@ -130,6 +130,8 @@ class ClusterHandle:
         if self.http is not None:
             await self.http.stop(grace_s)
         await self.server.stop(grace_s)
+        if self.pipeline is not None:
+            await self.pipeline.router.close()  # the output stream, before its actor goes
         try:
             await asyncio.wait_for(self.scheduler.shutdown.remote(), timeout=10)
         except Exception:
