@@ -357,7 +357,7 @@ def linear_packed(
         raise ValueError(f"bias must be a contiguous [{out_features}] tensor")
     out = torch.empty((m, out_features), dtype=torch.float32)
     if m:
-        _linear_packed_f32()(
+        linear_packed_fn()(
             x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), out_features,
             None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
             torch.get_num_threads(),
@@ -366,6 +366,8 @@ def linear_packed(
 
 
 @functools.cache
-def _linear_packed_f32() -> Any:
-    """The C entry point, looked up once (this is called ~120 times per decode step)."""
+def linear_packed_fn() -> Any:
+    """The C entry point of :func:`linear_packed`, looked up once (it is called ~120 times
+    per decode step): ``fn(x_ptr, m, k, ldx, packed_ptr, n, bias_ptr_or_None, out_ptr,
+    ldo, num_threads)``. Callers must pass what :func:`linear_packed` checks."""
     return _lib().linear_packed_f32

@@ -38,16 +38,37 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.register_buffer("packed", cpu_native.pack_linear_weight(linear.weight.detach()))
+        packed = cpu_native.pack_linear_weight(linear.weight.detach())
+        self.register_buffer("packed", packed)
         self.bias = linear.bias
+        # The per-call fast path (~120 calls per decode step) reads plain attributes, not
+        # nn.Module's buffer/parameter lookups; the tensors are held here too, so they
+        # stay alive whatever happens to the module's buffers.
+        bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self._fast = (cpu_native.linear_packed_fn(), packed, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in_features]`` fp32 -> ``[..., out_features]`` fp32."""
-        if x.dim() == 2:  # the serving path: a flat token batch, no reshapes
-            return cpu_native.linear_packed(x, self.packed, self.out_features, self.bias)
-        flat = x.reshape(-1, self.in_features)
-        out = cpu_native.linear_packed(flat, self.packed, self.out_features, self.bias)
-        return out.view(*x.shape[:-1], self.out_features)
+        n = self.out_features
+        if (
+            x.dim() == 2
+            and x.dtype is torch.float32
+            and x.stride(1) == 1
+            and x.shape[1] == self.in_features
+        ):  # the serving path: a flat token batch, checked once here
+            fn, packed, bias = self._fast
+            m = x.shape[0]
+            out = torch.empty((m, n), dtype=torch.float32)
+            if m:
+                fn(
+                    x.data_ptr(), m, self.in_features, x.stride(0), packed.data_ptr(), n,
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                    torch.get_num_threads(),
+                )  # fmt: skip
+            return out
+        flat = x.reshape(-1, x.shape[-1])
+        out = cpu_native.linear_packed(flat, self.packed, n, self.bias)
+        return out.view(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
