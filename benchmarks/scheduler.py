@@ -9,8 +9,10 @@ the prefills, ``--steps`` decode steps are timed. Two cases:
   that do not fit the pool's projected peak, so every step also runs the admission check
   (the projected-growth test of ``scheduler/admission.py``) and refuses.
 
-The fake worker answers every scheduled sequence with one token, as a real worker does; its
-own time is not counted. Reports microseconds per step of ``schedule`` + ``update`` (mean,
+The collector is set as in the scheduler actor's process (``--gc actor``:
+:func:`pagedserve.scheduler.gc_tuning.tune_gc` for the batch, before the requests arrive)
+or left at CPython's defaults (``--gc default``). The fake worker answers every scheduled
+sequence with one token, as a real worker does; its own time is not counted. Reports microseconds per step of ``schedule`` + ``update`` (mean,
 p50, p99; the p50 of each of the two; the p50 of the stepping thread's CPU time, which a
 shared machine inflates less), per sequence, and the garbage collections that ran inside
 the timed calls (count and time: they make the tail). Every 16th step all N sequences fill a
@@ -36,11 +38,13 @@ import time
 from pathlib import Path
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.gc_tuning import tune_gc
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
 BLOCK_SIZE = 16
+DEFAULT_GC_THRESHOLDS = gc.get_threshold()  # CPython's, before anything changes them
 
 
 def fake_execute(so: SchedulerOutput) -> RunnerOutput:
@@ -99,10 +103,17 @@ class GcClock:
             self.seconds += time.perf_counter() - self._t0
 
 
-def measure(n: int, prompt_len: int, steps: int, queued: bool) -> dict[str, float]:
-    """Time ``steps`` decode steps (schedule + update; the fake worker not counted)."""
-    s = build(n, prompt_len, steps, queued)
+def measure(
+    n: int, prompt_len: int, steps: int, queued: bool, tune: bool = True
+) -> dict[str, float]:
+    """Time ``steps`` decode steps (schedule + update; the fake worker not counted), the
+    collector tuned as in the scheduler actor (``tune``) or at CPython's defaults."""
+    gc.unfreeze()
+    gc.set_threshold(*DEFAULT_GC_THRESHOLDS)
     gc.collect()
+    if tune:
+        tune_gc(2 * n if queued else n, 1)
+    s = build(n, prompt_len, steps, queued)
     clock = GcClock()
     gc.callbacks.append(clock)
     times: list[float] = []
@@ -161,13 +172,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--prompt-len", type=int, default=40)
     ap.add_argument("--out", default="benchmarks/results/scheduler.json")
+    ap.add_argument(
+        "--gc",
+        choices=("actor", "default"),
+        default="actor",
+        help="the collector as the scheduler actor sets it, or CPython's defaults",
+    )
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")]
     results: dict[str, list[dict[str, float]]] = {}
     for case, queued in (("decode", False), ("decode+queue", True)):
         rows = []
         for n in sizes:
-            row = measure(n, args.prompt_len, args.steps, queued)
+            row = measure(n, args.prompt_len, args.steps, queued, args.gc == "actor")
             if rows:
                 row["growth_vs_previous"] = row["mean_us"] / rows[-1]["mean_us"]
             rows.append(row)
@@ -184,6 +201,7 @@ def main() -> None:
         "machine": platform.machine(),
         "load_avg": os.getloadavg(),
         "steps": args.steps,
+        "gc": args.gc,
         "prompt_len": args.prompt_len,
         "block_size": BLOCK_SIZE,
         "results": results,
