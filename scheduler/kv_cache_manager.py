@@ -16,7 +16,8 @@ keys on this: a call that extends a sequence whose last block is partially reser
 (``ref_count > 1``) gives the sequence a private copy of that block first.
 
 Hot-path cost: ``allocate_slots`` / ``cache_blocks`` are O(1) per step plus O(1) per new block
-(one SHA-256 per block that became full); ``free``/``fork`` are O(blocks of the sequence);
+(one SHA-256 per block that became full); ``grow_in_place``, the decode step that stays in its
+last block, builds no result object; ``free``/``fork`` are O(blocks of the sequence);
 ``get_computed_blocks`` is O(prompt blocks); ``check_integrity`` is O(pool + tables).
 """
 
