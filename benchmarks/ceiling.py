@@ -7,11 +7,15 @@ For each batch size B, two things are timed in the same process, interleaved and
   qkv, o, fused gate/up and down projections, plus the LM head, as ``F.linear`` on the
   model's own weights with ``B`` rows (``torch``, the same thread count). ``B / time`` is
   the most tokens/s a decode step of this model can reach with these GEMMs;
+* **packed ceiling**: the same matmuls on the engine's own packed GEMM
+  (:mod:`pagedserve.worker.packed_linear`; absent when the engine runs on ``F.linear``),
+  the ceiling of the engine as built;
 * **engine**: real decode steps of the in-process engine (the real :class:`Scheduler` and
   :class:`Worker`, no Ray/gRPC): ``B`` greedy requests of ``--prompt-len`` random tokens,
   prefilled first, then ``--steps`` decode steps timed (schedule + execute + update).
 
-Reports tokens/s of both and their ratio, and writes ``benchmarks/results/ceiling.json``.
+Reports tokens/s of each and the engine's fraction of each ceiling, and writes
+``benchmarks/results/ceiling.json``.
 
 Usage::
 
@@ -38,6 +42,8 @@ from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.model import LlamaForCausalLM
 from pagedserve.worker.model_store import resolve_model
+from pagedserve.worker.packed_linear import PackedLinear, packed_logits
+from pagedserve.worker.weights import load_model
 from pagedserve.worker.worker import Worker
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -65,6 +71,30 @@ def matmul_step(
     def run() -> None:
         for w, b in weights:
             F.linear(inputs[w.shape[1]], w, b)
+
+    return run
+
+
+def packed_step(model: LlamaForCausalLM, batch: int) -> Callable[[], None] | None:
+    """A closure running the packed matmuls of one decode step on ``batch`` random rows,
+    or ``None`` when ``model`` is not packed."""
+    layers: list[PackedLinear] = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers += [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    if not all(isinstance(lin, PackedLinear) for lin in layers):
+        return None
+    inputs = {lin.in_features: torch.randn(batch, lin.in_features) for lin in layers}
+    hidden = torch.randn(batch, model.arch.hidden_size)
+
+    @torch.inference_mode()
+    def run() -> None:
+        for lin in layers:
+            lin(inputs[lin.in_features])
+        if model.packed_head is not None:
+            packed_logits(hidden, model.packed_head, model.arch.vocab_size)
+        else:
+            model.lm_head(hidden)
 
     return run
 
@@ -133,37 +163,52 @@ def main() -> None:
             num_threads=args.threads,
         )
     )
-    weights = linear_weights(worker.runner.model)
+    runner = worker.runner
+    # The torch ceiling needs the row-major weights, which a packed engine no longer holds.
+    plain = load_model(runner.model_path, runner.arch, runner.max_model_len, torch.float32,
+                       torch.device("cpu"))  # fmt: skip
+    weights = linear_weights(plain)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
         mm = matmul_step(weights, batch)
+        packed = packed_step(runner.model, batch)
         engine = DecodeEngine(worker, batch, args.prompt_len)
-        mm_s, eng_s = [], []
+        mm_s, pk_s, eng_s = [], [], []
         mm()
+        if packed is not None:
+            packed()
         engine.step()
-        for _ in range(args.rounds):  # interleaved: ceiling, engine, ceiling, engine, ...
+        for _ in range(args.rounds):  # interleaved: ceilings, engine, ceilings, engine, ...
             mm_s.append(time_call(mm, args.steps))
+            if packed is not None:
+                pk_s.append(time_call(packed, args.steps))
             eng_s.append(time_call(engine.step, args.steps))
         engine.close()
         ceiling = batch / statistics.median(mm_s)
         decode = batch / statistics.median(eng_s)
-        rows.append(
-            {
-                "batch": batch,
-                "matmul_ms": round(1e3 * statistics.median(mm_s), 2),
-                "step_ms": round(1e3 * statistics.median(eng_s), 2),
-                "ceiling_tok_s": round(ceiling, 1),
-                "decode_tok_s": round(decode, 1),
-                "fraction": round(decode / ceiling, 3),
-            }
-        )
-        r = rows[-1]
-        print(
-            f"batch {batch:>3}: matmuls {r['matmul_ms']:7.1f} ms ({ceiling:7.1f} tok/s)  "
-            f"decode step {r['step_ms']:7.1f} ms ({decode:7.1f} tok/s)  "
-            f"= {100 * r['fraction']:.0f}% of the ceiling",
-            flush=True,
-        )
+        row = {
+            "batch": batch,
+            "matmul_ms": round(1e3 * statistics.median(mm_s), 2),
+            "step_ms": round(1e3 * statistics.median(eng_s), 2),
+            "ceiling_tok_s": round(ceiling, 1),
+            "decode_tok_s": round(decode, 1),
+            "fraction": round(decode / ceiling, 3),
+        }
+        line = f"batch {batch:>3}: torch matmuls {row['matmul_ms']:7.1f} ms ({ceiling:7.1f} tok/s)"
+        if pk_s:
+            pk_ceiling = batch / statistics.median(pk_s)
+            row.update(
+                packed_matmul_ms=round(1e3 * statistics.median(pk_s), 2),
+                packed_ceiling_tok_s=round(pk_ceiling, 1),
+                packed_fraction=round(decode / pk_ceiling, 3),
+            )
+            line += f"  packed {row['packed_matmul_ms']:7.1f} ms ({pk_ceiling:7.1f} tok/s)"
+        line += f"  decode step {row['step_ms']:7.1f} ms ({decode:7.1f} tok/s)"
+        line += f" = {100 * row['fraction']:.0f}% of torch's ceiling"
+        if pk_s:
+            line += f", {100 * row['packed_fraction']:.0f}% of the packed one"
+        rows.append(row)
+        print(line, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -8,7 +8,7 @@ is exact; the wrappers cost ~1 us each):
 
 * ``schedule`` / ``update``: :meth:`Scheduler.schedule` / :meth:`Scheduler.update`;
 * ``input_prep``: ``prepare_inputs`` (flattening the step into tensors);
-* ``matmuls``: every ``nn.Linear`` of the model plus the LM head;
+* ``matmuls``: every ``nn.Linear`` (or packed linear) of the model plus the LM head;
 * ``attention``: the paged-attention call of every layer (K/V store + attention; with the
   fused CPU kernels, the rotary + K/V store pass and the attention kernel);
 * ``other_model``: the rest of the forward (embedding, RMSNorm, rotary, SiLU, adds);
@@ -19,7 +19,8 @@ is exact; the wrappers cost ~1 us each):
 
 Reports the first (prefill) step and the mean decode step at full batch, writes
 ``benchmarks/results/profile.json``. ``--backend torch`` forces the torch reference path
-(the code before the fused CPU kernels) for a same-run comparison with ``auto``.
+(the code before the fused CPU kernels and the packed GEMM) for a same-run comparison with
+``auto``; ``PAGEDSERVE_CPU_GEMM=0`` in the environment runs ``auto`` on ``F.linear``.
 
 Usage::
 
@@ -53,6 +54,7 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.model_store import resolve_model
+from pagedserve.worker.packed_linear import PackedLinear
 from pagedserve.worker.worker import Worker
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -100,6 +102,7 @@ def instrument(worker: Worker, timers: Timers) -> None:
     # The LM head is a plain F.linear in the model module: give that module a timed F.
     model_mod.F = SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
     model_mod.F.linear = timers.wrap("matmuls", F.linear)
+    model_mod.packed_logits = timers.wrap("matmuls", model_mod.packed_logits)
     starts: dict[int, float] = {}
 
     def pre(mod: nn.Module, _args: Any) -> None:
@@ -109,7 +112,7 @@ def instrument(worker: Worker, timers: Timers) -> None:
         timers.acc["matmuls"] += time.perf_counter() - starts.pop(id(mod))
 
     for mod in model.modules():
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, (nn.Linear, PackedLinear)):
             mod.register_forward_pre_hook(pre)
             mod.register_forward_hook(post)
     model.forward = timers.wrap("forward", model.forward)
@@ -117,16 +120,28 @@ def instrument(worker: Worker, timers: Timers) -> None:
 
 
 def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dict[str, Any]:
-    """Profile one full run with ``backend``; returns per-phase mean ms per part."""
+    """Profile one full run with ``backend``; returns per-phase mean ms per part.
+
+    ``torch`` is the code before the fused CPU kernels and the packed GEMM (``F.linear``).
+    """
     torch.manual_seed(0)
-    worker = Worker(
-        WorkerConfig(
-            model=ModelConfig(model=model_dir),
-            cache=CacheConfig(num_blocks=2048),
-            device="cpu",
-            num_threads=args.threads,
+    saved = os.environ.get("PAGEDSERVE_CPU_GEMM")
+    if backend == "torch":
+        os.environ["PAGEDSERVE_CPU_GEMM"] = "0"  # read when the worker loads its model
+    try:
+        worker = Worker(
+            WorkerConfig(
+                model=ModelConfig(model=model_dir),
+                cache=CacheConfig(num_blocks=2048),
+                device="cpu",
+                num_threads=args.threads,
+            )
         )
-    )
+    finally:
+        if saved is None:
+            os.environ.pop("PAGEDSERVE_CPU_GEMM", None)
+        else:
+            os.environ["PAGEDSERVE_CPU_GEMM"] = saved
     set_backend(worker.runner.model, backend)
     timers = Timers()
     instrument(worker, timers)

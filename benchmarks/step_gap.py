@@ -10,10 +10,15 @@ one model step to the start of the next, while work remained; the
 bucket holding its median, the mean model step, and output tokens/s. Writes
 ``benchmarks/results/step_gap.json`` (or ``--out``).
 
+``--preemption-mode auto --swap-space 4`` runs with a host block store, as ``pagedserve
+serve`` does by default (a small ``--num-blocks`` makes it swap); each row then also
+reports the swap counters of the level.
+
 Usage::
 
     .venv/bin/python benchmarks/step_gap.py
     .venv/bin/python benchmarks/step_gap.py --concurrency 1,16 --requests-per-level 16
+    .venv/bin/python benchmarks/step_gap.py --preemption-mode auto --swap-space 4
 """
 
 from __future__ import annotations
@@ -76,13 +81,27 @@ def run_level(handle: Any, loop: Any, concurrency: int, n: int, args: Any) -> di
                 with lock:
                     tokens[0] += len(out.choices[0].token_ids)
 
+    def swap() -> dict[str, Any]:
+        fut = asyncio.run_coroutine_threadsafe(_get_stats(handle), loop)
+        st = fut.result(timeout=60)
+        sw = st.swap
+        return {
+            "recomputed_tokens": st.num_recomputed_tokens,
+            "swap_outs": sw.num_swap_outs,
+            "swap_ins": sw.num_swap_ins,
+            "swap_failures": sw.num_swap_failures,
+            "preemptions": sum(sw.preemptions_by_mode.values()),
+        }
+
     before = metrics()
+    swap_before = swap()
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as ex:
         for f in [ex.submit(client) for _ in range(concurrency)]:
             f.result()
     wall = time.perf_counter() - t0
     after = metrics()
+    swap_after = swap()
     gb, ga = before.histograms[GAP], after.histograms[GAP]
     steps = ga.count - gb.count
     it_b, it_a = (
@@ -97,14 +116,20 @@ def run_level(handle: Any, loop: Any, concurrency: int, n: int, args: Any) -> di
         "gap_mean_ms": 1e3 * (ga.sum - gb.sum) / steps if steps else None,
         "gap_median_bucket_ms": (1e3 * b if (b := _median_bucket(gb, ga)) is not None else None),
         "steps": num_steps,
+        "tokens_computed": it_a.sum - it_b.sum,  # prompt + decode tokens, recomputes included
         "step_mean_ms": 1e3 * wall / num_steps if num_steps else None,
         "output_tokens_per_s": tokens[0] / wall,
         "wall_s": wall,
+        **{k: swap_after[k] - swap_before[k] for k in swap_after},
     }
 
 
 async def _get_metrics(handle: Any) -> Any:
     return await handle.scheduler.get_metrics.remote()
+
+
+async def _get_stats(handle: Any) -> Any:
+    return await handle.scheduler.get_stats.remote()
 
 
 def main() -> None:
@@ -115,19 +140,30 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-blocks", type=int, default=4096)
+    ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
+    ap.add_argument("--swap-space", type=float, default=0.0, help="GiB of host block store")
+    ap.add_argument("--modes", default="serial,overlapped", help="serial, overlapped or both")
     ap.add_argument("--out", default="benchmarks/results/step_gap.json")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if not modes or set(modes) - {"serial", "overlapped"}:
+        ap.error(f"--modes takes serial and/or overlapped, got {args.modes!r}")
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     levels = [int(x) for x in args.concurrency.split(",")]
     result: dict[str, Any] = {"load_avg_before": os.getloadavg(), "args": vars(args)}
-    for overlap in (False, True):
+    for overlap in (m == "overlapped" for m in modes):
         config = ClusterConfig(
             model=ModelConfig(model=args.model, max_model_len=1024),
             cache=CacheConfig(num_blocks=args.num_blocks),
-            scheduler=SchedulerConfig(max_num_seqs=max(levels), async_scheduling=overlap),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max(levels),
+                async_scheduling=overlap,
+                preemption_mode=args.preemption_mode,
+            ),
             server=ServerConfig(port=0, http_port=None),
             cpus_per_worker=os.cpu_count() or 1,
+            swap_space=int(args.swap_space * (1 << 30)),
         )
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, daemon=True).start()

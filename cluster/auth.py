@@ -13,6 +13,10 @@
   TLS) on both.
 * **Exposure.** The default host is 127.0.0.1; binding another address without a key logs
   a warning (:func:`exposure_warning`).
+* **Host block store.** The same key check guards ``pagedserve.v1.HostBlockStore``
+  (:class:`ApiKeyServerInterceptor`, for its thread-pool server) and the same TLS options
+  serve it (:func:`ssl_server_credentials`); :func:`loopback_certificate` makes the
+  certificate of the store a cluster starts for itself on 127.0.0.1.
 
 Nothing here unpickles or evaluates client data: gRPC carries protobuf, HTTP carries JSON.
 """
@@ -38,12 +42,15 @@ __all__ = [
     "API_KEY_ENV",
     "ApiKeyInterceptor",
     "ApiKeyMiddleware",
+    "ApiKeyServerInterceptor",
     "bearer_matches",
     "check_tls_files",
     "exposure_warning",
     "grpc_server_credentials",
     "is_loopback",
+    "loopback_certificate",
     "read_pem",
+    "ssl_server_credentials",
     "uvicorn_ssl_options",
 ]
 
@@ -102,15 +109,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def exposure_warning(host: str, api_key: str | None) -> str | None:
+def exposure_warning(
+    host: str, api_key: str | None, risk: str = "can generate and abort requests"
+) -> str | None:
     """The warning to log when ``host`` is reachable from other machines and no API key
-    guards it; ``None`` when binding is safe by this rule."""
+    guards it (``risk``: what anyone who connects can then do); ``None`` when binding is
+    safe by this rule."""
     if api_key or is_loopback(host):
         return None
     return (
         f"serving on {host}, which other machines can reach, without an API key: anyone who "
-        "can connect can generate and abort requests. Set --api-key (or "
-        f"{API_KEY_ENV}) and consider --tls-cert/--tls-key."
+        f"can connect {risk}. Set --api-key (or {API_KEY_ENV}) and consider "
+        "--tls-cert/--tls-key."
     )
 
 
@@ -122,11 +132,57 @@ def grpc_server_credentials(cert: str, key: str, client_ca: str | None) -> grpc.
         ValueError: a file cannot be read.
     """
     ca = read_pem(client_ca, "tls_client_ca") if client_ca else None
+    return ssl_server_credentials(read_pem(cert, "tls_cert"), read_pem(key, "tls_key"), ca)
+
+
+def ssl_server_credentials(
+    cert: bytes, key: bytes, client_ca: bytes | None
+) -> grpc.ServerCredentials:
+    """:func:`grpc_server_credentials` from PEM bytes instead of files."""
     return grpc.ssl_server_credentials(
-        [(read_pem(key, "tls_key"), read_pem(cert, "tls_cert"))],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
+        [(key, cert)], root_certificates=client_ca, require_client_auth=client_ca is not None
     )
+
+
+def loopback_certificate(valid_days: int = 3650) -> tuple[bytes, bytes]:
+    """A fresh self-signed certificate for ``127.0.0.1`` / ``localhost`` and its private
+    key (EC P-256), as PEM ``(cert, key)``, made in memory (nothing is written). A
+    cluster serving TLS gives it to the host block store it starts on loopback; its
+    workers trust exactly this certificate.
+    """
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pagedserve host block store")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=valid_days))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
 def uvicorn_ssl_options(cert: str | None, key: str | None, client_ca: str | None) -> dict:
@@ -148,6 +204,31 @@ async def _deny_stream(request_iterator: Any, context: Any) -> Any:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
 
 
+def _deny_sync(request_or_iterator: Any, context: Any) -> Any:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED_MESSAGE)
+
+
+def _call_allowed(details: grpc.HandlerCallDetails, api_key: str) -> bool:
+    """Whether the call is to an open service (health) or carries the key."""
+    if (details.method or "").startswith(OPEN_GRPC_PREFIXES):
+        return True
+    metadata = dict(details.invocation_metadata or ())
+    return bearer_matches(metadata.get("authorization"), api_key)
+
+
+def _refusal(handler: Any, deny_unary: Any, deny_stream: Any) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s call shape that answers UNAUTHENTICATED: raw bytes in
+    (the request is never parsed), the response serializer kept."""
+    serializer = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, None, serializer)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny_stream, None, serializer)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny_unary, None, serializer)
+    return grpc.unary_unary_rpc_method_handler(deny_unary, None, serializer)
+
+
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses gRPC calls without ``authorization: Bearer <api_key>`` metadata with
     ``UNAUTHENTICATED`` (the health service stays open). The refused call's request bytes
@@ -167,24 +248,34 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        method = handler_call_details.method or ""
-        if method.startswith(OPEN_GRPC_PREFIXES):
-            return await continuation(handler_call_details)
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        if bearer_matches(metadata.get("authorization"), self._api_key):
-            return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: let gRPC answer UNIMPLEMENTED
+        if handler is None or _call_allowed(handler_call_details, self._api_key):
+            return handler  # allowed, or an unknown method (gRPC answers UNIMPLEMENTED)
+        return _refusal(handler, _deny_unary, _deny_stream)
+
+
+class ApiKeyServerInterceptor(grpc.ServerInterceptor):
+    """:class:`ApiKeyInterceptor` for a thread-pool ``grpc.server`` (the host block store):
+    calls without ``authorization: Bearer <api_key>`` get ``UNAUTHENTICATED`` unparsed.
+
+    Args:
+        api_key: the shared secret (non-empty).
+    """
+
+    def __init__(self, api_key: str) -> None:
+        if not api_key:
+            raise ValueError("api_key must not be empty")
+        self._api_key = api_key
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or _call_allowed(handler_call_details, self._api_key):
             return handler
-        # Same call shape as the real method, raw bytes in (no parsing), serializer kept.
-        serializer = handler.response_serializer
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(_deny_stream, None, serializer)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(_deny_stream, None, serializer)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_deny_unary, None, serializer)
-        return grpc.unary_unary_rpc_method_handler(_deny_unary, None, serializer)
+        return _refusal(handler, _deny_sync, _deny_sync)
 
 
 class ApiKeyMiddleware:

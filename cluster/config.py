@@ -37,6 +37,8 @@ class ServerConfig:
         api_key: bearer token every client call must carry (gRPC metadata / HTTP header
             ``authorization: Bearer <key>``; the health checks stay open); ``None`` = no
             authentication. Never printed (``repr=False``). See :mod:`pagedserve.cluster.auth`.
+            The host block store the cluster starts takes the same key (or a random one
+            without it) and serves TLS when the frontends do (:mod:`pagedserve.cluster.host_store`).
         tls_cert: PEM certificate (chain) of the server; with ``tls_key`` gRPC and HTTP
             are served over TLS.
         tls_key: PEM private key of ``tls_cert``.

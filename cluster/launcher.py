@@ -23,6 +23,7 @@ from pagedserve.cluster.auth import (
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.flights import watch_scheduler
 from pagedserve.cluster.frontend import GenerationServicer, check_port_free, start_server
+from pagedserve.cluster.host_store import HostStoreActor, StoreKeys, cluster_store_keys
 from pagedserve.cluster.http_server import HttpServer, create_app
 from pagedserve.cluster.metrics import MetricsExporter
 from pagedserve.cluster.openai_api import OpenAIServer
@@ -129,6 +130,8 @@ class ClusterHandle:
         if self.http is not None:
             await self.http.stop(grace_s)
         await self.server.stop(grace_s)
+        if self.pipeline is not None:
+            await self.pipeline.router.close()  # the output stream, before its actor goes
         try:
             await asyncio.wait_for(self.scheduler.shutdown.remote(), timeout=10)
         except Exception:
@@ -181,13 +184,14 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     # Refuse unsupported models here, with one clear error, before any actor starts.
     ModelArch.from_pretrained(model_dir, config.model.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    store_keys, store_access = cluster_store_keys(config.server)
     owns_ray = init_ray(config)
     try:
         cuda = _use_cuda(config)
         worker_cls = ray.remote(Worker)
         workers = []
         for wid in range(config.num_workers):
-            wcfg = config.worker_config(wid)
+            wcfg = dataclasses.replace(config.worker_config(wid), host_store_access=store_access)
             if cuda:
                 wcfg = dataclasses.replace(wcfg, device="cuda", num_threads=0)
                 opts: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
@@ -203,7 +207,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         max_model_len = min(i.max_model_len for i in infos)
         specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        host_store, swap = await start_host_store(config, workers, infos[0].block_bytes)
+        host_store, swap = await start_host_store(config, workers, infos[0].block_bytes, store_keys)
         scheduler = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
@@ -255,9 +259,10 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
 
 
 async def start_host_store(
-    config: ClusterConfig, workers: list[Any], block_bytes: int
+    config: ClusterConfig, workers: list[Any], block_bytes: int, keys: StoreKeys
 ) -> tuple[Any, SwapSpec | None]:
-    """Start the host block store actor on this node, connect the workers to it and
+    """Start the host block store actor on this node, guarded by ``keys`` (the workers
+    carry their side in ``WorkerConfig.host_store_access``), connect the workers to it and
     measure swap bandwidth and prefill cost on worker 0 (the cost model's start).
 
     Returns ``(actor, SwapSpec)``, or ``(None, None)`` when swapping is off
@@ -268,8 +273,6 @@ async def start_host_store(
     """
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from pagedserve.cluster.host_store import HostStoreActor
 
     if config.scheduler.preemption_mode == "recompute" or config.swap_space == 0:
         return None, None
@@ -283,7 +286,7 @@ async def start_host_store(
     store = (
         ray.remote(HostStoreActor)
         .options(num_cpus=0, max_concurrency=4, scheduling_strategy=node)
-        .remote(config.swap_space)
+        .remote(config.swap_space, keys=keys)
     )
     address = await store.address.remote()
     await asyncio.gather(*(w.connect_host_store.remote(address) for w in workers))

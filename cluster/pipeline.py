@@ -28,6 +28,7 @@ import ray
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.flights import MAX_REQUEST_ID_CHARS, Flight, FlightTable
+from pagedserve.cluster.output_router import OutputRouter
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
     InvalidRequest,
@@ -174,9 +175,6 @@ class ClientTooSlow(ServingError):
     status = "RESOURCE_EXHAUSTED"
 
 
-_END = object()  # a stream's pump is done (the scheduler's stream ended)
-
-
 class RequestPipeline:
     """Validation, tokenization, scheduler call and detokenization shared by all transports.
 
@@ -209,6 +207,7 @@ class RequestPipeline:
         self.max_buffered_outputs = max_buffered_outputs
         self.scheduler_timeout_s = scheduler_timeout_s
         self.flights = FlightTable(id_reuse_wait_s)
+        self.router = OutputRouter(scheduler, max_buffered_outputs)
         self._background: set[asyncio.Future[None]] = set()  # aborts still on their way
         # No token covers more UTF-8 bytes than the longest vocabulary entry's spelling
         # (byte-level or "▁"/"<0x..>" spellings only overestimate), so a text longer than
@@ -495,7 +494,7 @@ class RequestPipeline:
         done = [False] * sampling.n
         ack: asyncio.Future[Any] | None = None
         ack_timed_out = scheduler_gone = False
-        pump: asyncio.Task[None] | None = None
+        tag: int | None = None
         try:
             if flight.aborted:  # aborted while it was being validated and tokenized
                 usage = Usage(len(req.prompt_token_ids), 0, 0)
@@ -505,12 +504,11 @@ class RequestPipeline:
                 return
             if not self.flights.scheduler_up:
                 raise ClusterUnavailable("the scheduler is unavailable (restarting or gone)")
-            stream = self.scheduler.generate.remote(
-                request_id, list(req.prompt_token_ids), sampling, list(self.info.eos_token_ids)
-            )
-            flight.submitted = True
-            # The scheduler's first item acknowledges add_request (an empty batch).
-            ack = asyncio.ensure_future(self._next_batch(stream))
+            buffer: asyncio.Queue[Any] = asyncio.Queue()
+            tag = self.router.register(buffer, lambda: self._too_slow(request_id))
+            flight.submitted = True  # from here on the request may reach the scheduler
+            # The scheduler's reply to add_request acknowledges it.
+            ack = asyncio.ensure_future(self._add(req, tag))
             await self._wait_ack(ack, flight)
             ack_timed_out = not ack.done()
             if flight.error is not None:
@@ -524,15 +522,11 @@ class RequestPipeline:
             flight.added = True
             if flight.aborted:  # an abort came while the request was in transit
                 await self.scheduler.abort.remote(request_id)
-            buffer: asyncio.Queue[Any] = asyncio.Queue()
             flight.outputs = buffer  # FlightTable.fail_all puts its error here
             if flight.error is not None:
                 buffer.put_nowait(flight.error)
-            pump = asyncio.create_task(self._pump(stream, buffer, request_id))
             while not all(done):
                 item = await buffer.get()
-                if item is _END:
-                    break
                 if isinstance(item, BaseException):
                     raise item
                 out: SequenceOutput = item
@@ -552,8 +546,8 @@ class RequestPipeline:
             scheduler_gone = not ack_timed_out  # a slow scheduler still gets the abort
             raise
         finally:
-            if pump is not None:
-                pump.cancel()
+            if tag is not None:
+                self.router.unregister(tag)
             try:
                 # NOTE: no abort to a scheduler that is gone: a call to an actor Ray is
                 # restarting waits for the restart, and the restarted one starts empty.
@@ -582,11 +576,17 @@ class RequestPipeline:
                 return
             await asyncio.wait({ack}, timeout=min(left, 0.05))
 
-    @staticmethod
-    async def _next_batch(stream: Any) -> list[SequenceOutput]:
-        ref = await stream.__anext__()
-        batch: list[SequenceOutput] = await ref
-        return batch
+    async def _add(self, req: PreparedRequest, tag: int) -> None:
+        """Send the request to the scheduler (subscribing first when needed)."""
+        await self.router.ensure()
+        await self.scheduler.add_request.remote(
+            req.request_id,
+            list(req.prompt_token_ids),
+            req.sampling,
+            list(self.info.eos_token_ids),
+            self.router.subscriber,
+            tag,
+        )
 
     async def _abort_when_added(self, ack: asyncio.Future[Any] | None, request_id: str) -> None:
         """Abort a request once the scheduler has it (never before: the abort could
@@ -599,31 +599,25 @@ class RequestPipeline:
             return
         await asyncio.wait_for(self.scheduler.abort.remote(request_id), self.scheduler_timeout_s)
 
-    async def _pump(self, stream: Any, buffer: asyncio.Queue[Any], request_id: str) -> None:
-        """Move the scheduler's outputs into ``buffer`` as they come, so none pile up in
-        Ray; past ``max_buffered_outputs`` unconsumed ones, abort the request and leave
-        only a :class:`ClientTooSlow` error in the buffer."""
+    def _too_slow(self, request_id: str) -> ClientTooSlow:
+        """A request whose client fell more than ``max_buffered_outputs`` behind: abort it
+        (in the background) and give its consumer the error."""
+        log.warning("request %s aborted: its client stopped reading", request_id)
+        aborting = asyncio.ensure_future(self._abort_quietly(request_id))
+        self._background.add(aborting)
+        aborting.add_done_callback(self._background.discard)
+        return ClientTooSlow(
+            f"the client is not reading the stream: more than {self.max_buffered_outputs} "
+            "outputs are waiting to be sent; the request was aborted"
+        )
+
+    async def _abort_quietly(self, request_id: str) -> None:
         try:
-            async for ref in stream:
-                batch: list[SequenceOutput] = await ref
-                if buffer.qsize() + len(batch) > self.max_buffered_outputs:
-                    while not buffer.empty():
-                        buffer.get_nowait()
-                    buffer.put_nowait(
-                        ClientTooSlow(
-                            f"the client is not reading the stream: more than "
-                            f"{self.max_buffered_outputs} outputs are waiting to be sent; "
-                            "the request was aborted"
-                        )
-                    )
-                    log.warning("request %s aborted: its client stopped reading", request_id)
-                    await self.scheduler.abort.remote(request_id)
-                    return
-                for out in batch:
-                    buffer.put_nowait(out)
-            buffer.put_nowait(_END)
-        except Exception as exc:  # every failure reaches the consumer: it never hangs
-            buffer.put_nowait(self._serving_error(exc, request_id))
+            await asyncio.wait_for(
+                self.scheduler.abort.remote(request_id), self.scheduler_timeout_s
+            )
+        except Exception:  # the scheduler is gone: nothing left to free
+            log.debug("abort of %s failed", request_id, exc_info=True)
 
     def _serving_error(self, exc: BaseException, request_id: str) -> ServingError:
         """The client-facing error of a Ray failure."""

@@ -8,8 +8,12 @@ frontend (Generation service, health, reflection) on ``--port`` of the replica's
 HTTP routes (``/v1`` OpenAI-compatible API, ``/metrics``, ``/health``) are served by Ray
 Serve's own HTTP proxy (``serve.ingress`` with the app built at replica start), so the
 RayService's Kubernetes Service exposes them on Serve's port (8000). Serve's health check
-calls :meth:`PagedServeDeployment.check_health`, which fails while the scheduler is
-unreachable or no worker is alive, so Serve restarts the replica (and with it the cluster).
+calls :meth:`PagedServeDeployment.check_health` (:func:`replica_health`), which fails
+whenever the gRPC health service says NOT_SERVING (draining, scheduler down), when the
+scheduler does not answer, or when no worker is alive, so Serve restarts the replica (and
+with it the cluster). When Serve stops the replica, it drains first as ``pagedserve serve``
+does on SIGTERM (new requests UNAVAILABLE, health NOT_SERVING, up to ``--drain-timeout``
+seconds, capped to fit Serve's ``graceful_shutdown_timeout_s``), then stops.
 
 The application builder :func:`app` takes ``serve_args``, the ``pagedserve serve`` options
 as one string (or a list)::
@@ -44,6 +48,28 @@ from pagedserve.cluster.launcher import ClusterHandle, build_http_app, start_clu
 
 log = logging.getLogger(__name__)
 
+GRACEFUL_SHUTDOWN_S = 45  # Serve's limit on the replica's shutdown (drain + stop)
+_STOP_S = 15  # of which stopping the frontends and actors may take this long
+
+
+async def replica_health(handle: ClusterHandle, timeout_s: float = 10.0) -> None:
+    """Serve's health verdict on a replica's cluster; returns when healthy.
+
+    Raises:
+        RuntimeError: the replica drains or the scheduler is known down (the states in which
+            the gRPC health service answers NOT_SERVING), or no worker is alive.
+        TimeoutError: the scheduler does not answer within ``timeout_s`` seconds.
+        ray.exceptions.RayActorError: the scheduler actor is dead.
+    """
+    flights = handle.pipeline.flights if handle.pipeline is not None else None
+    if flights is not None and flights.draining:
+        raise RuntimeError("pagedserve: draining (shutting down); not serving")
+    if flights is not None and not flights.scheduler_up:
+        raise RuntimeError("pagedserve: the scheduler is unavailable; not serving")
+    live = await asyncio.wait_for(handle.scheduler.num_live_workers.remote(), timeout=timeout_s)
+    if live <= 0:
+        raise RuntimeError("pagedserve: no live worker")
+
 
 def cluster_config_from_args(serve_args: str | list[str]) -> ClusterConfig:
     """The :class:`ClusterConfig` of ``pagedserve serve`` options inside a Serve replica:
@@ -68,7 +94,7 @@ def cluster_config_from_args(serve_args: str | list[str]) -> ClusterConfig:
     max_ongoing_requests=1024,
     health_check_period_s=5,
     health_check_timeout_s=30,
-    graceful_shutdown_timeout_s=10,
+    graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
 )
 @serve.ingress()
 class PagedServeDeployment:
@@ -94,15 +120,20 @@ class PagedServeDeployment:
         return build_http_app(self._config, self._handle.pipeline)
 
     async def check_health(self) -> None:
-        """Serve's health check: raises while the scheduler is unreachable (10 s) or no
-        worker is alive, so Serve replaces the replica."""
-        live = await asyncio.wait_for(self._handle.scheduler.num_live_workers.remote(), timeout=10)
-        if live <= 0:
-            raise RuntimeError("pagedserve: no live worker")
+        """Serve's health check (:func:`replica_health`): raises while draining, while the
+        scheduler is down or unreachable (10 s), or when no worker is alive."""
+        await replica_health(self._handle)
 
     async def __del__(self) -> None:
-        """Stop the frontends and the actors when Serve tears the replica down."""
-        await self._handle.stop()
+        """When Serve tears the replica down: drain (``--drain-timeout``, capped to fit
+        Serve's shutdown limit), then stop the frontends and the actors."""
+        drain_s = min(self._config.server.drain_timeout_s, GRACEFUL_SHUTDOWN_S - _STOP_S)
+        try:
+            aborted = await self._handle.drain(drain_s)
+            if aborted:
+                log.warning("pagedserve replica: aborted %d request(s) still running", aborted)
+        finally:
+            await self._handle.stop()
 
 
 def app(args: dict[str, Any]) -> Application:

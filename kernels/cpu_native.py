@@ -11,7 +11,12 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
 * :func:`rope_store`: rotary on the q/k heads of the fused qkv output, in place, and the
   K/V rows written to their slots;
 * :func:`rms_norm`: RMSNorm, optionally fused with the residual add;
-* :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up output.
+* :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up output;
+* :func:`pack_linear_weight` / :func:`linear_packed` (``csrc/cpu_gemm.c``): the linear
+  layers' GEMM on weights packed once into column panels, each streamed from memory once
+  per call (a BLAS sgemm re-packs the weight on every small-M call; vLLM's CPU backend
+  uses prepacked oneDNN weights for the same reason). Each output element is one in-order
+  sum over K, so a row's result does not depend on the other rows (batch invariant).
 
 The library is built with the system C compiler (``$CC``, default ``gcc``) into
 ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by a hash of
@@ -19,7 +24,8 @@ the source, flags and CPU, so a rebuild happens only when one of those changes; 
 written to a temporary name and renamed, so concurrent workers never load a partial file.
 When no compiler is found or the build fails, :func:`load` returns ``None`` and callers use
 the torch reference (:mod:`pagedserve.kernels.reference`, ``worker/layers.py``). Set
-``PAGEDSERVE_CPU_KERNELS=0`` to force that fallback.
+``PAGEDSERVE_CPU_KERNELS=0`` to force that fallback, or ``PAGEDSERVE_CPU_GEMM=0`` to keep
+the fused kernels but run the linear layers on torch's ``F.linear`` (MKL / oneDNN).
 
 All tensors must be fp32, on CPU, and contiguous where the docstrings say so; the callers
 in :mod:`pagedserve.kernels.ops` check. The functions here validate nothing else.
@@ -37,12 +43,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_gemm.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
 _FALSY = ("0", "false", "off", "no")
@@ -56,7 +64,11 @@ _SIGNATURES = {
     "rope_store_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
+    "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
+    "linear_packed_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64],
+    "gemm_panel_width": [],
 }  # fmt: skip
+_RESTYPES = {"gemm_panel_width": _i64}
 
 
 def _cache_dir() -> Path:
@@ -76,9 +88,9 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(CFLAGS).encode(), compiler.encode(), _cpu_key().encode()])
+        b"\0".join([*sources, " ".join(CFLAGS).encode(), compiler.encode(), _cpu_key().encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
@@ -88,7 +100,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", tmp, "-lm"],
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, "-lm"],
             check=True,
             capture_output=True,
             text=True,
@@ -128,13 +140,20 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes = argtypes
-        fn.restype = None
+        fn.restype = _RESTYPES.get(name)
     return lib
 
 
 def available() -> bool:
     """True when :func:`load` gives a library."""
     return load() is not None
+
+
+def gemm_available() -> bool:
+    """True when the library is built and ``PAGEDSERVE_CPU_GEMM`` is not falsy."""
+    if os.environ.get("PAGEDSERVE_CPU_GEMM", "1").strip().lower() in _FALSY:
+        return False
+    return available()
 
 
 def _lib() -> ctypes.CDLL:
@@ -267,3 +286,86 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width // 2), dtype=torch.float32)
     _lib().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack an ``nn.Linear`` weight for :func:`linear_packed`.
+
+    Args:
+        weight: fp32 CPU ``[N, K]`` (``out_features x in_features``) with unit column
+            stride.
+
+    Returns:
+        A new contiguous fp32 1-D tensor of ``ceil(N / NR) * K * NR`` floats (``NR`` =
+        :func:`panel_width`): panel ``p`` holds ``packed[p, k, j] = weight[p * NR + j, k]``,
+        zero past ``N``.
+
+    Raises:
+        ValueError: a weight that is not 2-D fp32 on CPU with unit column stride.
+    """
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight must be a 2-D fp32 CPU tensor, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n, k = weight.shape
+    width = panel_width()
+    packed = torch.empty(((n + width - 1) // width) * k * width, dtype=torch.float32)
+    _lib().pack_weight_f32(
+        weight.data_ptr(), n, k, weight.stride(0), packed.data_ptr(), torch.get_num_threads()
+    )
+    return packed
+
+
+@functools.cache
+def panel_width() -> int:
+    """Output columns per packed panel (``NR`` of ``csrc/cpu_gemm.c``)."""
+    return int(_lib().gemm_panel_width())
+
+
+def linear_packed(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with ``weight`` packed by :func:`pack_linear_weight`.
+
+    Args:
+        x: fp32 ``[M, K]`` with unit column stride (rows may be strided).
+        packed: the packed weight of an ``[out_features, K]`` matrix.
+        out_features: ``N``.
+        bias: optional contiguous fp32 ``[N]``.
+
+    Returns:
+        A new contiguous fp32 ``[M, N]``.
+
+    Raises:
+        ValueError: shapes that do not match the packed weight.
+    """
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be 2-D fp32 [M, K], got {x.dtype} {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    width = panel_width()
+    if packed.numel() != -(-out_features // width) * k * width:
+        raise ValueError(f"packed weight does not hold a [{out_features}, {k}] matrix")
+    if bias is not None and (bias.numel() != out_features or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{out_features}] tensor")
+    out = torch.empty((m, out_features), dtype=torch.float32)
+    if m:
+        _linear_packed_f32()(
+            x.data_ptr(), m, k, x.stride(0), packed.data_ptr(), out_features,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+            torch.get_num_threads(),
+        )  # fmt: skip
+    return out
+
+
+@functools.cache
+def _linear_packed_f32() -> Any:
+    """The C entry point, looked up once (this is called ~120 times per decode step)."""
+    return _lib().linear_packed_f32

@@ -1,7 +1,11 @@
 """The scheduler Ray actor: one per cluster, drives one step loop per worker.
 
-The actor is async (asyncio): ``generate`` is a streaming generator method the frontend
-iterates over (Ray streaming generators), ``abort`` and ``get_stats`` are plain calls. A
+The actor is async (asyncio). A frontend opens one output stream with ``subscribe`` (a
+Ray streaming generator) and adds requests with ``add_request``: every step's outputs for
+all of that frontend's requests travel as one item of that stream, tagged, so the Ray cost
+per step does not grow with the number of requests (vLLM v1's engine core likewise sends
+one message of outputs per step). ``generate`` (one stream per request) is kept for
+direct callers. ``abort`` and ``get_stats`` are plain calls. A
 loop task per worker repeatedly asks the :class:`Scheduler` for that worker's next
 :class:`SchedulerOutput`, awaits the worker's ``execute_model`` and feeds the answer back;
 new requests join the running batch between steps (continuous batching).
@@ -22,6 +26,7 @@ import ray
 
 from pagedserve.scheduler import gc_tuning
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.errors import ClusterUnavailable
 from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
@@ -62,6 +67,10 @@ class SchedulerActor:
         self._swap = swap
         self._workers = workers
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
+        # subscribe/add_request: subscriber -> its stream's queue of (tag, output), and
+        # request id -> [subscriber, tag, choices not finished yet]
+        self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
+        self._subscribed: dict[str, list[Any]] = {}
         self._wakeups: dict[int, asyncio.Event] = {}
         self._loops: dict[int, asyncio.Task[None]] = {}
         self._in_step: set[int] = set()
@@ -153,6 +162,63 @@ class SchedulerActor:
                     self._scheduler.abort_request(request_id)
                     self._wake_all()
 
+    async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[int, SequenceOutput]]]:
+        """The output stream of every request ``subscriber`` adds with :meth:`add_request`.
+
+        The first item is an empty list (the subscription exists from then on); every later
+        one is a non-empty list of ``(tag, output)``, all outputs queued since the last
+        item (one step's worth, or more when the consumer is slower). A new subscription
+        under the same name replaces the old one. When the consumer goes away, every
+        request it added that has not finished is aborted (its blocks are freed).
+        """
+        await self.ready()
+        queue: asyncio.Queue[tuple[int, SequenceOutput]] = asyncio.Queue()
+        self._subscribers[subscriber] = queue
+        try:
+            yield []
+            while True:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                yield batch
+        finally:
+            if self._subscribers.get(subscriber) is queue:
+                del self._subscribers[subscriber]
+                orphans = [r for r, e in self._subscribed.items() if e[0] == subscriber]
+                for request_id in orphans:
+                    self._dispatch(self._scheduler.abort_request(request_id))
+                    self._subscribed.pop(request_id, None)
+                if orphans:
+                    self._wake_all()
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        eos_token_ids: list[int],
+        subscriber: str,
+        tag: int,
+    ) -> None:
+        """Add a request whose outputs go to ``subscriber``'s stream tagged ``tag``.
+
+        Returns once the request is queued (from then on an abort reaches it).
+
+        Raises:
+            ClusterUnavailable: ``subscriber`` has no open stream (e.g. this actor was
+                restarted since it subscribed).
+            ServingError: from :meth:`Scheduler.add_request` (InvalidRequest,
+                RequestRejected, DuplicateRequest).
+        """
+        await self.ready()
+        if subscriber not in self._subscribers:
+            raise ClusterUnavailable(
+                f"no output stream is open for {subscriber!r} (the scheduler restarted?)"
+            )
+        self._scheduler.add_request(request_id, prompt_token_ids, sampling, eos_token_ids)
+        self._subscribed[request_id] = [subscriber, tag, sampling.n]
+        self._wake_all()
+
     async def abort(
         self, request_id: str, choice_index: int | None = None, stop: bool = False
     ) -> bool:
@@ -216,12 +282,23 @@ class SchedulerActor:
             queue = self._queues.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)
+                continue
+            entry = self._subscribed.get(out.request_id)
+            if entry is None:
+                continue
+            stream = self._subscribers.get(entry[0])
+            if stream is not None:
+                stream.put_nowait((entry[1], out))
+            if out.finish_reason is not None:
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._subscribed[out.request_id]
 
     def _step_loop_fn(self) -> Any:
-        """The per-worker loop: overlapped when ``async_scheduling`` is on and no host
-        block store is in use (swap transfers are planned against the step before them,
-        so swapping runs with serial steps)."""
-        if self._scheduler.config.async_scheduling and self._swap is None:
+        """The per-worker loop: overlapped when ``async_scheduling`` is on (with or without
+        a host block store: a step that swaps a group in is the one not overlapped with
+        the next, see :meth:`_overlapped_step_loop`), else serial."""
+        if self._scheduler.config.async_scheduling:
             return self._overlapped_step_loop
         return self._step_loop
 
@@ -273,6 +350,11 @@ class SchedulerActor:
         one call at a time, in order, so t+1 starts as soon as t ends, without waiting
         for the scheduler's update and the next schedule. A stop found in t's answer
         drops that sequence's t+1 result (one wasted slot, never streamed).
+
+        With a host block store, step t+1 is not planned while t swaps a group in
+        (:meth:`Scheduler.can_plan_past`): that step's answer is awaited first, and the
+        overlap resumes with the step after it. Swap-outs and frees overlap as usual
+        (:mod:`pagedserve.scheduler.swapping` says why each case is safe).
         """
         worker = self._workers[worker_id]
         wake = self._wakeups[worker_id]
@@ -282,7 +364,8 @@ class SchedulerActor:
         inflight: tuple[SchedulerOutput, Any] | None = None
         while True:
             nxt: tuple[SchedulerOutput, Any] | None = None
-            if sched.has_work(worker_id):
+            ahead = inflight is None or sched.can_plan_past(inflight[0])
+            if ahead and sched.has_work(worker_id):
                 sched_out = sched.schedule(worker_id)
                 if sched.drain_wakeups():
                     self._wake_all()

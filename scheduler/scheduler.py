@@ -604,6 +604,12 @@ class Scheduler(SwapMixin):
                 or seq.worker_id != worker_id
                 or step_id < seq.resident_since_step
             ):
+                if seq is not None and seq.seq_id in self._groups:  # swapped out after it
+                    late = self._late_answer(ws, seq, step_id, num_new, runner_out)
+                    if late is not None:
+                        outputs.append(late)
+                        if late.finish_reason is not None:
+                            finished_requests.add(seq.request_id)
                 continue  # aborted, preempted or moved while the step ran
             seq.num_inflight_tokens -= num_new
             computed = seq.num_computed_tokens
@@ -893,7 +899,7 @@ class Scheduler(SwapMixin):
         deltas (reason ABORT).
         """
         outputs: list[SequenceOutput] = []
-        self._swap_step_failed(worker_id)
+        self._swap_step_failed(worker_id, sched_out.step_id)  # a later step's stay in flight
         for request_id in {
             self.sequences[s].request_id
             for s in sched_out.num_scheduled_tokens

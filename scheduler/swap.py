@@ -128,9 +128,14 @@ class SwapGroup:
         request_id: their request.
         host_tables: seq_id -> host block id per logical block (shared blocks appear in
             several tables under the same id).
-        num_tokens: seq_id -> KV slots its table covered when swapped out.
-        pending: the swap-out is in flight (the group cannot be resumed yet).
+        num_tokens: seq_id -> KV slots of its table that hold computed tokens (its table
+            may cover more: slots of a step in flight, see ``late``).
         worker_id: the worker that swapped it out.
+        pending: the swap-out is in flight (the group cannot be resumed yet).
+        late: overlapped scheduling: seq_id -> ``(step_id, num_tokens)`` of the step that
+            was in flight for that member when it was swapped out. The swap-out runs after
+            that step on the worker, so its table covers those slots too; when that step's
+            answer arrives it is applied to the waiting member (tokens kept, not redone).
     """
 
     transfer_id: str
@@ -139,6 +144,7 @@ class SwapGroup:
     num_tokens: dict[str, int]
     worker_id: int
     pending: bool = True
+    late: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def host_ids(self) -> set[int]:
         """Every host block some member's table holds."""
@@ -151,12 +157,15 @@ class InFlight:
 
     ``kind``: "out" (swap-out of ``group``), "in" (swap-in of ``group``; ``seq_ids`` are
     its members now running) or "free" (``host_ids`` being freed on the store).
+    ``step_id``: the worker step that carries it (its answer resolves it; with overlapped
+    scheduling a later step of the same worker may be in flight too).
     """
 
     kind: str
     transfer_id: str
     group: SwapGroup | None
     host_ids: list[int]
+    step_id: int
     seq_ids: list[str] = field(default_factory=list)
 
 

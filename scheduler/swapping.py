@@ -27,6 +27,28 @@ Failures (store full or dead, checksum): a failed swap-out leaves its members wa
 no computed tokens (recompute); a failed swap-in takes its members off the worker and
 queues them for recompute. Host blocks return to the pool only once the worker that
 touched them answered, so a host id is never reused while a transfer may still write it.
+
+Overlapped scheduling (``async_scheduling``: step t+1 is planned while step t runs; the
+worker runs its steps one at a time, in order):
+
+- Each transfer is resolved by the answer of the step that carried it
+  (``InFlight.step_id``), never by the answer of the step before it.
+- A victim may have tokens in step t, in flight. The worker packs the swap-out at the start
+  of t+1, after t, so the blocks of those slots are swapped out too
+  (``SwapGroup.late``), and t's answer for the member is applied when it arrives, although
+  the member now waits (:meth:`SwapMixin._late_answer`: its computed tokens advance, its
+  sampled token is streamed, a stop ends it). If t fails instead, the member resumes from
+  its computed tokens and redoes t's (the extra host blocks are freed with the group).
+  Beams and sequences with choices still to fork drop t's answer (redone after the
+  swap-in), keeping only computed blocks. The blocks t writes are freed with the rest and
+  may be reused by t+1 (written only after the pack).
+- A swapped group is pinned (``pending``) until its swap-out's answer: it cannot be
+  swapped in by a step planned before that answer.
+- A step that swaps a group in is not overlapped with the next one
+  (:meth:`SwapMixin.can_plan_past`): if the swap-in fails the worker drops the group, so
+  a step planned before that answer would name sequences the worker no longer holds.
+  Swap-ins are rare; every other step keeps the overlap.
+- A worker death resolves every transfer of its steps in flight as failed (recompute).
 """
 
 from __future__ import annotations
@@ -38,7 +60,7 @@ from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.forking import ForkingMixin
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
-from pagedserve.scheduler.request import Sequence, SequenceStatus
+from pagedserve.scheduler.request import Sequence, SequenceOutput, SequenceStatus
 from pagedserve.scheduler.swap import (
     CostModel,
     HostBlockPool,
@@ -66,6 +88,13 @@ class SwapMixin(ForkingMixin):
     # Provided by the Scheduler.
     @staticmethod
     def _release(ws: WorkerState, seq: Sequence) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _delta(seq: Sequence, new_tokens: tuple[int, ...]) -> SequenceOutput:
+        raise NotImplementedError
+
+    def _count_computed(self, ws: WorkerState, seq: Sequence, num_new: int) -> None:
         raise NotImplementedError
 
     def _init_swap(self, spec: SwapSpec | None) -> None:
@@ -115,8 +144,26 @@ class SwapMixin(ForkingMixin):
         if any(s.seq_id in self._step_scheduled for s in group):
             return False  # NOTE: their step's blocks are already handed to the worker
         kv = ws.kv
+        bs = ws.spec.block_size
+        # Overlapped scheduling: a member's tokens in the step in flight (the one before
+        # this) are swapped out too and kept when that step answers (see the module
+        # docstring); a beam or a sequence with choices to fork keeps its computed ones.
+        in_flight = ws.next_step_id - 1
+        late = {
+            s.seq_id: (in_flight, s.num_inflight_tokens)
+            for s in group
+            if s.num_inflight_tokens and not (s.sampling.use_beam_search or s.fork_children)
+        }
+        tokens_of: dict[str, int] = {}
+        for s in group:
+            n = (
+                s.num_computed_tokens + late[s.seq_id][1]
+                if s.seq_id in late
+                else s.num_computed_tokens
+            )
+            tokens_of[s.seq_id] = n if kv.has_seq(s.seq_id) else 0
         tables = {
-            s.seq_id: kv.get_block_ids(s.seq_id) if kv.has_seq(s.seq_id) else [] for s in group
+            sid: kv.get_block_ids(sid)[: _cdiv(n, bs)] if n else [] for sid, n in tokens_of.items()
         }
         unique = list(dict.fromkeys(b for t in tables.values() for b in t))
         if not unique or len(unique) + len(group) > ws.spec.num_blocks:
@@ -127,7 +174,7 @@ class SwapMixin(ForkingMixin):
             return False
         if self.config.preemption_mode == "auto":
             nbytes = len(unique) * self._swap_spec.block_bytes
-            tokens = sum(s.num_computed_tokens for s in group)
+            tokens = sum(tokens_of.values())
             if self._cost.swap_s(nbytes) >= self._cost.recompute_s(tokens):
                 return False
         host = self._host_pool.allocate(len(unique))
@@ -139,14 +186,15 @@ class SwapMixin(ForkingMixin):
             transfer_id=tid,
             request_id=victim.request_id,
             host_tables={sid: [to_host[b] for b in t] for sid, t in tables.items()},
-            num_tokens={
-                s.seq_id: kv.get_num_tokens(s.seq_id) if tables[s.seq_id] else 0 for s in group
-            },
+            num_tokens={s.seq_id: s.num_computed_tokens if tables[s.seq_id] else 0 for s in group},
             worker_id=ws.spec.worker_id,
+            late={sid: v for sid, v in late.items() if tables[sid]},
         )
         outs, _ = self._staged.setdefault(ws.spec.worker_id, ([], []))
         outs.append(SwapTransfer(tid, unique, host, [s.seq_id for s in group]))
-        self._inflight.setdefault(ws.spec.worker_id, []).append(InFlight("out", tid, g, host))
+        self._inflight.setdefault(ws.spec.worker_id, []).append(
+            InFlight("out", tid, g, host, ws.next_step_id)
+        )
         for s in reversed(group):  # front-inserted: the group keeps its order
             self._release(ws, s)
             s.status = SequenceStatus.WAITING
@@ -219,7 +267,7 @@ class SwapMixin(ForkingMixin):
             if tokens:
                 ids = kv.get_block_ids(m.seq_id)
                 dev.extend(ids[shared:])
-                host.extend(table[shared:])
+                host.extend(table[shared : len(ids)])  # a late step that never answered
         for m, n in plan:
             if n > 0:
                 res = kv.allocate_slots(m.seq_id, m.num_computed_tokens + n)
@@ -240,11 +288,39 @@ class SwapMixin(ForkingMixin):
         _, ins = self._staged.setdefault(ws.spec.worker_id, ([], []))
         ins.append(SwapTransfer(tid, dev, host, seq_ids, all_host))
         self._inflight.setdefault(ws.spec.worker_id, []).append(
-            InFlight("in", tid, g, all_host, seq_ids)
+            InFlight("in", tid, g, all_host, ws.next_step_id, seq_ids)
         )
         return left, seats + width
 
     # ------------------------------------------------------------------ results
+    def _late_answer(
+        self, ws: WorkerState, seq: Sequence, step_id: int, num_new: int, runner_out: RunnerOutput
+    ) -> SequenceOutput | None:
+        """Apply step ``step_id``'s answer for ``seq``, swapped out by the step after it
+        (``SwapGroup.late``); returns its delta, or None (nothing applies, or nothing
+        was sampled). Call from update for a sequence that is no longer running."""
+        g = self._groups.get(seq.seq_id)
+        if g is None or not g.pending or g.late.pop(seq.seq_id, None) != (step_id, num_new):
+            return None
+        if seq.max_computed_tokens > seq.num_computed_tokens:  # recomputing
+            self._count_computed(ws, seq, num_new)
+        else:
+            seq.num_computed_tokens = seq.max_computed_tokens = seq.num_computed_tokens + num_new
+        g.num_tokens[seq.seq_id] = seq.num_computed_tokens  # its table covers these slots
+        token = runner_out.sampled_token_ids.get(seq.seq_id)
+        if token is None:
+            return None  # a prefill chunk
+        seq.append_token(token)
+        self.metrics.on_token(seq)
+        lp = runner_out.logprobs.get(seq.seq_id)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
+        reason = seq.check_stop()
+        if reason is not None:
+            self._finish(seq, reason)  # frees its host blocks with the swap-out's result
+        return self._delta(seq, (token,))
+
     def _drain_swaps(
         self, ws: WorkerState
     ) -> tuple[list[SwapTransfer], list[SwapTransfer], list[int], str]:
@@ -255,16 +331,34 @@ class SwapMixin(ForkingMixin):
             self._host_free_queue = []
             tid = self._transfer_id("free")
             self._inflight.setdefault(ws.spec.worker_id, []).append(
-                InFlight("free", tid, None, free)
+                InFlight("free", tid, None, free, ws.next_step_id)
             )
         return outs, ins, free, tid
+
+    def can_plan_past(self, sched_out: SchedulerOutput) -> bool:
+        """Whether the worker's next step may be planned while ``sched_out`` is in flight
+        (overlapped scheduling): False when it swaps a group in, whose failure makes the
+        worker drop the group (see the module docstring)."""
+        return not sched_out.blocks_to_swap_in
+
+    def _take_inflight(self, worker_id: int, step_id: int | None) -> list[InFlight]:
+        """Remove and return ``worker_id``'s transfers carried by steps up to ``step_id``
+        (all when None); those of later steps stay in flight."""
+        flights = self._inflight.pop(worker_id, None)
+        if not flights or step_id is None:
+            return flights or []
+        later = [f for f in flights if f.step_id > step_id]
+        if later:
+            self._inflight[worker_id] = later
+            return [f for f in flights if f.step_id <= step_id]
+        return flights
 
     def _apply_swap_results(
         self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput
     ) -> None:
         """Resolve the transfers of the step ``runner_out`` answers and refine the cost
         model with its timings (call first in update)."""
-        for f in self._inflight.pop(worker_id, []):
+        for f in self._take_inflight(worker_id, sched_out.step_id):
             res = runner_out.swap_results.get(f.transfer_id)
             self._resolve(worker_id, f, res or SwapResult(False, error="no result"))
         if self._cost is not None:
@@ -332,9 +426,10 @@ class SwapMixin(ForkingMixin):
         g.host_tables.clear()
         g.num_tokens.clear()
 
-    def _swap_step_failed(self, worker_id: int) -> None:
-        """The worker's step raised or the worker died: its transfers count as failed."""
-        for f in self._inflight.pop(worker_id, []):
+    def _swap_step_failed(self, worker_id: int, step_id: int | None = None) -> None:
+        """The worker's step ``step_id`` raised (None: the worker died): the transfers of
+        that step and earlier ones (None: all) count as failed."""
+        for f in self._take_inflight(worker_id, step_id):
             self._resolve(worker_id, f, SwapResult(False, error="step failed"))
 
     def _forget_swapped(self, seq: Sequence) -> None:

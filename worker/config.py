@@ -72,6 +72,39 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class HostStoreAccess:
+    """How a worker's swap client proves itself to the host block store, and checks the
+    store. Values, not file paths: Ray ships them to the worker actors (and to a restarted
+    actor again), which need not see the driver's files.
+
+    Attributes:
+        api_key: sent as ``authorization: Bearer <key>`` metadata on every call; ``None``
+            sends none. No field is printed (``repr=False``: a secret, or a long PEM).
+        tls_ca: PEM of the CA (or the self-signed certificate) the store's certificate must
+            chain to; any of ``tls_ca`` / ``tls_cert`` makes the channel TLS (without
+            ``tls_ca``: the system roots).
+        tls_cert: PEM client certificate for a store that requires one (mutual TLS).
+        tls_key: PEM private key of ``tls_cert`` (``repr=False``).
+    """
+
+    api_key: str | None = field(default=None, repr=False)
+    tls_ca: bytes | None = field(default=None, repr=False)
+    tls_cert: bytes | None = field(default=None, repr=False)
+    tls_key: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
+            raise ValueError("api_key must be non-empty, without surrounding whitespace")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+
+    @property
+    def tls(self) -> bool:
+        """True when the channel to the store is TLS."""
+        return self.tls_ca is not None or self.tls_cert is not None
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything one worker needs to load the model and size its KV pool.
 
@@ -85,6 +118,8 @@ class WorkerConfig:
             processes keep cores busy (:mod:`pagedserve.worker.cpu_threads`).
         attention_backend: ``"auto"``, ``"torch"``, ``"triton"`` or ``"cpu"`` (see
             pagedserve.kernels).
+        host_store_access: the key and TLS trust of the host block store the worker swaps
+            through (:meth:`ModelRunner.connect_host_store`).
     """
 
     worker_id: int = 0
@@ -94,6 +129,7 @@ class WorkerConfig:
     num_threads: int = 0
     attention_backend: str = "auto"
     adaptive_threads: bool = True
+    host_store_access: HostStoreAccess = field(default_factory=HostStoreAccess)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

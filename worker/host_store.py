@@ -9,6 +9,10 @@ store keeps the bytes under them, up to ``capacity_bytes``.
 No torch here: a block is opaque bytes with its dtype name and shape. SwapOut is all or
 nothing (staged per call, committed when the client's stream ends cleanly), so a transfer
 broken mid-way leaves nothing behind.
+
+Who may call it is decided by whoever starts it (:mod:`pagedserve.cluster.host_store`):
+:func:`serve_host_store` takes server credentials (TLS) and interceptors (the API key) as
+plain gRPC objects.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -302,10 +306,14 @@ def serve_host_store(
     port: int = 0,
     max_workers: int = 8,
     store: HostBlockStore | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> tuple[grpc.Server, int, HostBlockStore]:
     """Start a store's gRPC server (threads) on ``host:port``; 0 picks a free port.
 
-    ``store`` serves an existing store object instead of a new one of ``capacity_bytes``.
+    ``store`` serves an existing store object instead of a new one of ``capacity_bytes``;
+    ``credentials`` serve TLS (plaintext without); ``interceptors`` see every call first
+    (the API key check of :mod:`pagedserve.cluster.auth`).
 
     Returns:
         ``(server, port, store)``; stop with ``server.stop(grace)``.
@@ -320,11 +328,28 @@ def serve_host_store(
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=opts)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=opts,
+        interceptors=list(interceptors),
+    )
     pb_grpc.add_HostBlockStoreServicer_to_server(HostBlockStoreServicer(store), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    try:
+        if credentials is None:
+            bound = server.add_insecure_port(address)
+        else:
+            bound = server.add_secure_port(address, credentials)
+    except RuntimeError:  # grpcio raises where older versions returned 0
+        bound = 0
     if bound == 0:
         raise RuntimeError(f"cannot bind the host block store to {host}:{port}")
     server.start()
-    log.info("host block store on %s:%d, %d bytes", host, bound, capacity_bytes)
+    log.info(
+        "host block store on %s:%d%s, %d bytes",
+        host,
+        bound,
+        " (TLS)" if credentials is not None else "",
+        store.capacity_bytes,
+    )
     return server, bound, store

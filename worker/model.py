@@ -29,6 +29,7 @@ from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.attention import AttentionMetadata, paged_attention
 from pagedserve.worker.batch_invariant import invariant_linear, per_token_metadata
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
+from pagedserve.worker.packed_linear import PackedLinear, pack_linears, packed_logits
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -176,6 +177,9 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
         # Set by pagedserve.worker.batch_invariant.make_batch_invariant: fixed-shape matmuls.
         self.batch_invariant = False
+        # Set by pack_weights: the tied LM head packed for the CPU GEMM (untied: lm_head
+        # itself becomes a PackedLinear).
+        self.packed_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -268,16 +272,32 @@ class LlamaForCausalLM(nn.Module):
         hidden = h.index_select(0, logits_indices)
         res = residual.index_select(0, logits_indices)
         hidden = cpu_native.rms_norm(hidden, self.norm.weight, self.norm.eps, residual=res)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._lm_head(hidden, weight)
+        return self._lm_head(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and LM head: ``[N, hidden]`` -> fp32 ``[N, vocab_size]``."""
-        hidden = self.norm(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._lm_head(hidden, weight).float()
+        return self._lm_head(self.norm(hidden)).float()
 
-    def _lm_head(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def pack_weights(self) -> int:
+        """Move every linear layer and the LM head to the packed CPU GEMM
+        (:mod:`pagedserve.worker.packed_linear`), in place; returns the layers packed.
+
+        Raises:
+            ValueError: weights that are not fp32 on CPU (nothing is packed then).
+        """
+        if self.lm_head is None:
+            self.packed_head = cpu_native.pack_linear_weight(self.embed_tokens.weight.detach())
+        return pack_linears(self)
+
+    def _lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is not None:
+            if isinstance(self.lm_head, PackedLinear):
+                return self.lm_head(hidden)
+            weight = self.lm_head.weight
+        elif self.packed_head is not None:
+            return packed_logits(hidden, self.packed_head, self.arch.vocab_size)
+        else:
+            weight = self.embed_tokens.weight
         if self.batch_invariant:
             return invariant_linear(hidden, weight)
         return F.linear(hidden, weight)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve import kernels
+from pagedserve.kernels import cpu_native
 from pagedserve.scheduler.beam_search import num_beam_candidates
 from pagedserve.scheduler.outputs import (
     NewSequenceData,
@@ -129,8 +130,11 @@ class ModelRunner:
         self.model = load_model(
             self.model_path, self.arch, self.max_model_len, self.dtype, self.device, self.backend
         )
+        self.packed_gemm = False
         if config.model.batch_invariant:
             self._make_batch_invariant()
+        else:
+            self._pack_weights()
         self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
@@ -150,7 +154,23 @@ class ModelRunner:
                 f"float32, attention backend auto or cpu); got device {self.device}, dtype "
                 f"{self.dtype}, backend {self.backend}"
             )
+        if self._pack_weights():
+            # The packed GEMM sums each output over K in order: rows are independent.
+            self.model.batch_invariant = True  # attention: every token as a decode
+            return
         make_batch_invariant(self.model, self.model.embed_tokens.weight)
+
+    def _pack_weights(self) -> bool:
+        """Run the linear layers on the packed CPU GEMM
+        (:mod:`pagedserve.worker.packed_linear`) when the model runs on the fused fp32 CPU
+        kernels and the GEMM is available (``PAGEDSERVE_CPU_GEMM`` not 0); returns whether
+        it does."""
+        probe = torch.empty(0, dtype=self.dtype, device=self.device)
+        if not (self.model.uses_cpu_kernels(probe) and cpu_native.gemm_available()):
+            return False
+        self.model.pack_weights()
+        self.packed_gemm = True
+        return True
 
     def get_info(self) -> WorkerInfo:
         """Static facts about this worker (see :class:`WorkerInfo`)."""
@@ -291,12 +311,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ swap setup
     def connect_host_store(self, address: str) -> None:
-        """Use the host block store at ``address`` (``host:port``) for swap transfers."""
+        """Use the host block store at ``address`` (``host:port``) for swap transfers, with
+        the key and TLS trust of ``config.host_store_access``."""
         from pagedserve.worker.swap_client import HostStoreClient
 
         if self.swapper.client is not None:
             self.swapper.client.close()
-        self.swapper.client = HostStoreClient(address)
+        self.swapper.client = HostStoreClient(address, access=self.config.host_store_access)
 
     def measure_prefill_s_per_token(self, num_tokens: int = 256) -> float:
         """Seconds per token of one prefill of ``num_tokens`` (capped by the pool and

@@ -5,6 +5,10 @@ Swap-out streams a packed buffer (:func:`pagedserve.kernels.gather_blocks` layou
 several whole blocks, each under ``max_chunk_bytes``; swap-in receives the chunks back into
 such a buffer, checking every chunk's CRC-32. Any failure (store unreachable, refused,
 checksum) raises :class:`SwapError`; the caller falls back to recompute.
+
+With :class:`~pagedserve.worker.config.HostStoreAccess` set, every call carries
+``authorization: Bearer <key>`` metadata and the channel is TLS (a store started with a key
+refuses calls without it: ``UNAUTHENTICATED``, raised as :class:`SwapError`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from pagedserve.v1 import kv_transfer_pb2 as pb
 from pagedserve.v1 import kv_transfer_pb2_grpc as pb_grpc
+from pagedserve.worker.config import HostStoreAccess
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # at least one block; 1 MiB measured faster than 2-8 MiB
 _MAX_MESSAGE_BYTES = 64 << 20
@@ -38,26 +43,42 @@ class HostStoreClient:
         address: ``host:port`` of the store (loopback).
         timeout_s: deadline of each call, seconds.
         max_chunk_bytes: payload bytes per chunk at most (at least one block per chunk).
+        access: the API key to send and the TLS trust (and client certificate) of the
+            channel; ``None``: no key, plaintext.
 
     Raises:
         ValueError: ``max_chunk_bytes`` < 1.
     """
 
     def __init__(
-        self, address: str, timeout_s: float = 60.0, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+        self,
+        address: str,
+        timeout_s: float = 60.0,
+        max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        access: HostStoreAccess | None = None,
     ) -> None:
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
         self.address = address
         self.timeout_s = timeout_s
         self.max_chunk_bytes = max_chunk_bytes
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
-            ],
+        access = access or HostStoreAccess()
+        self._metadata = (
+            (("authorization", f"Bearer {access.api_key}"),) if access.api_key else None
         )
+        options = [
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+        ]
+        if access.tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=access.tls_ca,
+                private_key=access.tls_key,
+                certificate_chain=access.tls_cert,
+            )
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
         self._stub = pb_grpc.HostBlockStoreStub(self._channel)
 
     def close(self) -> None:
@@ -118,7 +139,9 @@ class HostStoreClient:
             )
         try:
             resp = self._stub.SwapOut(
-                self._chunks(transfer_id, packed, host_block_ids), timeout=self.timeout_s
+                self._chunks(transfer_id, packed, host_block_ids),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise SwapError(f"swap-out {transfer_id}: {exc.code().name}: {exc.details()}") from exc
@@ -156,6 +179,7 @@ class HostStoreClient:
                     max_chunk_bytes=self.max_chunk_bytes,
                 ),
                 timeout=self.timeout_s,
+                metadata=self._metadata,
             ):
                 k = len(chunk.host_block_ids)
                 if (
@@ -189,7 +213,9 @@ class HostStoreClient:
         """
         try:
             resp = self._stub.Free(
-                pb.FreeRequest(host_block_ids=list(host_block_ids)), timeout=self.timeout_s
+                pb.FreeRequest(host_block_ids=list(host_block_ids)),
+                timeout=self.timeout_s,
+                metadata=self._metadata,
             )
         except grpc.RpcError as exc:
             raise SwapError(f"free: {exc.code().name}: {exc.details()}") from exc
@@ -202,6 +228,8 @@ class HostStoreClient:
             SwapError: the store could not be reached.
         """
         try:
-            return self._stub.GetStats(pb.HostStoreStatsRequest(), timeout=self.timeout_s)
+            return self._stub.GetStats(
+                pb.HostStoreStatsRequest(), timeout=self.timeout_s, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise SwapError(f"stats: {exc.code().name}: {exc.details()}") from exc

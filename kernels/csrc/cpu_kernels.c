@@ -24,6 +24,13 @@
 
 #define QTILE 16 /* query rows of one chunk processed per task (prefill) */
 #define MAX_GROUP 64
+#define VGROUP 8 /* query heads of a KV group accumulated together in pass 2 */
+
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline v16 splat16(float a) {
+    return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
+}
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
@@ -145,22 +152,45 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                     for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
                 }
             }
-            /* pass 2: out[r][g] = sum_j p[r][g][j] v_j */
+            /* pass 2: out[r][g] = sum_j p[r][g][j] v_j, one 16-float slice of head_dim at a
+             * time with up to VGROUP heads' accumulators in registers, so each V row is
+             * read once per slice for the whole group (same operations per element, in
+             * the same key order, as one head at a time) */
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t len = pos0 + r + 1;
-                for (int64_t g = 0; g < group; ++g) {
-                    const float *p = scores + (r * group + g) * n_keys;
-                    memset(acc, 0, sizeof(float) * head_dim);
-                    for (int64_t j = 0; j < len; ++j) { /* len <= 0: no iterations */
-                        const int64_t slot =
-                            (int64_t)table[j / block_size] * block_size + j % block_size;
-                        const float *vrow = v_cache + slot * row + kvh * head_dim;
-                        const float w = p[j];
-#pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * vrow[d];
+                float *orow = out + ((q0 + first + r) * num_heads + kvh * group) * head_dim;
+                for (int64_t g0 = 0; g0 < group; g0 += VGROUP) {
+                    const int64_t gn = (group - g0) < VGROUP ? (group - g0) : VGROUP;
+                    const float *p = scores + (r * group + g0) * n_keys;
+                    int64_t d0 = 0;
+                    for (; d0 + 16 <= head_dim; d0 += 16) {
+                        v16 vacc[VGROUP];
+                        for (int64_t g = 0; g < gn; ++g) vacc[g] = (v16){0};
+                        for (int64_t j = 0; j < len; ++j) { /* len <= 0: no iterations */
+                            const int64_t slot =
+                                (int64_t)table[j / block_size] * block_size + j % block_size;
+                            v16 v;
+                            memcpy(&v, v_cache + slot * row + kvh * head_dim + d0, sizeof(v));
+                            for (int64_t g = 0; g < gn; ++g)
+                                vacc[g] = vacc[g] + splat16(p[g * n_keys + j]) * v;
+                        }
+                        for (int64_t g = 0; g < gn; ++g)
+                            memcpy(orow + (g0 + g) * head_dim + d0, &vacc[g], sizeof(v16));
                     }
-                    float *o = out + ((q0 + first + r) * num_heads + kvh * group + g) * head_dim;
-                    memcpy(o, acc, sizeof(float) * head_dim);
+                    if (d0 < head_dim) { /* a head_dim that is not a multiple of 16 */
+                        for (int64_t g = 0; g < gn; ++g) {
+                            memset(acc, 0, sizeof(float) * head_dim);
+                            for (int64_t j = 0; j < len; ++j) {
+                                const int64_t slot =
+                                    (int64_t)table[j / block_size] * block_size + j % block_size;
+                                const float *vrow = v_cache + slot * row + kvh * head_dim;
+                                const float w = p[g * n_keys + j];
+                                for (int64_t d = d0; d < head_dim; ++d) acc[d] += w * vrow[d];
+                            }
+                            memcpy(orow + (g0 + g) * head_dim + d0, acc + d0,
+                                   sizeof(float) * (head_dim - d0));
+                        }
+                    }
                 }
             }
         }

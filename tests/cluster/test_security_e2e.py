@@ -1,20 +1,27 @@
-"""The real server with an API key and TLS on both surfaces (gRPC and the OpenAI HTTP API),
-the CLI client's --api-key / --tls-ca, request size limits, and cache_salt isolation."""
+"""The real server with an API key and TLS on every surface (gRPC, the OpenAI HTTP API, and
+the host block store it swaps through), the CLI client's --api-key / --tls-ca, request size
+limits, and cache_salt isolation."""
 
 from __future__ import annotations
 
 import json
 import ssl
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
+import ray
 from tiny_cluster import assert_all_blocks_free, running_cluster
 from tls_certs import TlsFiles, make_tls_files
 
 from pagedserve.cluster.cli import main
 from pagedserve.cluster.client import Client
+from pagedserve.cluster.config import SchedulerConfig
+from pagedserve.v1 import kv_transfer_pb2 as kv_pb
+from pagedserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +36,13 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir, tls):
+    # A small pool and swap preemption: long requests side by side must swap through the
+    # store the cluster starts, which takes the server's key and serves TLS.
     with running_cluster(
         tiny_llama_dir,
+        num_blocks=24,
+        scheduler=SchedulerConfig(preemption_mode="swap"),
+        swap_space=64 << 20,
         http_port=0,
         api_key=KEY,
         tls_cert=tls.server_cert,
@@ -40,6 +52,9 @@ def server(tiny_llama_dir, tls):
         yield handle
         with Client(handle.address, timeout_s=30, api_key=KEY, tls_ca=tls.ca) as c:
             assert_all_blocks_free(handle, c)
+            swap = c.stats()["swap"]
+        assert swap["host_blocks_free"] == swap["host_blocks_total"] > 0
+        assert ray.get(handle.host_store.used_bytes.remote(), timeout=30) == 0
 
 
 def _client(server, tls, **kwargs) -> Client:
@@ -64,6 +79,49 @@ def test_grpc_needs_the_key_over_tls(server, tls):
             assert _error(c.stats)[0] == grpc.StatusCode.UNAUTHENTICATED
     with Client(server.address, timeout_s=10, api_key=KEY) as c:  # plaintext to a TLS port
         assert _error(c.stats)[0] == grpc.StatusCode.UNAVAILABLE
+
+
+def test_preempted_requests_swap_through_the_authenticated_store(server, tls):
+    prompts = [[(7 * i + j) % 120 + 3 for j in range(12)] for i in range(4)]
+    kw = dict(max_tokens=100, temperature=0, ignore_eos=True)
+    with _client(server, tls) as c:
+        before = c.stats()["swap"]
+        alone = [c.generate(token_ids=p, **kw).choices[0].token_ids for p in prompts]
+        assert c.stats()["swap"]["num_swap_outs"] == before["num_swap_outs"]  # one fits
+
+    def one(prompt: list[int]) -> list[int]:
+        with _client(server, tls) as c:
+            return c.generate(token_ids=prompt, **kw).choices[0].token_ids
+
+    # 4 x 7 blocks at full length in a pool of 24: preemption, by swap.
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        assert list(pool.map(one, prompts)) == alone
+    with _client(server, tls) as c:
+        sw = c.stats()["swap"]
+    assert sw["num_swap_outs"] > before["num_swap_outs"]
+    assert (
+        sw["num_swap_ins"] - before["num_swap_ins"] == sw["num_swap_outs"] - before["num_swap_outs"]
+    )
+    assert sw["swap_in_bytes"] == sw["swap_out_bytes"] > 0
+    assert sw["num_swap_failures"] == 0  # every transfer got through the key and TLS
+    # The store is TLS only, with a certificate of its own, and needs the server's key.
+    store_address = ray.get(server.host_store.address.remote(), timeout=30)
+    host, port = store_address.rsplit(":", 1)
+    assert host == "127.0.0.1"
+    request = kv_pb.HostStoreStatsRequest()
+    with grpc.insecure_channel(store_address) as ch:
+        code = _error(lambda: pb_grpc.HostBlockStoreStub(ch).GetStats(request, timeout=10))[0]
+    assert code == grpc.StatusCode.UNAVAILABLE
+    store_cert = ssl.get_server_certificate((host, int(port)), timeout=10).encode()
+    assert store_cert != Path(tls.server_cert).read_bytes()
+    creds = grpc.ssl_channel_credentials(root_certificates=store_cert)
+    with grpc.secure_channel(store_address, creds) as ch:
+        stub = pb_grpc.HostBlockStoreStub(ch)
+        code = _error(lambda: stub.GetStats(request, timeout=10))[0]
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        auth = (("authorization", f"Bearer {KEY}"),)
+        st = stub.GetStats(request, timeout=10, metadata=auth)
+    assert st.swap_out_bytes >= sw["swap_out_bytes"] > 0  # the cluster's transfers were here
 
 
 def test_cli_client_takes_api_key_and_tls_ca(server, tls, capsys):

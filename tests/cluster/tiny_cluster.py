@@ -14,7 +14,13 @@ import ray
 from helpers import LoopThread
 
 from pagedserve.cluster.client import Client
-from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, ServerConfig
+from pagedserve.cluster.config import (
+    CacheConfig,
+    ClusterConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+)
 from pagedserve.cluster.launcher import RAY_ENV, ClusterHandle, start_cluster
 
 
@@ -25,6 +31,8 @@ def running_cluster(
     num_blocks: int = 64,
     block_size: int = 16,
     max_model_len: int = 256,
+    scheduler: SchedulerConfig | None = None,
+    swap_space: int = 0,
     **server: Any,
 ) -> Iterator[tuple[ClusterHandle, LoopThread]]:
     """Start a one-worker cluster on 127.0.0.1 (free ports; ``server`` goes to
@@ -35,6 +43,8 @@ def running_cluster(
     config = ClusterConfig(
         model=ModelConfig(model=str(model_dir), max_model_len=max_model_len),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        scheduler=scheduler or SchedulerConfig(),
+        swap_space=swap_space,
         server=ServerConfig(host="127.0.0.1", port=0, **server),
         num_workers=1,
         # No Ray CPU reserved: joins the session's Ray (whose SmolLM2 worker may hold every

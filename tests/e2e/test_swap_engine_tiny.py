@@ -4,7 +4,8 @@ Llama, and a real host block store (gRPC on loopback).
 Greedy outputs must equal HF's under forced swapping (one worker, two workers with
 migration, forked n > 1 choices), with the swap counters moving and every device and host
 block free at the end; a tiny host pool, a dead store and corrupted blocks fall back to
-recompute without stalling.
+recompute without stalling. The ``overlap`` cases step as the scheduler actor's overlapped
+loop does: step t+1 is planned and run by the worker before t's answer is applied.
 """
 
 from __future__ import annotations
@@ -91,8 +92,20 @@ def make_scheduler(
     )
 
 
-def drive(sched: Scheduler, workers: list[Worker], on_step=None, max_rounds: int = 3000):
-    """Step every live worker with work in turn until nothing is left; check integrity."""
+def drive(
+    sched: Scheduler,
+    workers: list[Worker],
+    on_step=None,
+    max_rounds: int = 3000,
+    overlap: bool = False,
+    sink: list | None = None,
+):
+    """Step every live worker with work in turn until nothing is left; check integrity.
+
+    ``on_step(sched, wid, so)`` runs after each step's answer is applied; ``sink`` gets
+    every SequenceOutput. ``overlap``: see :func:`drive_overlapped`."""
+    if overlap:
+        return drive_overlapped(sched, workers, on_step, max_rounds, sink)
     tokens: dict[tuple[str, int], list[int]] = {}
     for _ in range(max_rounds):
         live = [i for i in range(len(workers)) if sched.has_work(i)]
@@ -105,10 +118,50 @@ def drive(sched: Scheduler, workers: list[Worker], on_step=None, max_rounds: int
             out = workers[wid].execute_model(so)
             for o in sched.update(wid, so, out):
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
+                if sink is not None:
+                    sink.append(o)
             sched.check_integrity()
             if on_step is not None:
                 on_step(sched, wid, so)
     assert not any(sched.has_work(i) for i in range(len(workers))), "stalled"
+    return tokens
+
+
+def drive_overlapped(sched, workers, on_step, max_rounds, sink):
+    """As ``SchedulerActor._overlapped_step_loop``, per worker: step t+1 is planned, and
+    executed by the worker (which runs steps in order), before t's answer is applied,
+    unless t swaps a group in (``Scheduler.can_plan_past``). Asserts that steps were
+    planned ahead at all."""
+    tokens: dict[tuple[str, int], list[int]] = {}
+    inflight: dict[int, tuple | None] = dict.fromkeys(range(len(workers)))
+    ahead = 0
+    for _ in range(max_rounds):
+        progressed = False
+        for wid, worker in enumerate(workers):
+            cur = inflight[wid]
+            nxt = None
+            if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
+                so = sched.schedule(wid)
+                if not so.is_empty:
+                    nxt = (so, worker.execute_model(so))
+                    ahead += cur is not None
+            inflight[wid] = nxt
+            if cur is None:
+                progressed |= nxt is not None
+                continue
+            progressed = True
+            for o in sched.update(wid, *cur):
+                tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
+                if sink is not None:
+                    sink.append(o)
+            sched.check_integrity()
+            if on_step is not None:
+                on_step(sched, wid, cur[0])
+        if not progressed:
+            break
+    assert all(v is None for v in inflight.values()), "steps left in flight"
+    assert not any(sched.has_work(i) for i in range(len(workers))), "stalled"
+    assert ahead > 0
     return tokens
 
 
@@ -127,14 +180,29 @@ def add_all(sched: Scheduler, prompts, sampling=GREEDY) -> None:
         sched.add_request(f"r{i}", p, sampling, (2,))
 
 
-def test_forced_swap_equals_hf(tiny_llama_dir: Path, expected, store) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_forced_swap_equals_hf(tiny_llama_dir: Path, expected, store, overlap: bool) -> None:
     address, st = store
     workers = make_workers(tiny_llama_dir, 1, 14, address)
     sched = make_scheduler(workers, "swap", 64)
     add_all(sched, PROMPTS)
-    tokens = drive(sched, workers)
+    late: list[str] = []
+    real_late = sched._late_answer
+
+    def count_late(ws, seq, step_id, num_new, runner_out):
+        before = seq.num_computed_tokens
+        out = real_late(ws, seq, step_id, num_new, runner_out)
+        if seq.num_computed_tokens > before:
+            late.append(seq.seq_id)
+        return out
+
+    sched._late_answer = count_late  # type: ignore[method-assign]
+    tokens = drive(sched, workers, overlap=overlap)
     for i, ref in enumerate(expected):
         assert tokens[(f"r{i}", 0)] == ref, i
+    # Overlapped: victims' tokens in flight were swapped out with them and kept (their
+    # K/V came back from the store, not recomputed), and outputs still equal HF.
+    assert bool(late) is overlap
     sw = sched.swap_stats()
     assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
     assert sw.swap_out_bytes == sw.swap_in_bytes > 0
@@ -176,19 +244,25 @@ def test_migration_to_the_other_worker_equals_hf(tiny_llama_dir: Path, expected,
     assert_all_free(sched, st)
 
 
-def test_two_busy_workers_swap_and_equal_hf(tiny_llama_dir: Path, expected, store) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_two_busy_workers_swap_and_equal_hf(
+    tiny_llama_dir: Path, expected, store, overlap: bool
+) -> None:
     address, st = store
     workers = make_workers(tiny_llama_dir, 2, 14, address)
     sched = make_scheduler(workers, "swap", 64)
     add_all(sched, PROMPTS + PROMPTS[:2])
-    tokens = drive(sched, workers)
+    tokens = drive(sched, workers, overlap=overlap)
     for i, ref in enumerate(expected + expected[:2]):
         assert tokens[(f"r{i}", 0)] == ref, i
     assert sched.swap_stats().num_swap_ins > 0
     assert_all_free(sched, st)
 
 
-def test_forked_choices_swap_as_a_group_and_keep_sharing(tiny_llama_dir: Path, store) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_forked_choices_swap_as_a_group_and_keep_sharing(
+    tiny_llama_dir: Path, store, overlap: bool
+) -> None:
     address, st = store
     sampling = SamplingParams(max_tokens=MAX_NEW, temperature=1.0, seed=7, ignore_eos=True, n=4)
     prompts = PROMPTS[:2]
@@ -212,7 +286,7 @@ def test_forked_choices_swap_as_a_group_and_keep_sharing(tiny_llama_dir: Path, s
                 assert len(t.block_ids) < sum(len(x) for x in tables)
 
     add_all(sched, prompts, sampling)
-    tokens = drive(sched, workers, check_sharing)
+    tokens = drive(sched, workers, check_sharing, overlap=overlap)
     for i in range(2):
         for c in range(4):
             assert tokens[(f"r{i}", c)] == independent[4 * i + c], (i, c)
@@ -248,7 +322,10 @@ def test_auto_mode_follows_the_cost_model(tiny_llama_dir: Path, expected, store)
         assert_all_free(sched)
 
 
-def test_store_killed_mid_run_recovers_by_recompute(tiny_llama_dir: Path, expected) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_store_killed_mid_run_recovers_by_recompute(
+    tiny_llama_dir: Path, expected, overlap: bool
+) -> None:
     cmd = ["host-store", "--port", "0", "--swap-space", "0.01"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cluster.cli", *cmd], stdout=subprocess.PIPE, text=True
@@ -265,7 +342,7 @@ def test_store_killed_mid_run_recovers_by_recompute(tiny_llama_dir: Path, expect
                 proc.wait(10)
 
         add_all(sched, PROMPTS)
-        tokens = drive(sched, workers, kill_after_first_swap_out)
+        tokens = drive(sched, workers, kill_after_first_swap_out, overlap=overlap)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -277,7 +354,10 @@ def test_store_killed_mid_run_recovers_by_recompute(tiny_llama_dir: Path, expect
     assert_all_free(sched)
 
 
-def test_corrupted_blocks_fail_the_checksum_and_recompute(tiny_llama_dir: Path, expected) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_corrupted_blocks_fail_the_checksum_and_recompute(
+    tiny_llama_dir: Path, expected, overlap: bool
+) -> None:
     from pagedserve.v1 import kv_transfer_pb2 as pb
     from pagedserve.worker import host_store as hs
 
@@ -303,7 +383,7 @@ def test_corrupted_blocks_fail_the_checksum_and_recompute(tiny_llama_dir: Path, 
         workers = make_workers(tiny_llama_dir, 1, 14, f"127.0.0.1:{port}")
         sched = make_scheduler(workers, "swap", 64)
         add_all(sched, PROMPTS)
-        tokens = drive(sched, workers)
+        tokens = drive(sched, workers, overlap=overlap)
     finally:
         server.stop(0)
     for i, ref in enumerate(expected):
@@ -313,9 +393,14 @@ def test_corrupted_blocks_fail_the_checksum_and_recompute(tiny_llama_dir: Path, 
     assert_all_free(sched, bad)
 
 
-def test_beam_requests_swap_as_groups_and_equal_hf(tiny_llama_dir: Path, store) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_beam_requests_swap_as_groups_and_equal_hf(
+    tiny_llama_dir: Path, expected, store, overlap: bool
+) -> None:
     """Four beam searches (K=3) on a pool that holds one or two at a time: beams of the
-    younger ones are swapped out together and resume together; all equal HF's beams."""
+    younger ones are swapped out together and resume together; all equal HF's beams. A
+    greedy request runs alongside (beams wait for their beam step, so under overlap it is
+    the one whose steps are planned ahead) and equals HF's greedy."""
     from helpers import assert_same_beams, hf_beams
     from transformers import AutoModelForCausalLM
 
@@ -332,20 +417,15 @@ def test_beam_requests_swap_as_groups_and_equal_hf(tiny_llama_dir: Path, store) 
     def record(s: Scheduler, wid: int, so) -> None:
         beam_groups.extend(len(t.seq_ids) for t in so.blocks_to_swap_out)
 
-    finals: dict[str, list] = {}
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, sampling, (2,))
-    for _ in range(3000):
-        if not sched.has_work(0):
-            break
-        so = sched.schedule(0)
-        if so.is_empty:
-            continue
-        for o in sched.update(0, so, workers[0].execute_model(so)):
-            finals.setdefault(o.request_id, []).append(o)
-        sched.check_integrity()
-        record(sched, 0, so)
-    assert not sched.has_work(0)
+    sched.add_request("greedy", PROMPTS[4], GREEDY, (2,))
+    outputs: list = []
+    tokens = drive(sched, workers, record, overlap=overlap, sink=outputs)
+    assert tokens[("greedy", 0)] == expected[4]
+    finals: dict[str, list] = {}
+    for o in outputs:
+        finals.setdefault(o.request_id, []).append(o)
     for i, ref in enumerate(refs):
         assert_same_beams(sorted(finals[f"r{i}"], key=lambda o: o.choice_index), ref)
     assert sched.num_preemptions > 0

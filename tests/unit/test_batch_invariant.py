@@ -9,11 +9,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from pagedserve.kernels import cpu_native
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.batch_invariant import ROWS, InvariantLinear, invariant_linear
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.packed_linear import PackedLinear
 from pagedserve.worker.worker import Worker
 
 GOLDFISH = "A list of names for a pet goldfish:"
@@ -103,15 +105,34 @@ def test_batch_invariant_refuses_a_path_it_does_not_cover(tiny_llama_dir: Path):
         Worker(cfg)
 
 
-def test_model_layers_switch_to_invariant_linear(tiny_llama_dir: Path):
-    worker = Worker(
+def _invariant_worker(tiny_llama_dir: Path) -> Worker:
+    return Worker(
         WorkerConfig(
             model=ModelConfig(model=str(tiny_llama_dir), batch_invariant=True),
             cache=CacheConfig(block_size=4, num_blocks=8),
             device="cpu",
         )
     )
-    model = worker.runner.model
+
+
+@pytest.mark.skipif(not cpu_native.gemm_available(), reason="CPU kernels not built")
+def test_model_layers_use_the_packed_gemm(tiny_llama_dir: Path):
+    """With the packed GEMM (row-invariant by construction) every linear is packed."""
+    model = _invariant_worker(tiny_llama_dir).runner.model
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    tied = model.packed_head is not None
+    assert tied == (model.lm_head is None)
+    assert len(packed) == 4 * len(model.layers) + (0 if tied else 1)  # qkv, o, gate_up, down
+    assert model.batch_invariant
+
+
+def test_model_layers_switch_to_invariant_linear(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Without the packed GEMM the linears run on fixed-shape tiles of torch's GEMM."""
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "0")
+    model = _invariant_worker(tiny_llama_dir).runner.model
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is InvariantLinear for m in linears)
     assert model.batch_invariant

@@ -84,14 +84,20 @@ class RefStream:
 
 
 class SchedulerHandle:
-    """Looks like the SchedulerActor's Ray handle; ``generate`` calls spend ``transit_s``
-    in transit, so an abort sent meanwhile reaches the actor first."""
+    """Looks like the SchedulerActor's Ray handle; ``generate`` and ``add_request`` calls
+    spend ``transit_s`` in transit, so an abort sent meanwhile reaches the actor first."""
 
     def __init__(self, actor: SchedulerActor, transit_s: float = 0.0) -> None:
         self.actor = actor
         self.transit_s = transit_s
         self.generate = Remote(lambda *a: RefStream(actor.generate(*a), self.transit_s))
+        self.subscribe = Remote(lambda *a: RefStream(actor.subscribe(*a), 0.0))
+        self.add_request = Remote(lambda *a: asyncio.ensure_future(self._in_transit(a)))
         self.abort = Remote(lambda *a: asyncio.ensure_future(actor.abort(*a)))
+
+    async def _in_transit(self, args: tuple[Any, ...]) -> None:
+        await asyncio.sleep(self.transit_s)
+        await self.actor.add_request(*args)
 
 
 def make(max_num_seqs: int = 64, transit_s: float = 0.0, **kw: Any):
@@ -287,12 +293,19 @@ def test_actor_death_mid_stream_is_unavailable():
                     raise ray.exceptions.RayActorError()
                 return await super().__anext__()
 
-        pipe.scheduler.generate = Remote(lambda *a: Dying(actor.generate(*a), 0.0))
+        # The output stream (one per frontend) fails after its acknowledgement and two batches.
+        pipe.scheduler.subscribe = Remote(lambda *a: Dying(actor.subscribe(*a), 0.0))
         got = []
         with pytest.raises(ClusterUnavailable, match="scheduler unavailable"):
             async for d in pipe.generate(prepared(pipe, "d", 50)):
                 got.append(d)
         assert len(got) == 2
+        await idle(actor)  # its request ran out (the fake stream died, not the actor)
+        # A restarted scheduler: the next request subscribes again and is served.
+        pipe.scheduler.subscribe = Remote(lambda *a: RefStream(actor.subscribe(*a), 0.0))
+        out = await drain(pipe.generate(prepared(pipe, "e", 5)))
+        assert [d.token_ids for d in out] == [(TOKEN,)] * 5
+        assert out[-1].finish_reason is FinishReason.LENGTH
         await actor.shutdown()
 
     run(scenario())
@@ -345,6 +358,36 @@ def test_scheduler_death_fails_every_request_in_flight_at_once():
         with pytest.raises(ClusterUnavailable, match="restarting"):
             await pipe.admit("new")
         assert len(pipe.flights) == 0
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_one_output_stream_per_frontend_tags_and_orphans():
+    """The actor side of the shared output stream: add_request needs an open
+    subscription; outputs carry the tag given at add time; closing the subscription
+    aborts what its requests had left and frees their blocks."""
+
+    async def scenario():
+        _, actor, _ = make()
+        from pagedserve.scheduler.sampling_params import SamplingParams
+
+        sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        with pytest.raises(ClusterUnavailable, match="no output stream"):
+            await actor.add_request("a", [5, 6, 7], sp, [2], "fe-1", 1)
+        stream = actor.subscribe("fe-1")
+        assert await stream.__anext__() == []
+        await actor.add_request("a", [5, 6, 7], sp, [2], "fe-1", 7)
+        await actor.add_request("b", [5, 6], sp, [2], "fe-1", 8)
+        seen: dict[int, int] = {}
+        while len(seen) < 2 or min(seen.values()) < 3:
+            for tag, out in await stream.__anext__():
+                assert (tag, out.request_id) in ((7, "a"), (8, "b"))
+                seen[tag] = seen.get(tag, 0) + len(out.new_token_ids)
+        assert len(actor._scheduler.requests) == 2
+        await stream.aclose()  # the frontend went away mid-generation
+        await idle(actor)
+        assert actor._subscribed == {} and "fe-1" not in actor._subscribers
         await actor.shutdown()
 
     run(scenario())
