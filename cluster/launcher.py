@@ -211,7 +211,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         scheduler = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
-            .remote(sched_cfg, workers, specs, swap=swap)
+            .remote(sched_cfg, workers, specs, swap=swap, tune_gc=True)
         )
         await scheduler.ready.remote()
         info = ModelInfo(

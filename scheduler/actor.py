@@ -24,6 +24,7 @@ from typing import Any
 
 import ray
 
+from pagedserve.scheduler import gc_tuning
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import ClusterUnavailable
 from pagedserve.scheduler.metrics import MetricsSnapshot
@@ -45,6 +46,9 @@ class SchedulerActor:
         specs: the KV pool of each worker (from the workers' ``get_info``).
         probe_interval_s: how often idle workers are pinged (seconds).
         swap: the host block store for swap preemption (None: recompute only).
+        tune_gc: apply :func:`pagedserve.scheduler.gc_tuning.tune_gc` to this process
+            (the launcher does: the actor has its process to itself; in-process tests
+            leave the test process's collector alone).
     """
 
     def __init__(
@@ -54,7 +58,10 @@ class SchedulerActor:
         specs: list[WorkerSpec],
         probe_interval_s: float = 2.0,
         swap: SwapSpec | None = None,
+        tune_gc: bool = False,
     ) -> None:
+        if tune_gc:
+            log.info("gc thresholds %s", gc_tuning.tune_gc(config.max_num_seqs, len(specs)))
         self._probe_interval_s = probe_interval_s
         self._scheduler = Scheduler(config, specs, swap)
         self._swap = swap

@@ -28,6 +28,7 @@ Pure Python, no torch.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 
@@ -35,10 +36,13 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Footprint:
     """One sequence's projected block use: ``base + ceil((tokens + t) / block_size)`` blocks
     for ``0 <= t <= growth`` steps ahead, then none (it finished).
+
+    Built for every running sequence whenever a waiting one is refused, so not frozen (a
+    frozen dataclass's ``__init__`` costs ~3x a plain one's); treat it as immutable.
 
     Attributes:
         base: blocks added to the table size (negative for blocks shared with others,
@@ -64,7 +68,7 @@ def peak_blocks(other: int, footprints: list[Footprint], block_size: int) -> int
         The peak number of blocks; ``other`` when there are no footprints.
     """
     bs = block_size
-    order = sorted(footprints, key=lambda f: f.growth, reverse=True)
+    order = sorted(footprints, key=operator.attrgetter("growth"), reverse=True)
     counts = [0] * bs  # of (tokens - 1) % bs among the sequences alive at the current t
     sum_blocks = 0  # sum of base + ceil(tokens / bs) over them
     alive = 0
@@ -74,7 +78,7 @@ def peak_blocks(other: int, footprints: list[Footprint], block_size: int) -> int
         t = order[i].growth
         while i < n and order[i].growth == t:
             f = order[i]
-            sum_blocks += f.base + _cdiv(f.tokens, bs)
+            sum_blocks += f.base - (-f.tokens // bs)  # base + ceil(tokens / bs)
             counts[(f.tokens - 1) % bs] += 1
             alive += 1
             i += 1
@@ -118,12 +122,16 @@ class GrowthProjection:
                 still in prefill counts whole).
             growth: slots it may still add after that (>= 0).
         """
+        # NOTE: called for every running sequence: no helper calls.
         bs = self.block_size
-        growth = max(0, growth)
-        allocated = _cdiv(allocated_tokens, bs)
+        if growth < 0:
+            growth = 0
+        if tokens < 1:
+            tokens = 1
+        allocated = -(-allocated_tokens // bs)
         self._other -= exclusive_blocks
-        self.footprints.append(Footprint(exclusive_blocks - allocated, max(1, tokens), growth))
-        self._worst += _cdiv(max(tokens, 1) + growth, bs) - allocated
+        self.footprints.append(Footprint(exclusive_blocks - allocated, tokens, growth))
+        self._worst += -(-(tokens + growth) // bs) - allocated
 
     def fits(self, candidates: list[Footprint]) -> bool:
         """Whether the pool's projected peak, with ``candidates`` admitted, fits it."""

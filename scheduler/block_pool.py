@@ -91,6 +91,14 @@ class FreeBlockQueue:
             raise IndexError("free block queue is empty")
         return self._q.popitem(last=False)[1]
 
+    def take(self, n: int) -> list[Block]:
+        """Remove and return the ``n`` head blocks, head first (``n`` :meth:`popleft`
+        calls in one). Raises ``IndexError``, with nothing removed, when fewer are queued."""
+        if n > len(self._q):
+            raise IndexError(f"free block queue holds {len(self._q)} blocks, not {n}")
+        popitem = self._q.popitem
+        return [popitem(False)[1] for _ in range(n)]
+
     def append(self, block: Block) -> None:
         """Insert at the tail (evicted last). Raises ``IntegrityError`` if already queued."""
         if block.block_id in self._q:
@@ -147,13 +155,11 @@ class BlockPool:
         """
         if n > len(self.free_queue):
             raise ValueError(f"need {n} blocks, only {len(self.free_queue)} free")
-        out = []
-        for _ in range(n):
-            block = self.free_queue.popleft()
+        out = self.free_queue.take(n)
+        for block in out:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_count = 1
-            out.append(block)
         return out
 
     def touch(self, block: Block) -> None:

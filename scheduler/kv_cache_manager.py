@@ -16,7 +16,8 @@ keys on this: a call that extends a sequence whose last block is partially reser
 (``ref_count > 1``) gives the sequence a private copy of that block first.
 
 Hot-path cost: ``allocate_slots`` / ``cache_blocks`` are O(1) per step plus O(1) per new block
-(one SHA-256 per block that became full); ``free``/``fork`` are O(blocks of the sequence);
+(one SHA-256 per block that became full); ``grow_in_place``, the decode step that stays in its
+last block, builds no result object; ``free``/``fork`` are O(blocks of the sequence);
 ``get_computed_blocks`` is O(prompt blocks); ``check_integrity`` is O(pool + tables).
 """
 
@@ -118,6 +119,16 @@ class KVCacheManager:
     def get_num_tokens(self, seq_id: str) -> int:
         """Token slots reserved for the sequence. Raises ``KeyError`` for an unknown seq."""
         return self._seqs[seq_id].num_tokens
+
+    def get_usage(self, seq_id: str) -> tuple[int, int]:
+        """``(blocks only this sequence holds (ref_count 1), token slots reserved)``:
+        what freeing it returns to the pool, and its table's extent; ``(0, 0)`` for a
+        sequence that holds no table. O(table) with no copy (the admission projection
+        asks it for every running sequence)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return 0, 0
+        return [b.ref_count for b in seq.blocks].count(1), seq.num_tokens
 
     def num_blocks_needed(
         self, seq_id: str | None, num_total_tokens: int, computed_block_ids: Sequence[int] = ()
@@ -237,6 +248,30 @@ class KVCacheManager:
             parent = h
 
     # ----------------------------------------------------------------------------- mutation
+    def grow_in_place(self, seq_id: str, num_total_tokens: int) -> int:
+        """The common decode step of :meth:`allocate_slots`, without building its result.
+
+        When the sequence exists and its table already covers ``num_total_tokens`` slots
+        beyond those reserved, with an unshared last block (no new block, no
+        copy-on-write), reserve them: :meth:`allocate_slots` would have returned an empty
+        delta starting at the table's length.
+
+        Returns:
+            The table's length (``start_index`` of that empty delta), or -1, with nothing
+            changed, in every other case (unknown sequence, nothing to reserve, a new
+            block or a copy is needed): call :meth:`allocate_slots`.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None or num_total_tokens <= seq.num_tokens:
+            return -1
+        blocks = seq.blocks
+        # NOTE: a table covers ceil(num_tokens / block_size) blocks, so room left in it
+        # means a partially reserved last block: it must be unshared (else copy-on-write).
+        if num_total_tokens > len(blocks) * self.block_size or blocks[-1].ref_count != 1:
+            return -1
+        seq.num_tokens = num_total_tokens
+        return len(blocks)
+
     def allocate_slots(
         self, seq_id: str, num_total_tokens: int, computed_block_ids: Sequence[int] = ()
     ) -> AllocationResult | None:
@@ -269,20 +304,19 @@ class KVCacheManager:
                     raise ValueError(f"{seq_id!r}: cannot shrink from {prev} to {num_total_tokens}")
                 return AllocationResult([], [], False, len(seq.blocks))
             blocks = seq.blocks
-            num_new = _cdiv(num_total_tokens, bs) - len(blocks)
-            cow = prev % bs != 0 and blocks[-1].ref_count > 1
-            if not cow:
-                start = len(blocks)
+            start = len(blocks)
+            num_new = -(-num_total_tokens // bs) - start
+            if prev % bs == 0 or blocks[-1].ref_count <= 1:  # no copy-on-write
                 if num_new == 0:  # the common decode step: room left in the last block
                     seq.num_tokens = num_total_tokens
                     return AllocationResult([], [], False, start)
-                if num_new > pool.num_free_blocks:
+                if num_new > len(pool.free_queue):
                     return None
                 seq.num_tokens = num_total_tokens
                 new = pool.allocate(num_new)
                 blocks.extend(new)
                 return AllocationResult([b.block_id for b in new], [], False, start)
-            if num_new + 1 > pool.num_free_blocks:
+            if num_new + 1 > len(pool.free_queue):
                 return None
             seq.num_tokens = num_total_tokens
             old = blocks[-1]

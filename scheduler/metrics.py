@@ -119,7 +119,7 @@ class Histogram:
         return HistogramSnapshot(self.buckets, tuple(self._counts), self._sum, sum(self._counts))
 
 
-@dataclass
+@dataclass(slots=True)
 class _SeqTimes:
     """Timestamps of one live sequence (seconds, scheduler's monotonic clock)."""
 
@@ -187,6 +187,8 @@ class SchedulerMetrics:
             "iteration_tokens_total": Histogram(tuple(map(float, ITERATION_TOKENS_BUCKETS))),
             "worker_step_gap_seconds": Histogram(STEP_GAP_BUCKETS_S),
         }
+        self._ttft = self.histograms["time_to_first_token_seconds"]
+        self._itl = self.histograms["inter_token_latency_seconds"]
         self._times: dict[str, _SeqTimes] = {}
 
     # ------------------------------------------------------------------ events
@@ -210,18 +212,32 @@ class SchedulerMetrics:
         if num_tokens > 0:
             self.histograms["iteration_tokens_total"].observe(num_tokens)
 
-    def on_token(self, seq: Sequence) -> None:
-        """A step appended one output token to ``seq`` (before any finish it causes)."""
-        now = self.clock()
-        times = self._times_of(seq)
-        if times.scheduled_s is None:
-            times.scheduled_s = now
+    def on_token(self, seq: Sequence, now: float | None = None) -> None:
+        """A step appended one output token to ``seq`` (before any finish it causes).
+
+        Args:
+            seq: the sequence.
+            now: the step's time (:attr:`clock`, seconds), read once by a caller that
+                applies many tokens at once; None reads the clock.
+        """
+        if now is None:
+            now = self.clock()
+        times = self._times.get(seq.seq_id)
+        if times is None:
+            times = self._times[seq.seq_id] = _SeqTimes(arrival_s=seq.arrival_s)
+        last = times.last_token_s
         if times.first_token_s is None:
+            if times.scheduled_s is None:
+                times.scheduled_s = now
             times.first_token_s = now
-            self.prompt_tokens += seq.num_prompt_tokens
-            self.histograms["time_to_first_token_seconds"].observe(now - times.arrival_s)
-        elif times.last_token_s is not None:
-            self.histograms["inter_token_latency_seconds"].observe(now - times.last_token_s)
+            self.prompt_tokens += len(seq.prompt_token_ids)
+            self._ttft.observe(now - times.arrival_s)
+        elif last is not None:
+            # NOTE: the hot path (every decoded token): Histogram.observe inlined.
+            itl = self._itl
+            value = now - last
+            itl._counts[bisect.bisect_left(itl.buckets, value)] += 1
+            itl._sum += value
         times.last_token_s = now
         self.generation_tokens += 1
 

@@ -67,7 +67,8 @@ class CachedSequenceData:
     """A sequence the worker already holds; only what changed since its last step.
 
     Built for every running sequence at every step, so not frozen (a frozen dataclass's
-    ``__init__`` costs ~4x a plain one's); treat it as immutable.
+    ``__init__`` costs ~4x a plain one's); treat it as immutable, lists included: the
+    scheduler gives every empty list of one step the same list object.
 
     Attributes:
         seq_id: sequence id.

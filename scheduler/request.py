@@ -26,9 +26,13 @@ class FinishReason(enum.Enum):
     ABORT = 3  # client abort, disconnect, or server shutdown
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     """Mutable state of one sequence, owned by the scheduler.
+
+    Compared by identity (``eq=False``): the batch and the queues find a sequence with
+    ``list.remove`` / ``in``, which with field-wise equality would build two tuples of
+    every field per element passed over.
 
     Attributes:
         seq_id: unique id (``f"{request_id}/{choice_index}"``).
@@ -62,6 +66,8 @@ class Sequence:
         resident_since_step: the step that sent the sequence to its worker in full; an
             answer to an earlier step (from before a preemption, or for a finished
             sequence whose id was reused) is not applied to it.
+        all_token_ids: the prompt followed by the outputs (a plain attribute, read on
+            every step; do not mutate: :meth:`append_token` keeps it in step).
     """
 
     seq_id: str
@@ -89,19 +95,14 @@ class Sequence:
     num_inflight_tokens: int = 0
     num_pending_tokens: int = 0
     resident_since_step: int = 0
-    _all_token_ids: list[int] = field(default_factory=list, repr=False)
+    all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._all_token_ids = list(self.prompt_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt followed by outputs (the list is shared: do not mutate)."""
-        return self._all_token_ids
+        self.all_token_ids = list(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -109,7 +110,7 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     def check_stop(self) -> FinishReason | None:
         """Stop condition after the latest appended token (EOS, stop ids, length).
@@ -117,16 +118,18 @@ class Sequence:
         EOS and stop token ids count only from ``sampling.min_tokens`` outputs on; a stop
         token id sets :attr:`stop_reason`.
         """
-        last = self.output_token_ids[-1]
-        if len(self.output_token_ids) >= self.sampling.min_tokens:
-            if not self.sampling.ignore_eos and last in self.eos_token_ids:
+        # NOTE: called for every sequence at every step: locals, no property calls.
+        out = self.output_token_ids
+        num_out = len(out)
+        sampling = self.sampling
+        if num_out >= sampling.min_tokens:
+            last = out[-1]
+            if not sampling.ignore_eos and last in self.eos_token_ids:
                 return FinishReason.STOP
-            if last in self.sampling.stop_token_ids:
+            if sampling.stop_token_ids and last in sampling.stop_token_ids:
                 self.stop_reason = last
                 return FinishReason.STOP
-        if len(self.output_token_ids) >= self.sampling.max_tokens:
-            return FinishReason.LENGTH
-        if self.num_tokens >= self.max_total_tokens:
+        if num_out >= sampling.max_tokens or len(self.all_token_ids) >= self.max_total_tokens:
             return FinishReason.LENGTH
         return None
 

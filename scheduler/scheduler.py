@@ -46,6 +46,7 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 import time
@@ -254,53 +255,89 @@ class Scheduler(SwapMixin):
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         self._step_scheduled = num_scheduled  # swap declines victims already scheduled
-        # Per-step staging (vLLM's req_to_new_blocks): seq_id -> (new_blocks_start,
-        # new_block_ids) of the block-table delta allocated in this step.
-        new_blocks: dict[str, tuple[int, list[int]]] = {}
+        # The deltas of the sequences the worker holds are built as they are scheduled
+        # (all of them come from the running batch); the others are sent in full by
+        # _build_output once admission is done.
+        cached: list[CachedSequenceData] = []
+        not_resident: list[str] = []
+        resident = ws.resident
         blocks_to_copy: list[tuple[int, int]] = []
         preempted = False
         # NOTE: the batch is served in rank order (most urgent, then oldest first; stable,
         # so forks stay behind their parent) and the victim is its last sequence: an
         # older sequence's blocks are never taken by a younger one, so the oldest always
         # progresses (no mutual preemption), even after it was preempted and re-admitted.
-        ws.running.sort(key=self._sort_key)
+        running = ws.running
+        running.sort(key=self._sort_key)
+        grow_in_place = kv.grow_in_place
+        # One empty list for every empty delta of this step (new blocks, new tokens): a
+        # message is read, never written, so they may share it (fewer objects per step).
+        empty: list[int] = []
 
+        # NOTE: the hot path of a step (one pass per running sequence): a decode step with
+        # room in its last block takes kv.grow_in_place and builds nothing but its delta.
         idx = 0
-        while idx < len(ws.running) and budget > 0:
-            seq = ws.running[idx]
+        while idx < len(running) and budget > 0:
+            seq = running[idx]
+            seq_id = seq.seq_id
             # Overlapped scheduling: a step in flight counts as done, each token it will
             # sample as known (a placeholder); without overlap both counts are 0 here.
-            computed = seq.num_computed_tokens + seq.num_inflight_tokens
-            if seq.num_pending_tokens and self._ends_with_pending(seq):
+            inflight = seq.num_inflight_tokens
+            pending = seq.num_pending_tokens
+            computed = seq.num_computed_tokens + inflight
+            if pending and self._ends_with_pending(seq):
                 idx += 1  # the step in flight samples its last token
                 continue
-            num_new = min(seq.num_tokens + seq.num_pending_tokens - computed, budget)
-            if num_new <= 0 and (seq.num_inflight_tokens or self._awaits_beam_step(seq)):
+            known = len(seq.all_token_ids) + pending
+            num_new = known - computed
+            if num_new > budget:
+                num_new = budget
+            if num_new <= 0 and (inflight or self._awaits_beam_step(seq)):
                 idx += 1  # reported its candidates (or will): waits for its sibling beams
                 continue
             if num_new <= 0:
                 # A running sequence always has its sampled token left to compute: update()
                 # appends a token whenever the prompt is done, and finishes it otherwise.
                 raise IntegrityError(
-                    f"running sequence {seq.seq_id!r} has nothing to compute "
+                    f"running sequence {seq_id!r} has nothing to compute "
                     f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
                 )
-            while True:
-                result = kv.allocate_slots(seq.seq_id, computed + num_new)
-                if result is not None:
+            total = computed + num_new
+            start = grow_in_place(seq_id, total)
+            if start >= 0:
+                new_block_ids = empty
+            else:
+                while True:
+                    result = kv.allocate_slots(seq_id, total)
+                    if result is not None:
+                        break
+                    victim = self._choose_victim(ws, idx)
+                    self._preempt(ws, victim)
+                    preempted = True
+                    if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or group)
+                        break
+                if result is None:  # the sequence preempted itself
                     break
-                victim = self._choose_victim(ws, idx)
-                self._preempt(ws, victim)
-                preempted = True
-                if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or its group)
-                    break
-            if result is None:  # the sequence preempted itself
-                break
-            new_blocks[seq.seq_id] = (result.start_index, list(result.new_block_ids))
-            blocks_to_copy.extend(result.blocks_to_copy)
-            num_scheduled[seq.seq_id] = num_new
+                start = result.start_index
+                new_block_ids = result.new_block_ids or empty
+                if result.blocks_to_copy:
+                    blocks_to_copy.extend(result.blocks_to_copy)
+            num_scheduled[seq_id] = num_new
             budget -= num_new
             idx += 1
+            if seq_id not in resident:
+                not_resident.append(seq_id)
+                continue
+            seq.num_inflight_tokens = inflight + num_new
+            if total == known and seq.sampling.beam_width <= 1:
+                seq.num_pending_tokens = pending + 1  # the worker samples a token for it
+            unsent = seq.unsent_token_ids
+            if unsent:
+                seq.unsent_token_ids = []  # the message keeps the list it was given
+            else:
+                unsent = empty
+            cached.append(CachedSequenceData(seq_id, start, new_block_ids, computed, unsent))
+        num_from_running = len(num_scheduled)
 
         if not preempted:
             budget = self._admit(ws, budget, num_scheduled)
@@ -320,9 +357,12 @@ class Scheduler(SwapMixin):
                 # What this busy worker cannot admit now may be stolen by an idle one.
                 self._wake_others = True
 
-        return self._build_output(ws, num_scheduled, new_blocks, blocks_to_copy)
+        not_resident.extend(itertools.islice(num_scheduled, num_from_running, None))
+        return self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy)
 
     def _admit(self, ws: WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
+        if not ws.waiting:
+            return budget  # NOTE: every step of a busy worker: skip the O(batch) seat count
         kv = ws.kv
         max_seqs = self.config.max_num_seqs
         # Choices still to fork from running sequences hold their seats in the batch.
@@ -396,16 +436,20 @@ class Scheduler(SwapMixin):
         kv = ws.kv
         bs = ws.spec.block_size
         proj = GrowthProjection(ws.spec.num_blocks, bs, ws.spec.num_blocks - kv.num_free_blocks)
+        # NOTE: O(batch) on every step that a waiting sequence is refused: _growth inlined.
+        get_usage = kv.get_usage
+        add_running = proj.add_running
+        lag = 1 if self.config.async_scheduling else 0
+        ratio = self.config.admission_growth_ratio
+        ceil = math.ceil
         for seq in ws.running:
-            if kv.has_seq(seq.seq_id):
-                ids = kv.get_block_ids(seq.seq_id)
-                exclusive = sum(1 for b in ids if kv.get_ref_count(b) == 1)
-                allocated = kv.get_num_tokens(seq.seq_id)
-            else:
-                exclusive = allocated = 0
-            n = seq.num_tokens + seq.num_pending_tokens
-            proj.add_running(exclusive, allocated, n, self._growth(seq, n))
-            proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
+            exclusive, allocated = get_usage(seq.seq_id)
+            n = len(seq.all_token_ids) + seq.num_pending_tokens
+            remaining = seq.max_total_tokens - 1 - n
+            growth = ceil(remaining * ratio) + lag if remaining > 0 else lag
+            add_running(exclusive, allocated, n, growth)
+            if seq.fork_children:
+                proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
         return proj
 
     def _projection_admits(self, ws: WorkerState, seq: Sequence) -> bool:
@@ -476,43 +520,35 @@ class Scheduler(SwapMixin):
         self,
         ws: WorkerState,
         num_scheduled: dict[str, int],
-        new_blocks: dict[str, tuple[int, list[int]]],
+        not_resident: list[str],
+        cached: list[CachedSequenceData],
         blocks_to_copy: list[tuple[int, int]],
     ) -> SchedulerOutput:
+        """The step's message: ``cached`` (the deltas of the scheduled sequences the
+        worker holds, built by :meth:`schedule`) and the others of ``num_scheduled``,
+        ``not_resident`` (in batch order), sent in full."""
         new_seqs: list[NewSequenceData] = []
-        cached: list[CachedSequenceData] = []
-        for seq_id, num_new in num_scheduled.items():
+        for seq_id in not_resident:
+            num_new = num_scheduled[seq_id]
             seq = self.sequences[seq_id]
             computed = seq.num_computed_tokens + seq.num_inflight_tokens
             seq.num_inflight_tokens += num_new
             samples = computed + num_new == seq.num_tokens + seq.num_pending_tokens
             if samples and not seq.sampling.use_beam_search:
                 seq.num_pending_tokens += 1  # the worker samples a token for it
-            if seq_id not in ws.resident:
-                new_seqs.append(
-                    NewSequenceData(
-                        seq_id=seq.seq_id,
-                        token_ids=list(seq.all_token_ids),
-                        num_prompt_tokens=seq.num_prompt_tokens,
-                        block_ids=list(ws.kv.get_block_ids(seq.seq_id)),
-                        num_computed_tokens=seq.num_computed_tokens,
-                        sampling=seq.sampling,
-                        choice_index=seq.choice_index,
-                    )
+            new_seqs.append(
+                NewSequenceData(
+                    seq_id=seq.seq_id,
+                    token_ids=list(seq.all_token_ids),
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    block_ids=ws.kv.get_block_ids(seq.seq_id),  # a copy
+                    num_computed_tokens=seq.num_computed_tokens,
+                    sampling=seq.sampling,
+                    choice_index=seq.choice_index,
                 )
-                ws.resident.add(seq_id)
-                seq.resident_since_step = ws.next_step_id
-            else:
-                start, block_ids = new_blocks[seq_id]
-                cached.append(
-                    CachedSequenceData(
-                        seq_id=seq.seq_id,
-                        new_blocks_start=start,
-                        new_block_ids=block_ids,
-                        num_computed_tokens=computed,
-                        new_token_ids=seq.unsent_token_ids,
-                    )
-                )
+            )
+            ws.resident.add(seq_id)
+            seq.resident_since_step = ws.next_step_id
             seq.unsent_token_ids = []  # new_seqs carry every token
         swap_outs, swap_ins, host_free, free_tid = self._drain_swaps(ws)
         out = SchedulerOutput(
@@ -548,14 +584,18 @@ class Scheduler(SwapMixin):
             if ws.last_step_end_s is not None:
                 self.metrics.on_step_gap(runner_out.started_s - ws.last_step_end_s)
             ws.last_step_end_s = runner_out.started_s + runner_out.execute_time_s
-        # NOTE: the hot path of a step (one pass per scheduled sequence): lookups hoisted.
+        # NOTE: the hot path of a step (one pass per scheduled sequence): lookups hoisted,
+        # one clock read per step (every token of a step is applied at the same time).
         sequences = self.sequences
         kv = ws.kv
+        cache_blocks = kv.cache_blocks
         sampled = runner_out.sampled_token_ids
         logprobs = runner_out.logprobs
         on_token = self.metrics.on_token
+        now = self.metrics.clock()
         running = SequenceStatus.RUNNING
         step_id = sched_out.step_id
+        delta = self._delta
         for seq_id, num_new in sched_out.num_scheduled_tokens.items():
             seq = sequences.get(seq_id)
             if (
@@ -572,40 +612,43 @@ class Scheduler(SwapMixin):
                             finished_requests.add(seq.request_id)
                 continue  # aborted, preempted or moved while the step ran
             seq.num_inflight_tokens -= num_new
-            if seq.max_computed_tokens > seq.num_computed_tokens:  # recomputing
+            computed = seq.num_computed_tokens
+            if seq.max_computed_tokens > computed:  # recomputing
                 self._count_computed(ws, seq, num_new)
             else:
-                seq.num_computed_tokens = seq.max_computed_tokens = (
-                    seq.num_computed_tokens + num_new
+                seq.num_computed_tokens = seq.max_computed_tokens = computed + num_new
+            sampling = seq.sampling
+            if sampling.beam_width > 1:  # beam search
+                cache_blocks(
+                    seq_id, seq.all_token_ids, seq.num_computed_tokens, sampling.cache_salt
                 )
-            salt = seq.sampling.cache_salt
-            if seq.sampling.use_beam_search:
-                kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
                 candidates = runner_out.beam_candidates.get(seq_id)
                 if candidates is not None:
                     outputs.extend(self._beam_report(seq, candidates))
                 continue
             token = sampled.get(seq_id)
+            all_tokens = seq.all_token_ids
             if token is None:
-                kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+                cache_blocks(seq_id, all_tokens, seq.num_computed_tokens, sampling.cache_salt)
                 continue
             if seq.num_pending_tokens:
                 seq.num_pending_tokens -= 1
-            seq.append_token(token)
-            on_token(seq)
+            seq.output_token_ids.append(token)  # Sequence.append_token, inlined
+            all_tokens.append(token)
+            on_token(seq, now)
             if logprobs:
                 lp = logprobs.get(seq_id)
                 if lp is not None:
                     seq.logprobs.append(lp)
                     seq.cumulative_logprob += lp.logprob
-            kv.cache_blocks(seq_id, seq.all_token_ids, seq.num_computed_tokens, salt)
+            cache_blocks(seq_id, all_tokens, seq.num_computed_tokens, sampling.cache_salt)
             if seq.fork_children:
                 self._fork_children(ws, seq)
             reason = seq.check_stop()
             if reason is not None:
                 self._finish(seq, reason)
                 finished_requests.add(seq.request_id)
-            outputs.append(self._delta(seq, (token,)))
+            outputs.append(delta(seq, (token,)))
         for request_id in finished_requests:
             self._forget_if_done(request_id)
         if not ws.running:
@@ -744,7 +787,25 @@ class Scheduler(SwapMixin):
 
     @staticmethod
     def _delta(seq: Sequence, new_tokens: tuple[int, ...]) -> SequenceOutput:
-        want_lp = seq.sampling.logprobs is not None
+        if seq.sampling.logprobs is None:
+            # NOTE: built for every sequence at every step: positional, in field order
+            # (request_id, choice_index, new_token_ids, finish_reason, num_prompt_tokens,
+            # num_output_tokens, num_cached_tokens, logprobs, cumulative_logprob,
+            # stop_reason, score, num_preemptions).
+            return SequenceOutput(
+                seq.request_id,
+                seq.choice_index,
+                new_tokens,
+                seq.finish_reason,
+                len(seq.prompt_token_ids),
+                len(seq.output_token_ids),
+                seq.num_cached_tokens,
+                (),
+                None,
+                seq.stop_reason,
+                None,
+                seq.num_preemptions,
+            )
         return SequenceOutput(
             request_id=seq.request_id,
             choice_index=seq.choice_index,
@@ -753,8 +814,8 @@ class Scheduler(SwapMixin):
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_cached_tokens,
-            logprobs=tuple(seq.logprobs[-len(new_tokens) :]) if want_lp and new_tokens else (),
-            cumulative_logprob=seq.cumulative_logprob if want_lp else None,
+            logprobs=tuple(seq.logprobs[-len(new_tokens) :]) if new_tokens else (),
+            cumulative_logprob=seq.cumulative_logprob,
             stop_reason=seq.stop_reason,
             num_preemptions=seq.num_preemptions,
         )

@@ -166,3 +166,15 @@ def test_integrity_detects_corruption():
     pool.free_queue.remove(pool.blocks[2])  # ref 0 but lost from the queue: a leak
     with pytest.raises(IntegrityError, match="not free"):
         pool.check_integrity([1, 1, 0])
+
+
+def test_queue_take_pops_the_head_in_order():
+    blocks = [Block(i) for i in range(5)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[1])
+    assert q.take(0) == []
+    assert [b.block_id for b in q.take(2)] == [0, 2]
+    with pytest.raises(IndexError):
+        q.take(3)  # two left: nothing taken
+    assert ids(q) == [3, 4]
+    assert q.take(2) == [blocks[3], blocks[4]] and len(q) == 0

@@ -6,6 +6,8 @@ every call.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from helpers import CheckedKVCacheManager
 
@@ -289,3 +291,81 @@ def test_usage_counts_referenced_blocks():
     m.free("a")
     m.free("b")
     assert m.usage == 0.0
+
+
+# ------------------------------------------------------------------------------ decode fast path
+def test_grow_in_place_takes_only_the_empty_delta():
+    m = Checked(10, 4)
+    assert m.grow_in_place("a", 3) == -1  # unknown sequence
+    m.allocate_slots("a", 5)  # blocks 0, 1; 5 of 8 slots
+    assert m.grow_in_place("a", 5) == -1  # nothing to reserve
+    assert m.grow_in_place("a", 4) == -1  # shrinking: allocate_slots raises
+    assert m.grow_in_place("a", 7) == 2 and m.get_num_tokens("a") == 7
+    assert m.grow_in_place("a", 8) == 2 and m.get_num_tokens("a") == 8
+    assert m.grow_in_place("a", 9) == -1  # a new block
+    assert (m.get_num_tokens("a"), m.get_block_ids("a"), m.num_free_blocks) == (8, [0, 1], 8)
+    m.fork("a", "b", 6)  # b shares blocks 0 and 1; its last one is 2/4 reserved
+    assert m.grow_in_place("b", 7) == -1  # would write into a shared block: copy-on-write
+    assert m.get_num_tokens("b") == 6
+    assert m.allocate_slots("b", 7) == AllocationResult([2], [(1, 2)], True, 1)
+    assert m.grow_in_place("b", 8) == 2  # its own copy now
+
+
+def test_grow_in_place_then_allocate_equals_allocate_alone():
+    """A scheduler that tries grow_in_place first (the decode fast path) leaves every table,
+    reference count and delta exactly as allocate_slots alone does, through growth, forks,
+    copy-on-write, running out of blocks and frees."""
+    rng = random.Random(7)
+    fast, slow = Checked(24, 4), Checked(24, 4)
+    live: list[str] = []
+    num_fast = 0
+    for step in range(3000):
+        op = rng.random()
+        if op < 0.1 or not live:
+            sid = f"s{step}"
+            n = rng.randint(1, 9)
+            assert (fast.allocate_slots(sid, n) is None) == (slow.allocate_slots(sid, n) is None)
+            if fast.has_seq(sid):
+                live.append(sid)
+        elif op < 0.15:
+            parent = rng.choice(live)
+            sid = f"s{step}"
+            n = rng.randint(1, slow.get_num_tokens(parent) or 1)
+            if slow.get_num_tokens(parent) >= 1:
+                fast.fork(parent, sid, n)
+                slow.fork(parent, sid, n)
+                live.append(sid)
+        elif op < 0.22:
+            sid = live.pop(rng.randrange(len(live)))
+            fast.free(sid)
+            slow.free(sid)
+        else:
+            sid = rng.choice(live)
+            n = slow.get_num_tokens(sid) + rng.choice([1, 1, 1, 1, 2, 5])
+            start = fast.grow_in_place(sid, n)
+            expected = slow.allocate_slots(sid, n)
+            if start >= 0:
+                num_fast += 1
+                assert expected == AllocationResult([], [], False, start)
+            else:
+                assert fast.allocate_slots(sid, n) == expected
+                assert expected is None or expected.new_block_ids or expected.blocks_to_copy
+        for sid in live:
+            assert fast.get_block_ids(sid) == slow.get_block_ids(sid)
+            assert fast.get_num_tokens(sid) == slow.get_num_tokens(sid)
+        assert fast.num_free_blocks == slow.num_free_blocks
+    assert num_fast > 500  # the fast path was taken, and not always
+    assert all(fast.get_usage(s) == slow.get_usage(s) for s in live)
+
+
+def test_get_usage_counts_blocks_held_alone():
+    m = Checked(10, 4)
+    assert m.get_usage("a") == (0, 0)  # no table
+    m.allocate_slots("a", 6)  # blocks 0, 1
+    assert m.get_usage("a") == (2, 6)
+    m.fork("a", "b", 6)  # both blocks shared
+    assert (m.get_usage("a"), m.get_usage("b")) == ((0, 6), (0, 6))
+    m.allocate_slots("b", 7)  # b copies block 1 into block 2
+    assert (m.get_usage("a"), m.get_usage("b")) == ((1, 6), (1, 7))
+    m.free("a")
+    assert m.get_usage("b") == (2, 7)
