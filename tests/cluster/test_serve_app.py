@@ -54,8 +54,10 @@ def _default_sigint() -> None:
 
 
 def _name(p: psutil.Process) -> str:
+    """The process name without the method Ray adds to an actor's title while a call
+    runs (the scheduler actor always has one running: the frontend's output stream)."""
     try:
-        return p.name()
+        return p.name().split(".", 1)[0]
     except psutil.Error:
         return ""
 
