@@ -19,6 +19,14 @@ model's chat template and sent as ids to every system):
 * online: the first ``--online-requests`` of them with Poisson arrivals at each of
   ``--rates`` requests/s (hf-static has no online mode: a static batch cannot admit).
 
+Every run starts with a cold prefix cache (pagedserve and vLLM reset theirs, hf-cb gets a
+fresh manager): the scenarios share prompts, and a run that found the previous one's blocks
+cached would skip most of its prefill. ``--rounds N`` repeats the offline scenario in N
+rounds, each starting every system's process afresh, in alternating order (A B C, C B A,
+...); the headline ratio is then taken within each round (pagedserve over that round's
+better vLLM configuration) and reported as the median and range over rounds, which a drift
+of the shared host's speed over the run moves least.
+
 Reported per system and scenario: output tokens/s, requests/s, TTFT and ITL p50/p99, peak
 memory (PSS summed over the system's process tree: Ray's or vLLM's helper processes
 count), greedy agreement with HF (share of requests whose tokens equal hf-static's, and the
@@ -29,6 +37,8 @@ Usage::
 
     .venv/bin/python benchmarks/serving.py --quick                 # smoke run, ~3 min
     .venv/bin/python benchmarks/serving.py --with-vllm             # the full comparison
+    .venv/bin/python benchmarks/serving.py --with-vllm --systems pagedserve,vllm \
+        --rates "" --rounds 3                                       # the offline ratio
 """
 
 from __future__ import annotations
@@ -406,6 +416,50 @@ def _median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return med
 
 
+def _merge_round(prev: dict[str, Any] | None, res: dict[str, Any]) -> dict[str, Any]:
+    """Fold one round's result of a system into its earlier rounds' (offline runs appended,
+    peak memory the max, load time and online scenarios from the first round)."""
+    if prev is None or "error" in prev:
+        return res
+    if "error" in res:
+        prev.setdefault("round_errors", []).append(res["error"])
+        return prev
+    for sc, sc_runs in res.get("scenarios", {}).items():
+        prev.setdefault("scenarios", {}).setdefault(sc, []).extend(sc_runs)
+    for k in ("peak_pss_bytes", "peak_rss_bytes"):
+        prev[k] = max(prev.get(k, 0), res.get(k, 0))
+    return prev
+
+
+def headline_ratios(
+    results: dict[str, Any],
+    round_tok_s: dict[str, list[float | None]],
+    vllm_names: list[str],
+    vllm_best: str | None,
+) -> dict[str, Any]:
+    """pagedserve's offline tok/s over each system's, from the medians over all runs; and,
+    within each round, over the better vLLM configuration of that round (its median, min
+    and max over rounds: the figure that a drift of the machine's speed moves least)."""
+    ps = results.get("pagedserve", {}).get("summary", {}).get("offline", {}).get("output_tok_s")
+    out: dict[str, Any] = {}
+    for n, res in results.items():
+        other = res.get("summary", {}).get("offline", {}).get("output_tok_s")
+        if ps and other and n != "pagedserve":
+            out[f"pagedserve_over_{n}"] = round(ps / other, 3)
+    if vllm_best and f"pagedserve_over_{vllm_best}" in out:
+        out["pagedserve_over_vllm_best"] = out[f"pagedserve_over_{vllm_best}"]
+    per_round = []
+    for rnd, ps_r in enumerate(round_tok_s.get("pagedserve", [])):
+        vl = [v for n in vllm_names if (v := round_tok_s[n][rnd]) is not None]
+        if ps_r is not None and vl:
+            per_round.append(round(ps_r / max(vl), 3))
+    if per_round:
+        out["pagedserve_over_vllm_best_per_round"] = per_round
+        out["pagedserve_over_vllm_best_round_median"] = round(statistics.median(per_round), 3)
+        out["pagedserve_over_vllm_best_round_range"] = [min(per_round), max(per_round)]
+    return out
+
+
 def plot(results: dict[str, Any], rates: list[float], path: Path) -> None:
     """Offline tok/s per system (each repeat a dot) and online TTFT p50 / tok/s vs rate."""
     import matplotlib
@@ -450,7 +504,14 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--online-requests", type=int, default=32)
     ap.add_argument("--rates", default="0.5,1,2", help="online arrival rates, requests/s")
-    ap.add_argument("--repeats", type=int, default=2, help="offline repeats per system")
+    ap.add_argument("--repeats", type=int, default=1, help="offline repeats per process")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="offline rounds: each starts every system's process afresh, in alternating "
+        "order (A B C, C B A, ...); ratios are taken within a round",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory, pagedserve + vLLM")
@@ -504,16 +565,27 @@ def main() -> None:
         )
 
     results: dict[str, Any] = {}
-    for name, system, python, env, scs in runs:
-        # Each scenario carries its own requests: online ones are the first N of offline's.
-        per_sc = [{**sc, "requests": reqs[: sc.get("n", len(reqs))]} for sc in scs]
-        spec = {
-            **base_spec,
-            "scenarios": per_sc,
-            "requests": reqs,  # the warm-up request is cut from the first
-            "max_tokens_all": [r["max_tokens"] for r in reqs],
-        }
-        results[name] = run_system(name, system, python, spec, env, args.timeout)
+    round_tok_s: dict[str, list[float | None]] = {name: [] for name, *_ in runs}
+    for rnd in range(args.rounds):
+        # Alternate the order (A B C, C B A, ...) so a drift of the machine's speed over
+        # the run does not favour whichever system always goes first.
+        for name, system, python, env, scs in runs if rnd % 2 == 0 else runs[::-1]:
+            scs = scs if rnd == 0 else scs[:1]  # online scenarios in the first round only
+            # Each scenario carries its own requests: online ones are the first N of offline's.
+            per_sc = [{**sc, "requests": reqs[: sc.get("n", len(reqs))]} for sc in scs]
+            spec = {
+                **base_spec,
+                "scenarios": per_sc,
+                "requests": reqs,  # the warm-up request is cut from the first
+                "max_tokens_all": [r["max_tokens"] for r in reqs],
+            }
+            if args.rounds > 1:
+                print(f"round {rnd + 1}/{args.rounds}: {name}", flush=True)
+            res = run_system(name, system, python, spec, env, args.timeout)
+            offline = res.get("scenarios", {}).get("offline", [])
+            tok_s = [summarize(run, None)["output_tok_s"] for run in offline]
+            round_tok_s[name].append(statistics.median(tok_s) if tok_s else None)
+            results[name] = _merge_round(results.get(name), res)
 
     ref = None
     hf = results.get("hf-static", {}).get("scenarios", {}).get("offline")
@@ -532,15 +604,8 @@ def main() -> None:
     )
     names = [s["name"] for s in scenarios]
     lines = report(results, names, vllm_best)
-    ps = results.get("pagedserve", {}).get("summary", {}).get("offline", {}).get("output_tok_s")
-    headline = {}
-    for n, res in results.items():
-        other = res.get("summary", {}).get("offline", {}).get("output_tok_s")
-        if ps and other and n != "pagedserve":
-            headline[f"pagedserve_over_{n}"] = round(ps / other, 3)
-    if vllm_best and f"pagedserve_over_{vllm_best}" in headline:
-        headline["pagedserve_over_vllm_best"] = headline[f"pagedserve_over_{vllm_best}"]
-    print("\noffline output tok/s, pagedserve / system:", headline)
+    headline = headline_ratios(results, round_tok_s, vllm_names, vllm_best)
+    print("\noffline output tok/s, pagedserve / system:", json.dumps(headline))
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -567,6 +632,7 @@ def main() -> None:
         },
         "vllm_best": vllm_best,
         "headline": headline,
+        "rounds": {"count": args.rounds, "offline_tok_s": round_tok_s},
         "table": lines,
         "markdown": md,
         "systems": {

@@ -120,12 +120,23 @@ def run_pagedserve(spec: dict[str, Any]) -> dict[str, Any]:
         }
         return recs, kv
 
+    def reset() -> None:
+        # Blocks of the last run's requests are freed a step after their last output.
+        deadline = time.perf_counter() + 30
+        while not asyncio.run_coroutine_threadsafe(_reset_prefix_cache(), loop).result(30):
+            if time.perf_counter() > deadline:
+                raise RuntimeError("the prefix cache could not be reset: blocks still in use")
+            time.sleep(0.05)
+
+    async def _reset_prefix_cache() -> bool:
+        return bool(await handle.scheduler.reset_prefix_cache.remote())
+
     try:
         w = _warmup_request(spec)
         with Client(address, timeout_s=600) as c:
             c.generate(token_ids=w["prompt_ids"], max_tokens=w["max_tokens"], temperature=0)
         load_s = time.perf_counter() - t_load
-        return _run_scenarios(spec, scenario, load_s)
+        return _run_scenarios(spec, scenario, load_s, reset)
     finally:
         asyncio.run_coroutine_threadsafe(handle.stop(), loop).result(timeout=60)
         loop.call_soon_threadsafe(loop.stop)
@@ -156,11 +167,22 @@ def run_hf_cb(spec: dict[str, Any]) -> dict[str, Any]:
     per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
     cb = ContinuousBatchingConfig()
     cb.num_blocks = max(1, spec["kv_cache_bytes"] // (cb.page_size * per_token))
-    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    manager.start()
+    managers = [
+        model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    ]
+    managers[0].start()
+
+    def reset() -> None:
+        # It shares prompt blocks between requests and has no call that forgets them: a
+        # fresh manager (a new KV cache) per run, so no run reuses an earlier run's prompts.
+        managers[0].stop(block=True, timeout=30)
+        managers[0] = model.init_continuous_batching(
+            generation_config=gen, continuous_batching_config=cb
+        )
+        managers[0].start()
 
     def submit(req: dict[str, Any], rid: str) -> None:
-        manager.add_request(
+        managers[0].add_request(
             req["prompt_ids"],
             request_id=rid,
             max_new_tokens=req["max_tokens"],
@@ -172,7 +194,7 @@ def run_hf_cb(spec: dict[str, Any]) -> dict[str, Any]:
         results: dict[str, Any] = {}
         end = time.perf_counter() + deadline_s
         while len(results) < n and time.perf_counter() < end:
-            out = manager.get_result(timeout=1)
+            out = managers[0].get_result(timeout=1)
             if out is not None and out.is_finished():
                 results[out.request_id] = out
         return results
@@ -208,9 +230,9 @@ def run_hf_cb(spec: dict[str, Any]) -> dict[str, Any]:
         return recs, {}
 
     try:
-        return _run_scenarios(spec, scenario, load_s)
+        return _run_scenarios(spec, scenario, load_s, reset)
     finally:
-        manager.stop(block=True, timeout=30)
+        managers[0].stop(block=True, timeout=30)
 
 
 def run_hf_static(spec: dict[str, Any]) -> dict[str, Any]:
@@ -333,22 +355,34 @@ def run_vllm(spec: dict[str, Any]) -> dict[str, Any]:
         loop.run_until_complete(asyncio.wait_for(run_all(reqs, recs), spec["timeout_s"]))
         return recs, {}
 
+    def reset() -> None:
+        if not loop.run_until_complete(engine.reset_prefix_cache()):
+            raise RuntimeError("vLLM refused to reset its prefix cache")
+
     try:
         w = _warmup_request(spec)
         loop.run_until_complete(run_all([w], [_record(w, 0.0)]))
         load_s = time.perf_counter() - t_load
-        return _run_scenarios(spec, scenario, load_s)
+        return _run_scenarios(spec, scenario, load_s, reset)
     finally:
         engine.shutdown()
 
 
 # ---------------------------------------------------------------------- driver
-def _run_scenarios(spec: dict[str, Any], scenario: Any, load_s: float) -> dict[str, Any]:
-    """Run each scenario ``repeats`` times (offline) or once (online); collect records."""
+def _run_scenarios(
+    spec: dict[str, Any], scenario: Any, load_s: float, reset: Any = None
+) -> dict[str, Any]:
+    """Run each scenario ``repeats`` times (offline) or once (online); collect records.
+
+    ``reset()`` (systems with a prefix cache) runs before every run, so that no run reuses
+    the KV blocks of an earlier one's prompts (the scenarios share prompts).
+    """
     out: dict[str, Any] = {"load_s": load_s, "scenarios": {}}
     for sc in spec["scenarios"]:
         runs = []
         for _ in range(sc.get("repeats", 1)):
+            if reset is not None:
+                reset()
             recs, extra = scenario(sc["requests"], sc["arrivals"])
             runs.append({"records": recs, **extra})
             print(f"[{spec['system']}] {sc['name']} done", file=sys.stderr, flush=True)

@@ -241,6 +241,10 @@ class SchedulerActor:
         """A snapshot of queue lengths and per-worker block pools."""
         return self._scheduler.stats()
 
+    async def reset_prefix_cache(self) -> bool:
+        """:meth:`Scheduler.reset_prefix_cache`: False while any block is in use."""
+        return self._scheduler.reset_prefix_cache()
+
     async def get_metrics(self) -> MetricsSnapshot:
         """Gauges, counters and histograms for the metrics exporter (one pull per scrape)."""
         return self._scheduler.metrics_snapshot()

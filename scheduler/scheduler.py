@@ -821,6 +821,20 @@ class Scheduler(SwapMixin):
         )
 
     # ------------------------------------------------------------------ introspection
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash on every worker, all or nothing (vLLM's
+        ``reset_prefix_cache``): after a weight update, or between benchmark repeats so a
+        repeat does not reuse the previous one's prompts. Hit/query counters are kept.
+
+        Returns:
+            True when every pool was reset; False, with nothing changed, while any worker
+            still holds a block (a request is running, waiting with blocks or being freed).
+        """
+        pools = [ws.kv for ws in self.workers.values()]
+        if any(kv.num_free_blocks != kv.num_blocks for kv in pools):
+            return False
+        return all([kv.reset_prefix_cache() for kv in pools])
+
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
         workers = tuple(worker_stats(ws) for _, ws in sorted(self.workers.items()))

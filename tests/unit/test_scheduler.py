@@ -148,6 +148,32 @@ def test_prefix_cache_hit_reports_cached_tokens():
     assert outs[0].num_cached_tokens == 8 and outs[0].finish_reason is FinishReason.LENGTH
 
 
+def test_reset_prefix_cache_refuses_while_busy_then_forgets_every_hash():
+    s, w = (
+        Scheduler(
+            SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+            [WorkerSpec(0, 16, 4), WorkerSpec(1, 16, 4)],
+        ),
+        FakeWorker(),
+    )
+    prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
+    s.add_request("a", prompt, greedy(1), [EOS])
+    so = s.schedule(0)
+    assert so.new_seqs[0].block_ids == [0, 1, 2]
+    assert not s.reset_prefix_cache()  # "a" holds 3 blocks on worker 0
+    s.update(0, so, w.execute(so))
+    run(s, w)  # tells the worker "a" finished
+    assert s.reset_prefix_cache()
+    s.add_request("b", prompt, greedy(1), [EOS])
+    so = s.schedule(0)
+    assert so.new_seqs[0].num_computed_tokens == 0  # computed again: no hit
+    assert so.num_scheduled_tokens == {"b/0": 9}
+    s.update(0, so, w.execute(so))
+    run(s, w)
+    assert s.workers[0].kv.num_free_blocks == 16 and s.workers[1].kv.num_free_blocks == 16
+    s.check_integrity()
+
+
 def test_abort_in_every_state_returns_blocks():
     s, w = make(budget=4), FakeWorker()
     s.add_request("run", [1] * 8, greedy(5), [EOS])
