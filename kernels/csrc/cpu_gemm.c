@@ -136,8 +136,10 @@ static void tile(int64_t mr, int64_t np, const float *x, int64_t ldx, const floa
             micro(4, 2, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines);
         else if (mr == 3)
             micro(3, 2, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines);
-        else
+        else if (mr == 2)
             micro(2, 2, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines);
+        else
+            micro(1, 2, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines);
         return;
     }
     switch (mr) {
@@ -162,8 +164,17 @@ void linear_packed_f32(const float *x, int64_t m, int64_t k, int64_t ldx,
                        int64_t ldo, int64_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
-    /* panels per micro call: more when there are too few rows for enough FMA chains */
-    const int64_t group = m == 1 ? 4 : (m <= 4 ? 2 : 1);
+    /* Panels per micro call: more when there are too few rows for enough FMA chains, but
+     * never so many that the static split leaves a thread idle (12 panels in groups of 4
+     * over 2 threads would be 8 : 4; in groups of 2, 6 : 6). */
+    int64_t group = m == 1 ? 4 : (m <= 4 ? 2 : 1);
+    while (group > 1) {
+        const int64_t busiest = ((panels + group - 1) / group + threads - 1) / threads * group;
+        const int64_t half = group / 2;
+        const int64_t busiest_half = ((panels + half - 1) / half + threads - 1) / threads * half;
+        if (busiest_half >= busiest) break;
+        group = half;
+    }
     const int64_t groups = (panels + group - 1) / group;
 #pragma omp parallel num_threads(threads) if (threads > 1 && groups > 1)
     for (int64_t m0 = 0; m0 < m; m0 += MC) {

@@ -60,6 +60,31 @@ def test_rows_do_not_depend_on_the_batch_bitwise():
         assert torch.equal(part, full[start:stop]), (start, stop)
 
 
+@pytest.mark.parametrize("panels", [3, 5, 12, 13, 20])
+def test_rows_and_threads_do_not_change_the_bits_when_panel_groups_shrink(panels: int):
+    """One- to four-row calls take panels in groups, made smaller when the static split
+    over threads would leave one idle (12 panels over 2 threads: groups of 2, not 4).
+    Whatever the grouping, every element stays one in-order sum over K."""
+    gen = torch.Generator().manual_seed(panels)
+    n, k = panels * cpu_native.panel_width() - 5, 96
+    x = torch.randn(9, k, generator=gen)
+    w = torch.randn(n, k, generator=gen)
+    packed = cpu_native.pack_linear_weight(w)
+    saved = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            full = cpu_native.linear_packed(x, packed, n)
+            for m in (1, 2, 3, 4):
+                assert torch.equal(cpu_native.linear_packed(x[:m], packed, n), full[:m])
+            outs.append(full)
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    torch.testing.assert_close(outs[0], reference(x, w, None), rtol=1e-5, atol=2e-5)
+
+
 def test_strided_rows_and_non_contiguous_weight():
     gen = torch.Generator().manual_seed(1)
     wide = torch.randn(6, 200, generator=gen)
