@@ -48,11 +48,11 @@ def _warmup_request(spec: dict[str, Any]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- pagedserve
 def run_pagedserve(spec: dict[str, Any]) -> dict[str, Any]:
-    """The real gRPC server (embedded Ray, one worker with all cores) and its client."""
+    """The real gRPC server (embedded Ray, one worker with all cores), streamed to an
+    :class:`AsyncClient` (one channel) on the frontend's event loop."""
     import asyncio
-    from concurrent.futures import ThreadPoolExecutor
 
-    from pagedserve.cluster.client import Client
+    from pagedserve.cluster.client import AsyncClient, Client
     from pagedserve.cluster.config import (
         CacheConfig,
         ClusterConfig,
@@ -77,19 +77,24 @@ def run_pagedserve(spec: dict[str, Any]) -> dict[str, Any]:
     handle = asyncio.run_coroutine_threadsafe(start_cluster(config), loop).result()
     address = handle.address
 
-    def one(req: dict[str, Any], rec: Record, t0: float) -> None:
-        time.sleep(max(0.0, t0 + rec["arrival"] - time.perf_counter()))
-        with Client(address, timeout_s=3600) as c:
-            for d in c.stream(
-                token_ids=req["prompt_ids"],
-                max_tokens=req["max_tokens"],
-                temperature=0,
-                ignore_eos=True,
-            ):
-                now = time.perf_counter() - t0
-                rec["times"].extend([now] * len(d.token_ids))
-                rec["token_ids"].extend(d.token_ids)
+    async def one(c: AsyncClient, req: dict[str, Any], rec: Record, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + rec["arrival"] - time.perf_counter()))
+        async for d in c.stream(
+            token_ids=req["prompt_ids"],
+            max_tokens=req["max_tokens"],
+            temperature=0,
+            ignore_eos=True,
+        ):
+            now = time.perf_counter() - t0
+            rec["times"].extend([now] * len(d.token_ids))
+            rec["token_ids"].extend(d.token_ids)
         rec["finish"] = time.perf_counter() - t0
+
+    async def run_all(reqs: list[dict[str, Any]], recs: list[Record], t0: float) -> None:
+        # One channel for all streams, on the frontend's own event loop: like vLLM's
+        # AsyncLLM below, the load generator costs no thread per request.
+        async with AsyncClient(address, timeout_s=3600) as c:
+            await asyncio.gather(*(one(c, q, r, t0) for q, r in zip(reqs, recs, strict=True)))
 
     def scenario(reqs: list[Any], arrivals: list[float]) -> tuple[list[Record], dict[str, Any]]:
         recs = [_record(r, a) for r, a in zip(reqs, arrivals, strict=True)]
@@ -108,8 +113,7 @@ def run_pagedserve(spec: dict[str, Any]) -> dict[str, Any]:
         poller = threading.Thread(target=poll, daemon=True)
         t0 = time.perf_counter()
         poller.start()
-        with ThreadPoolExecutor(len(recs)) as ex:
-            list(ex.map(one, reqs, recs, [t0] * len(recs)))
+        asyncio.run_coroutine_threadsafe(run_all(reqs, recs, t0), loop).result()
         done.set()
         poller.join(timeout=10)
         kv = {

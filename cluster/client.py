@@ -13,7 +13,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +181,138 @@ def _read(path: str | None, what: str) -> bytes | None:
         raise ValueError(f"cannot read {what} {path!r}: {exc.strerror}") from exc
 
 
+def delta_from_message(msg: Any) -> Delta:
+    """One ``GenerateResponse`` message as a :class:`Delta`."""
+    usage = None
+    if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        usage = {
+            "prompt_tokens": msg.usage.prompt_tokens,
+            "completion_tokens": msg.usage.completion_tokens,
+            "cached_tokens": msg.usage.cached_tokens,
+            "num_preemptions": msg.usage.num_preemptions,
+        }
+    kind = msg.stop_reason.WhichOneof("kind")
+    return Delta(
+        request_id=msg.request_id,
+        index=msg.index,
+        token_ids=tuple(msg.delta_token_ids),
+        text=msg.delta_text,
+        finish_reason=FINISH_REASONS[msg.finish_reason],
+        usage=usage,
+        logprobs=tuple(
+            {
+                "token_id": lp.token_id,
+                "logprob": lp.logprob,
+                "top_logprobs": [
+                    {"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs
+                ],
+            }
+            for lp in msg.logprobs
+        ),
+        cumulative_logprob=(msg.cumulative_logprob if msg.HasField("cumulative_logprob") else None),
+        score=msg.score if msg.HasField("score") else None,
+        stop_reason=getattr(msg.stop_reason, kind) if kind else None,
+    )
+
+
+class _ResultBuilder:
+    """Collects a request's deltas into a :class:`Result` (both clients' ``generate``)."""
+
+    def __init__(self, kwargs: dict[str, Any]) -> None:
+        self.choices: dict[int, Choice] = {}
+        self.request_id = kwargs.get("request_id", "")
+        self.usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        self.usage["num_preemptions"] = 0
+        self.want_logprobs = kwargs.get("logprobs") is not None
+
+    def add(self, d: Delta) -> None:
+        self.request_id = d.request_id
+        c = self.choices.setdefault(d.index, Choice(index=d.index))
+        c.token_ids.extend(d.token_ids)
+        c.text += d.text
+        if self.want_logprobs:
+            c.logprobs = (c.logprobs or []) + list(d.logprobs)
+        if d.cumulative_logprob is not None:
+            c.cumulative_logprob = d.cumulative_logprob
+        if d.score is not None:
+            c.score = d.score
+        if d.finish_reason is not None:
+            c.finish_reason = d.finish_reason
+            c.stop_reason = d.stop_reason
+            assert d.usage is not None
+            usage = self.usage
+            usage["prompt_tokens"] = d.usage["prompt_tokens"]
+            usage["cached_tokens"] = max(usage["cached_tokens"], d.usage["cached_tokens"])
+            usage["completion_tokens"] += d.usage["completion_tokens"]
+            usage["num_preemptions"] += d.usage["num_preemptions"]
+
+    def result(self) -> Result:
+        ordered = [self.choices[i] for i in sorted(self.choices)]
+        return Result(self.request_id, ordered, self.usage)
+
+
+def stats_to_dict(r: Any) -> dict[str, Any]:
+    """A ``GetStatsResponse`` as the dict ``pagedserve stats`` prints."""
+    return {
+        "model": r.model,
+        "max_model_len": r.max_model_len,
+        "num_requests_running": r.num_requests_running,
+        "num_requests_waiting": r.num_requests_waiting,
+        "num_preemptions": r.num_preemptions,
+        "swap": {
+            "preemption_mode": r.swap.preemption_mode,
+            "num_requests_swapped": r.swap.num_requests_swapped,
+            "host_blocks_total": r.swap.host_blocks_total,
+            "host_blocks_free": r.swap.host_blocks_free,
+            "swap_out_bytes": r.swap.swap_out_bytes,
+            "swap_in_bytes": r.swap.swap_in_bytes,
+            "num_swap_outs": r.swap.num_swap_outs,
+            "num_swap_ins": r.swap.num_swap_ins,
+            "num_swap_failures": r.swap.num_swap_failures,
+            "preemptions_by_mode": dict(r.swap.preemptions_by_mode),
+        },
+        "num_recomputed_tokens": r.num_recomputed_tokens,
+        "workers": [
+            {
+                "worker_id": w.worker_id,
+                "num_blocks": w.num_blocks,
+                "num_free_blocks": w.num_free_blocks,
+                "num_used_blocks": w.num_used_blocks,
+                "block_size": w.block_size,
+                "num_requests_running": w.num_requests_running,
+                "num_requests_waiting": w.num_requests_waiting,
+                "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
+                "num_preemptions": w.num_preemptions,
+                "num_recomputed_tokens": w.num_recomputed_tokens,
+                "alive": w.alive,
+            }
+            for w in r.workers
+        ],
+    }
+
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
+
+
+def _channel(
+    mod: Any, address: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
+) -> Any:
+    """A channel from ``mod`` (``grpc`` or ``grpc.aio``): TLS when any TLS file is given."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key must be given together")
+    if tls_ca is not None or tls_cert is not None:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_read(tls_ca, "tls_ca"),
+            private_key=_read(tls_key, "tls_key"),
+            certificate_chain=_read(tls_cert, "tls_cert"),
+        )
+        return mod.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
+    return mod.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
 class Client:
     """Blocking client over one gRPC channel.
 
@@ -207,21 +340,7 @@ class Client:
         tls_cert: str | None = None,
         tls_key: str | None = None,
     ):
-        options = [
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ]
-        if (tls_cert is None) != (tls_key is None):
-            raise ValueError("tls_cert and tls_key must be given together")
-        if tls_ca is not None or tls_cert is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(tls_ca, "tls_ca"),
-                private_key=_read(tls_key, "tls_key"),
-                certificate_chain=_read(tls_cert, "tls_cert"),
-            )
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        self._channel = _channel(grpc, address, tls_ca, tls_cert, tls_key)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._timeout = timeout_s
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
@@ -248,74 +367,17 @@ class Client:
         req = build_request(prompt, **kwargs)
         call = self._stub.Generate(req, timeout=self._timeout, metadata=self._metadata)
         try:
-            yield from self._deltas(call)
+            for msg in call:
+                yield delta_from_message(msg)
         finally:
             call.cancel()  # no-op when finished; frees the server side when abandoned
 
-    @staticmethod
-    def _deltas(call: Any) -> Iterator[Delta]:
-        for msg in call:
-            usage = None
-            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                usage = {
-                    "prompt_tokens": msg.usage.prompt_tokens,
-                    "completion_tokens": msg.usage.completion_tokens,
-                    "cached_tokens": msg.usage.cached_tokens,
-                    "num_preemptions": msg.usage.num_preemptions,
-                }
-            kind = msg.stop_reason.WhichOneof("kind")
-            yield Delta(
-                request_id=msg.request_id,
-                index=msg.index,
-                token_ids=tuple(msg.delta_token_ids),
-                text=msg.delta_text,
-                finish_reason=FINISH_REASONS[msg.finish_reason],
-                usage=usage,
-                logprobs=tuple(
-                    {
-                        "token_id": lp.token_id,
-                        "logprob": lp.logprob,
-                        "top_logprobs": [
-                            {"token_id": t.token_id, "logprob": t.logprob} for t in lp.top_logprobs
-                        ],
-                    }
-                    for lp in msg.logprobs
-                ),
-                cumulative_logprob=(
-                    msg.cumulative_logprob if msg.HasField("cumulative_logprob") else None
-                ),
-                score=msg.score if msg.HasField("score") else None,
-                stop_reason=getattr(msg.stop_reason, kind) if kind else None,
-            )
-
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Run one request to completion and collect its choices."""
-        choices: dict[int, Choice] = {}
-        request_id = kwargs.get("request_id", "")
-        usage = {"prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
-        usage["num_preemptions"] = 0
-        want_logprobs = kwargs.get("logprobs") is not None
+        builder = _ResultBuilder(kwargs)
         for d in self.stream(prompt, **kwargs):
-            request_id = d.request_id
-            c = choices.setdefault(d.index, Choice(index=d.index))
-            c.token_ids.extend(d.token_ids)
-            c.text += d.text
-            if want_logprobs:
-                c.logprobs = (c.logprobs or []) + list(d.logprobs)
-            if d.cumulative_logprob is not None:
-                c.cumulative_logprob = d.cumulative_logprob
-            if d.score is not None:
-                c.score = d.score
-            if d.finish_reason is not None:
-                c.finish_reason = d.finish_reason
-                c.stop_reason = d.stop_reason
-                assert d.usage is not None
-                usage["prompt_tokens"] = d.usage["prompt_tokens"]
-                usage["cached_tokens"] = max(usage["cached_tokens"], d.usage["cached_tokens"])
-                usage["completion_tokens"] += d.usage["completion_tokens"]
-                usage["num_preemptions"] += d.usage["num_preemptions"]
-        ordered = [choices[i] for i in sorted(choices)]
-        return Result(request_id, ordered, usage)
+            builder.add(d)
+        return builder.result()
 
     def abort(self, request_id: str) -> bool:
         """Abort a request in flight; True when it was."""
@@ -328,39 +390,84 @@ class Client:
         r = self._stub.GetStats(
             pb.GetStatsRequest(), timeout=self._timeout, metadata=self._metadata
         )
-        return {
-            "model": r.model,
-            "max_model_len": r.max_model_len,
-            "num_requests_running": r.num_requests_running,
-            "num_requests_waiting": r.num_requests_waiting,
-            "num_preemptions": r.num_preemptions,
-            "swap": {
-                "preemption_mode": r.swap.preemption_mode,
-                "num_requests_swapped": r.swap.num_requests_swapped,
-                "host_blocks_total": r.swap.host_blocks_total,
-                "host_blocks_free": r.swap.host_blocks_free,
-                "swap_out_bytes": r.swap.swap_out_bytes,
-                "swap_in_bytes": r.swap.swap_in_bytes,
-                "num_swap_outs": r.swap.num_swap_outs,
-                "num_swap_ins": r.swap.num_swap_ins,
-                "num_swap_failures": r.swap.num_swap_failures,
-                "preemptions_by_mode": dict(r.swap.preemptions_by_mode),
-            },
-            "num_recomputed_tokens": r.num_recomputed_tokens,
-            "workers": [
-                {
-                    "worker_id": w.worker_id,
-                    "num_blocks": w.num_blocks,
-                    "num_free_blocks": w.num_free_blocks,
-                    "num_used_blocks": w.num_used_blocks,
-                    "block_size": w.block_size,
-                    "num_requests_running": w.num_requests_running,
-                    "num_requests_waiting": w.num_requests_waiting,
-                    "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
-                    "num_preemptions": w.num_preemptions,
-                    "num_recomputed_tokens": w.num_recomputed_tokens,
-                    "alive": w.alive,
-                }
-                for w in r.workers
-            ],
-        }
+        return stats_to_dict(r)
+
+
+class AsyncClient:
+    """asyncio client over one ``grpc.aio`` channel: many concurrent streams share it (a
+    load generator or an async web app needs no thread per request).
+
+    Same arguments, errors and results as :class:`Client`; use it as
+    ``async with AsyncClient(address) as c:`` from a running event loop.
+
+    Example::
+
+        async with AsyncClient("127.0.0.1:50051") as c:
+            async for delta in c.stream("Once upon a time", max_tokens=16):
+                print(delta.text, end="")
+            results = await asyncio.gather(*(c.generate(p, max_tokens=8) for p in prompts))
+    """
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout_s: float | None = None,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
+        self._channel = _channel(grpc.aio, address, tls_ca, tls_cert, tls_key)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._timeout = timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Wait until the channel connects. Raises asyncio.TimeoutError."""
+        await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+
+    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[Delta]:
+        """Stream deltas of one request (see :func:`build_request` for arguments).
+
+        Raises:
+            grpc.aio.AioRpcError: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ... with the
+                server's message.
+        """
+        req = build_request(prompt, **kwargs)
+        call = self._stub.Generate(req, timeout=self._timeout, metadata=self._metadata)
+        try:
+            async for msg in call:
+                yield delta_from_message(msg)
+        finally:
+            call.cancel()  # no-op when finished; frees the server side when abandoned
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        """Run one request to completion and collect its choices."""
+        builder = _ResultBuilder(kwargs)
+        async for d in self.stream(prompt, **kwargs):
+            builder.add(d)
+        return builder.result()
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in flight; True when it was."""
+        r = await self._stub.Abort(
+            pb.AbortRequest(request_id=request_id), timeout=self._timeout, metadata=self._metadata
+        )
+        return bool(r.aborted)
+
+    async def stats(self) -> dict[str, Any]:
+        """Cluster statistics as a dict (the JSON of ``pagedserve stats``)."""
+        r = await self._stub.GetStats(
+            pb.GetStatsRequest(), timeout=self._timeout, metadata=self._metadata
+        )
+        return stats_to_dict(r)

@@ -10,7 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.cluster.client import Client, build_request
+from pagedserve.cluster.client import AsyncClient, Client, build_request
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -100,6 +100,51 @@ def test_raw_token_ids_and_concurrent_requests_match_hf(address, hf):
     alone = one(ids[3])
     assert alone.choices[0].token_ids == results[3].choices[0].token_ids
     with Client(address) as c:
+        wait_all_free(c)
+
+
+def test_async_client_streams_concurrently_on_one_channel(address, hf):
+    """AsyncClient: 4 streams at once over one grpc.aio channel give HF's greedy tokens,
+    the same deltas as the blocking client, stats, and server errors as AioRpcError."""
+    import asyncio
+
+    tok, greedy = hf
+    prompts = ["The three primary colors are", "def fibonacci(n):", "Water boils at", "Hi"]
+    ids = [tok(p)["input_ids"] for p in prompts]
+    refs = [greedy(p, 12) for p in ids[:2]]
+
+    async def main():
+        async with AsyncClient(address, timeout_s=300) as c:
+            await c.wait_ready()
+            results = await asyncio.gather(
+                *(c.generate(token_ids=p, max_tokens=12, temperature=0, ignore_eos=True)
+                  for p in ids)
+            )  # fmt: skip
+            deltas = [d async for d in c.stream(token_ids=ids[0], max_tokens=12, temperature=0)]
+            st = await c.stats()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await c.generate(token_ids=ids[0], max_tokens=4, temperature=-1.0)
+            aborted = await c.abort("no-such-request")
+        return results, deltas, st, err.value, aborted
+
+    results, deltas, st, err, aborted = asyncio.run(main())
+    for r, ref in zip(results[:2], refs):
+        assert r.choices[0].token_ids == ref and r.choices[0].finish_reason == "length"
+        assert r.usage["completion_tokens"] == 12
+    assert [t for d in deltas for t in d.token_ids] == refs[0][
+        : sum(len(d.token_ids) for d in deltas)
+    ]
+    assert deltas[-1].finish_reason is not None and deltas[-1].usage is not None
+    assert st["workers"][0]["num_blocks"] == NUM_BLOCKS
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.details()
+    assert aborted is False
+    with Client(address) as c:
+        assert (
+            c.generate(token_ids=ids[1], max_tokens=12, temperature=0, ignore_eos=True)
+            .choices[0]
+            .token_ids
+            == results[1].choices[0].token_ids
+        )
         wait_all_free(c)
 
 
