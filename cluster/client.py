@@ -291,10 +291,10 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
     }
 
 
-_CHANNEL_OPTIONS = [
+_CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
-]
+)
 
 
 def _channel(
