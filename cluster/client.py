@@ -297,23 +297,39 @@ _CHANNEL_OPTIONS = (
 )
 
 
-def _channel(
-    mod: Any, address: str, tls_ca: str | None, tls_cert: str | None, tls_key: str | None
-) -> Any:
-    """A channel from ``mod`` (``grpc`` or ``grpc.aio``): TLS when any TLS file is given."""
-    if (tls_cert is None) != (tls_key is None):
-        raise ValueError("tls_cert and tls_key must be given together")
-    if tls_ca is not None or tls_cert is not None:
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=_read(tls_ca, "tls_ca"),
-            private_key=_read(tls_key, "tls_key"),
-            certificate_chain=_read(tls_cert, "tls_cert"),
-        )
-        return mod.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
-    return mod.insecure_channel(address, options=_CHANNEL_OPTIONS)
+class _Connection:
+    """One channel, its stub and the per-call deadline and metadata: what :class:`Client`
+    and :class:`AsyncClient` share (see :class:`Client` for the arguments and errors)."""
+
+    _grpc: Any = grpc  # the module whose channels the class uses: grpc or grpc.aio
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        timeout_s: float | None = None,
+        *,
+        api_key: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ):
+        if (tls_cert is None) != (tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if tls_ca is not None or tls_cert is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls_ca, "tls_ca"),
+                private_key=_read(tls_key, "tls_key"),
+                certificate_chain=_read(tls_cert, "tls_cert"),
+            )
+            self._channel = self._grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = self._grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._timeout = timeout_s
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
 
-class Client:
+class Client(_Connection):
     """Blocking client over one gRPC channel.
 
     Args:
@@ -329,21 +345,6 @@ class Client:
     Raises:
         ValueError: a TLS file cannot be read, or only one of tls_cert / tls_key is given.
     """
-
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50051",
-        timeout_s: float | None = None,
-        *,
-        api_key: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-    ):
-        self._channel = _channel(grpc, address, tls_ca, tls_cert, tls_key)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._timeout = timeout_s
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     def __enter__(self) -> Client:
         return self
@@ -393,7 +394,7 @@ class Client:
         return stats_to_dict(r)
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """asyncio client over one ``grpc.aio`` channel: many concurrent streams share it (a
     load generator or an async web app needs no thread per request).
 
@@ -408,20 +409,7 @@ class AsyncClient:
             results = await asyncio.gather(*(c.generate(p, max_tokens=8) for p in prompts))
     """
 
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50051",
-        timeout_s: float | None = None,
-        *,
-        api_key: str | None = None,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-    ):
-        self._channel = _channel(grpc.aio, address, tls_ca, tls_cert, tls_key)
-        self._stub = pb_grpc.GenerationStub(self._channel)
-        self._timeout = timeout_s
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
+    _grpc = grpc.aio
 
     async def __aenter__(self) -> AsyncClient:
         return self
