@@ -7,7 +7,9 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
 (``csrc/cpu/attention.cpp``, ``layernorm.cpp``, ``pos_encoding.cpp``):
 
 * :func:`paged_attention`: decode and chunked-prefill attention straight through the
-  block tables (no gather), one task per (sequence, KV head, tile of 16 query rows);
+  block tables (no gather), one task per (sequence, KV head, tile of 16 query rows), the
+  KV group's query heads split over tasks when there are too few tasks for the threads;
+  K rows are prefetched ahead of use (one KV head's rows are strided in the cache);
 * :func:`rope_store`: rotary on the q/k heads of the fused qkv output, in place, and the
   K/V rows written to their slots;
 * :func:`rms_norm`: RMSNorm, optionally fused with the residual add;

@@ -23,13 +23,43 @@
 #include <string.h>
 
 #define QTILE 16 /* query rows of one chunk processed per task (prefill) */
-#define MAX_GROUP 64
-#define VGROUP 8 /* query heads of a KV group accumulated together in pass 2 */
+#define VGROUP 8  /* query heads of a KV group accumulated together in pass 2 */
+#define MIN_TASKS_PER_THREAD 4 /* below this, a KV group's query heads become separate tasks */
+#define PREFETCH_KEYS 16      /* how far ahead pass 1 prefetches K rows */
 
 typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 
 static inline v16 splat16(float a) {
     return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
+}
+
+static inline v16 load16(const float *p) {
+    v16 v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof(v)); }
+
+/* Lane-wise mask ? a : b, for a mask from a vector comparison (all ones or all zeros). */
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* Sum of the 16 lanes as a fixed tree: (i + i+8), then + i+4, then pairs. */
+static inline float hsum16(v16 v) {
+    v8 lo, hi;
+    memcpy(&lo, &v, sizeof(lo));
+    memcpy(&hi, (const char *)&v + sizeof(lo), sizeof(hi));
+    const v8 s8 = lo + hi;
+    v4 l4, h4;
+    memcpy(&l4, &s8, sizeof(l4));
+    memcpy(&h4, (const char *)&s8 + sizeof(l4), sizeof(h4));
+    const v4 s4 = l4 + h4;
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -39,10 +69,19 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+/* a . b for n a positive multiple of 16: lane i sums a[d] b[d] over d = i (mod 16) in
+ * order, then the lanes are summed by hsum16. */
+static inline float dot16(const float *a, const float *b, int64_t n) {
+    v16 acc = load16(a) * load16(b);
+    for (int64_t d = 16; d < n; d += 16) acc = acc + load16(a + d) * load16(b + d);
+    return hsum16(acc);
+}
+
 /*
  * exp(x) for x in [-87, 88] (clamped), Cephes' expf: x = n ln2 + r, |r| <= ln2/2,
  * exp(r) by a degree-6 polynomial, times 2^n built in the exponent bits; ~1-2 ulp.
- * Branch-free so `omp simd` loops calling it vectorize (glibc's expf would not).
+ * exp16 below is the same computation on 16 lanes, operation for operation (the build
+ * has no FMA contraction), so both give the same bits for the same input.
  */
 static inline float exp_f32(float x) {
     x = x < -87.0f ? -87.0f : x;
@@ -59,12 +98,78 @@ static inline float exp_f32(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    union {
-        int32_t i;
-        float f;
-    } scale;
-    scale.i = (n + 127) << 23;
-    return p * scale.f;
+    const int32_t bits = (n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof(scale)); /* 2^n */
+    return p * scale;
+}
+
+static inline v16 exp16(v16 x) {
+    x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
+    x = select16(x > splat16(88.0f), splat16(88.0f), x);
+    const v16 t = x * splat16(1.44269504088896341f);
+    const v16i n = __builtin_convertvector(
+        t + select16(t >= splat16(0.0f), splat16(0.5f), splat16(-0.5f)), v16i);
+    const v16 fn = __builtin_convertvector(n, v16);
+    v16 r = x - fn * splat16(0.693359375f);
+    r = r - fn * splat16(-2.12194440e-4f);
+    v16 p = splat16(1.9875691500e-4f);
+    p = p * r + splat16(1.3981999507e-3f);
+    p = p * r + splat16(8.3334519073e-3f);
+    p = p * r + splat16(4.1665795894e-2f);
+    p = p * r + splat16(1.6666665459e-1f);
+    p = p * r + splat16(5.0000001201e-1f);
+    p = p * r * r + r + splat16(1.0f);
+    const v16i bits = (n + 127) << 23;
+    return p * (v16)bits;
+}
+
+/* In place: sc[j] = exp(sc[j] - max) / sum over j < len (len >= 1). */
+static void softmax_inplace(float *sc, int64_t len) {
+    v16 vmax = splat16(-INFINITY);
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+        const v16 v = load16(sc + j);
+        vmax = select16(v > vmax, v, vmax);
+    }
+    float m = -INFINITY;
+    for (int i = 0; i < 16; ++i) m = vmax[i] > m ? vmax[i] : m;
+    for (; j < len; ++j) m = sc[j] > m ? sc[j] : m;
+    v16 vsum = splat16(0.0f);
+    j = 0;
+    for (; j + 16 <= len; j += 16) {
+        const v16 e = exp16(load16(sc + j) - splat16(m));
+        store16(sc + j, e);
+        vsum = vsum + e;
+    }
+    float sum = hsum16(vsum);
+    for (; j < len; ++j) {
+        sc[j] = exp_f32(sc[j] - m);
+        sum += sc[j];
+    }
+    const float inv = 1.0f / sum;
+    for (j = 0; j < len; ++j) sc[j] *= inv;
+}
+
+/* acc[g] = sum over keys j < len (in order) of p[g * p_stride + j] * V_j[0:16], for gn
+ * query heads at once, V_j read through the block table; written to out + g * head_dim.
+ * gn is a compile-time constant at each call site, so the accumulators stay in registers.
+ */
+static inline __attribute__((always_inline)) void pv_slice(
+    const int gn, const float *p, int64_t p_stride, int64_t len, const float *v_base,
+    const int32_t *table, int64_t block_size, int64_t row, float *out, int64_t head_dim) {
+    v16 acc[VGROUP];
+    for (int g = 0; g < gn; ++g) acc[g] = splat16(0.0f);
+    for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
+        const float *vb = v_base + (int64_t)table[b] * block_size * row;
+        const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
+        for (int64_t o = 0; o < jn; ++o) {
+            const v16 v = load16(vb + o * row);
+            for (int g = 0; g < gn; ++g)
+                acc[g] = acc[g] + splat16(p[g * p_stride + j0 + o]) * v;
+        }
+    }
+    for (int g = 0; g < gn; ++g) store16(out + g * head_dim, acc[g]);
 }
 
 /*
@@ -75,6 +180,13 @@ static inline float exp_f32(float x) {
  * q: [T, q_token_stride] fp32, head h at q + t*q_token_stride + h*head_dim.
  * out: [T, num_heads, head_dim] contiguous. num_threads: OpenMP threads (torch's count:
  * the calling thread's own OpenMP setting may differ, e.g. in a Ray actor's task thread).
+ *
+ * Tasks are (sequence, KV head, tile of QTILE query rows, subgroup of the KV head's query
+ * heads). The query heads of a group are split into subgroups only when there would
+ * otherwise be fewer than MIN_TASKS_PER_THREAD tasks per thread (a decode of one sequence
+ * with 3 KV heads is 3 tasks: 2 : 1 on 2 threads). Every query head's result is computed
+ * by the same operations whatever its task holds, so the split changes no bits and a
+ * sequence's output does not depend on the rest of the batch.
  */
 void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
                          const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
@@ -83,21 +195,36 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                          int64_t block_size, float scale, float *out, int64_t num_threads) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* floats per token slot */
-    /* tasks: (sequence, kv head, query tile) */
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
     int64_t *task_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
+    int64_t base_tasks = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        base_tasks += (q_len + QTILE - 1) / QTILE * num_kv_heads;
+    }
+    int64_t sub = group; /* query heads per task */
+    if (base_tasks < MIN_TASKS_PER_THREAD * threads && group > 1) {
+        int64_t splits = (MIN_TASKS_PER_THREAD * threads + base_tasks - 1) /
+                         (base_tasks > 0 ? base_tasks : 1);
+        splits = splits < group ? splits : group;
+        sub = (group + splits - 1) / splits;
+    }
+    const int64_t splits = (group + sub - 1) / sub;
     task_start[0] = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
-        int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
-        int64_t tiles = (q_len + QTILE - 1) / QTILE;
-        task_start[s + 1] = task_start[s] + tiles * num_kv_heads;
+        const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        const int64_t tiles = (q_len + QTILE - 1) / QTILE;
+        task_start[s + 1] = task_start[s] + tiles * num_kv_heads * splits;
     }
     const int64_t num_tasks = task_start[num_seqs];
     int64_t max_seq_len = 1; /* sizes the per-thread score scratch */
     for (int64_t s = 0; s < num_seqs; ++s)
         if (seq_lens[s] > max_seq_len) max_seq_len = seq_lens[s];
-#pragma omp parallel if (num_tasks > 1) num_threads(num_threads > 0 ? num_threads : 1)
+    const int vec = head_dim % 16 == 0;
+    const int64_t pf_blocks = (PREFETCH_KEYS + block_size - 1) / block_size;
+#pragma omp parallel if (num_tasks > 1) num_threads(threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * QTILE * group * (max_seq_len + 1));
+        float *scores = (float *)malloc(sizeof(float) * QTILE * sub * (max_seq_len + 1));
         float *acc = (float *)malloc(sizeof(float) * head_dim);
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -108,8 +235,10 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                 while (task_start[s + 1] <= task) ++s;
             }
             const int64_t local = task - task_start[s];
-            const int64_t kvh = local % num_kv_heads;
-            const int64_t tile = local / num_kv_heads;
+            const int64_t g_lo = (local % splits) * sub;
+            const int64_t gs = (group - g_lo) < sub ? (group - g_lo) : sub;
+            const int64_t kvh = (local / splits) % num_kv_heads;
+            const int64_t tile = local / (splits * num_kv_heads);
             const int64_t q0 = cu_seqlens_q[s];
             const int64_t q_len = cu_seqlens_q[s + 1] - q0;
             const int64_t seq_len = seq_lens[s];
@@ -119,16 +248,35 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
             int64_t n_keys = pos0 + rows; /* keys the last row sees */
             if (n_keys < 0) n_keys = 0;
             const int32_t *table = block_tables + s * bt_stride;
-            /* pass 1: scores[r][g][j] */
-            for (int64_t j = 0; j < n_keys; ++j) {
-                const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
-                const float *krow = k_cache + slot * row + kvh * head_dim;
-                /* row r sees keys 0 .. pos0 + r */
-                for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
-                    const float *qr = q + (q0 + first + r) * q_token_stride;
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float *qh = qr + (kvh * group + g) * head_dim;
-                        scores[(r * group + g) * n_keys + j] = dot(qh, krow, head_dim) * scale;
+            const float *q_head0 = q + (q0 + first) * q_token_stride + (kvh * group + g_lo) * head_dim;
+            /* pass 1: scores[r][g][j] for the task's heads g < gs, walking the block table */
+            for (int64_t b = 0, j0 = 0; j0 < n_keys; ++b, j0 += block_size) {
+                const int64_t blk = (int64_t)table[b] * block_size * row + kvh * head_dim;
+                const float *kb = k_cache + blk;
+                const float *vb = v_cache + blk;
+                const int64_t jn = (n_keys - j0) < block_size ? (n_keys - j0) : block_size;
+                /* K rows PREFETCH_KEYS keys ahead (whole blocks) while this block's are
+                 * used: one KV head's rows are strided in the cache, and a row missed is a
+                 * stall. V rows are fetched here too, for pass 2. */
+                const float *kn = j0 + pf_blocks * block_size < n_keys
+                                      ? k_cache + (int64_t)table[b + pf_blocks] * block_size * row +
+                                            kvh * head_dim
+                                      : NULL;
+                for (int64_t o = 0; o < jn; ++o) {
+                    const int64_t j = j0 + o;
+                    const float *krow = kb + o * row;
+                    for (int64_t l = 0; l < head_dim; l += 16) {
+                        if (kn != NULL) __builtin_prefetch(kn + o * row + l, 0, 3);
+                        __builtin_prefetch(vb + o * row + l, 0, 3);
+                    }
+                    /* row r sees keys 0 .. pos0 + r */
+                    for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
+                        const float *qr = q_head0 + r * q_token_stride;
+                        float *sr = scores + r * gs * n_keys + j;
+                        for (int64_t g = 0; g < gs; ++g)
+                            sr[g * n_keys] = (vec ? dot16(qr + g * head_dim, krow, head_dim)
+                                                  : dot(qr + g * head_dim, krow, head_dim)) *
+                                             scale;
                     }
                 }
             }
@@ -136,46 +284,34 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t len = pos0 + r + 1;
                 if (len <= 0) continue; /* no keys (malformed chunk): pass 2 writes zeros */
-                for (int64_t g = 0; g < group; ++g) {
-                    float *sc = scores + (r * group + g) * n_keys;
-                    float m = -INFINITY;
-#pragma omp simd reduction(max : m)
-                    for (int64_t j = 0; j < len; ++j) m = sc[j] > m ? sc[j] : m;
-                    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t j = 0; j < len; ++j) {
-                        sc[j] = exp_f32(sc[j] - m);
-                        sum += sc[j];
-                    }
-                    const float inv = 1.0f / sum;
-#pragma omp simd
-                    for (int64_t j = 0; j < len; ++j) sc[j] *= inv;
-                }
+                for (int64_t g = 0; g < gs; ++g) softmax_inplace(scores + (r * gs + g) * n_keys, len);
             }
             /* pass 2: out[r][g] = sum_j p[r][g][j] v_j, one 16-float slice of head_dim at a
              * time with up to VGROUP heads' accumulators in registers, so each V row is
-             * read once per slice for the whole group (same operations per element, in
-             * the same key order, as one head at a time) */
+             * read once per slice for those heads (same operations per element, in the
+             * same key order, as one head at a time) */
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t len = pos0 + r + 1;
-                float *orow = out + ((q0 + first + r) * num_heads + kvh * group) * head_dim;
-                for (int64_t g0 = 0; g0 < group; g0 += VGROUP) {
-                    const int64_t gn = (group - g0) < VGROUP ? (group - g0) : VGROUP;
-                    const float *p = scores + (r * group + g0) * n_keys;
+                float *orow = out + ((q0 + first + r) * num_heads + kvh * group + g_lo) * head_dim;
+                for (int64_t g0 = 0; g0 < gs; g0 += VGROUP) {
+                    const int64_t gn = (gs - g0) < VGROUP ? (gs - g0) : VGROUP;
+                    const float *p = scores + (r * gs + g0) * n_keys;
+                    float *og = orow + g0 * head_dim;
                     int64_t d0 = 0;
                     for (; d0 + 16 <= head_dim; d0 += 16) {
-                        v16 vacc[VGROUP];
-                        for (int64_t g = 0; g < gn; ++g) vacc[g] = (v16){0};
-                        for (int64_t j = 0; j < len; ++j) { /* len <= 0: no iterations */
-                            const int64_t slot =
-                                (int64_t)table[j / block_size] * block_size + j % block_size;
-                            v16 v;
-                            memcpy(&v, v_cache + slot * row + kvh * head_dim + d0, sizeof(v));
-                            for (int64_t g = 0; g < gn; ++g)
-                                vacc[g] = vacc[g] + splat16(p[g * n_keys + j]) * v;
+                        const float *vbase = v_cache + kvh * head_dim + d0;
+#define PV(G) pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim)
+                        switch (gn) {
+                        case 1: PV(1); break;
+                        case 2: PV(2); break;
+                        case 3: PV(3); break;
+                        case 4: PV(4); break;
+                        case 5: PV(5); break;
+                        case 6: PV(6); break;
+                        case 7: PV(7); break;
+                        default: PV(8); break;
                         }
-                        for (int64_t g = 0; g < gn; ++g)
-                            memcpy(orow + (g0 + g) * head_dim + d0, &vacc[g], sizeof(v16));
+#undef PV
                     }
                     if (d0 < head_dim) { /* a head_dim that is not a multiple of 16 */
                         for (int64_t g = 0; g < gn; ++g) {
@@ -187,7 +323,7 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                                 const float w = p[g * n_keys + j];
                                 for (int64_t d = d0; d < head_dim; ++d) acc[d] += w * vrow[d];
                             }
-                            memcpy(orow + (g0 + g) * head_dim + d0, acc + d0,
+                            memcpy(og + g * head_dim + d0, acc + d0,
                                    sizeof(float) * (head_dim - d0));
                         }
                     }
@@ -270,17 +406,23 @@ void rms_norm_f32(const float *x, float *residual, const float *weight, float *o
     }
 }
 
+/* o[d] = silu(g[d]) * u[d] for d < n, 16 lanes at a time (exp16 gives exp_f32's bits). */
+static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
+    int64_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        const v16 x = load16(g + d);
+        const v16 s = x / (splat16(1.0f) + exp16(-x));
+        store16(o + d, s * load16(u + d));
+    }
+    for (; d < n; ++d) {
+        const float s = g[d] / (1.0f + exp_f32(-g[d]));
+        o[d] = s * u[d];
+    }
+}
+
 /* out[i, d] = silu(x[i, d]) * x[i, inter + d] for x [num_rows, 2 * inter]. */
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter) {
 #pragma omp parallel for if (num_rows > 16)
-    for (int64_t i = 0; i < num_rows; ++i) {
-        const float *g = x + i * 2 * inter;
-        const float *u = g + inter;
-        float *o = out + i * inter;
-#pragma omp simd
-        for (int64_t d = 0; d < inter; ++d) {
-            const float s = g[d] / (1.0f + exp_f32(-g[d]));
-            o[d] = s * u[d];
-        }
-    }
+    for (int64_t i = 0; i < num_rows; ++i)
+        silu_mul_row(x + i * 2 * inter, x + i * 2 * inter + inter, out + i * inter, inter);
 }

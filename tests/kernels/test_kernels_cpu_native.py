@@ -140,6 +140,44 @@ def test_silu_mul():
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), want, atol=1e-6, rtol=1e-5)
 
 
+def test_silu_mul_vector_lanes_equal_the_scalar_tail_bit_for_bit():
+    # inter = 31: columns 0-15 go through the 16-lane exp, 16-30 through the scalar one.
+    values = torch.cat([torch.linspace(-120, 120, 2001), torch.tensor([0.0, -0.0, 1e-30, -1e-30])])
+    values = torch.cat([values, values[:5]])  # 2010 = 134 rows of 15
+    gate = values.view(-1, 15)
+    up = torch.randn_like(gate)
+    rows = gate.shape[0]
+    gate_up = torch.zeros(rows, 62)
+    gate_up[:, :15], gate_up[:, 16:31] = gate, gate
+    gate_up[:, 31:46], gate_up[:, 47:62] = up, up
+    out = cpu_native.silu_mul(gate_up)
+    assert torch.equal(out[:, :15], out[:, 16:31])
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    torch.testing.assert_close(out[:, :15].double(), want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_kv_heads,ratio,head_dim", [(3, 3, 64), (1, 12, 64), (2, 4, 80)])
+def test_one_sequence_alone_equals_its_row_in_a_batch_bit_for_bit(num_kv_heads, ratio, head_dim):
+    # Alone, a sequence's KV group is split over several tasks (too few tasks for the
+    # threads); in a batch of 12 it is not. The split must not change a bit.
+    lens = [1, 5, 16, 17, 40, 100, 333, 64, 9, 12, 30, 31]
+    case = make_paged_case(lens, num_kv_heads, head_dim, 16, seed=4)
+    query = torch.randn(len(lens), num_kv_heads * ratio, head_dim)
+    tables = case.block_tables.to(torch.int32).contiguous()
+    seq_lens = case.seq_lens.to(torch.int32).contiguous()
+    batch = cpu_native.paged_attention(
+        query, case.key_cache, case.value_cache, tables, cu_seqlens([1] * len(lens)),
+        seq_lens, 0.125,
+    )  # fmt: skip
+    for i in range(len(lens)):
+        alone = cpu_native.paged_attention(
+            query[i : i + 1], case.key_cache, case.value_cache, tables[i : i + 1].contiguous(),
+            cu_seqlens([1]), seq_lens[i : i + 1].contiguous(), 0.125,
+        )  # fmt: skip
+        assert torch.equal(alone[0], batch[i]), i
+    torch.testing.assert_close(batch.double(), dense_decode(case, query, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_disabled_by_environment_falls_back_to_torch():
     code = (
         "import torch\n"
