@@ -175,7 +175,9 @@ def test_one_sequence_alone_equals_its_row_in_a_batch_bit_for_bit(num_kv_heads, 
             cu_seqlens([1]), seq_lens[i : i + 1].contiguous(), 0.125,
         )  # fmt: skip
         assert torch.equal(alone[0], batch[i]), i
-    torch.testing.assert_close(batch.double(), dense_decode(case, query, 0.125), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        batch.double(), dense_decode(case, query, 0.125), atol=1e-5, rtol=1e-5
+    )
 
 
 def test_disabled_by_environment_falls_back_to_torch():
