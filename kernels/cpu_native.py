@@ -14,6 +14,9 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
   K/V rows written to their slots;
 * :func:`rms_norm`: RMSNorm, optionally fused with the residual add;
 * :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up output;
+* :func:`decoder_layers` (``csrc/cpu_decoder.c``): all decoder layers of a step in one
+  call, the kernels above in the order the per-layer Python path calls them (the same
+  bits), without its ~9 ctypes calls and ~7 tensor allocations per layer;
 * :func:`pack_linear_weight` / :func:`linear_packed` (``csrc/cpu_gemm.c``): the linear
   layers' GEMM on weights packed once into column panels, each streamed from memory once
   per call (a BLAS sgemm re-packs the weight on every small-M call; vLLM's CPU backend
@@ -52,7 +55,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_gemm.c")
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_gemm.c", CSRC / "cpu_decoder.c")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
 _FALSY = ("0", "false", "off", "no")
@@ -69,6 +72,9 @@ _SIGNATURES = {
     "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
     "linear_packed_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64],
     "gemm_panel_width": [],
+    "decoder_layers_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr,
+                           _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
+                           _ptr, _i64],
 }  # fmt: skip
 _RESTYPES = {"gemm_panel_width": _i64}
 
@@ -373,3 +379,74 @@ def linear_packed_fn() -> Any:
     per decode step): ``fn(x_ptr, m, k, ldx, packed_ptr, n, bias_ptr_or_None, out_ptr,
     ldo, num_threads)``. Callers must pass what :func:`linear_packed` checks."""
     return _lib().linear_packed_f32
+
+
+class DecoderLayerPtrs(ctypes.Structure):
+    """One layer's tensors for :func:`decoder_layers` (``decoder_layer_f32_t`` of
+    ``csrc/cpu_decoder.c``): data pointers; ``None`` for a missing bias."""
+
+    _fields_ = [
+        (name, _ptr)
+        for name in (
+            "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+            "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
+        )
+    ]  # fmt: skip
+
+
+def decoder_layer_array(layers: list[dict[str, torch.Tensor | None]]) -> ctypes.Array[Any]:
+    """A ctypes array of :class:`DecoderLayerPtrs`, one per dict of ``_fields_`` names to
+    fp32 contiguous CPU tensors (or ``None`` for a bias). The caller keeps the tensors
+    alive for as long as the array is used."""
+    array = (DecoderLayerPtrs * len(layers))()
+    for entry, tensors in zip(array, layers):
+        for name, tensor in tensors.items():
+            setattr(entry, name, None if tensor is None else tensor.data_ptr())
+    return array
+
+
+def decoder_layers(
+    layers: ctypes.Array[Any],
+    x: torch.Tensor,
+    shape: tuple[int, int, int, int, int],
+    eps: float,
+    scale: float,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Run every decoder layer of a step (see ``csrc/cpu_decoder.c``).
+
+    Args:
+        layers: from :func:`decoder_layer_array`, the KV caches included (contiguous fp32
+            ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+        x: contiguous fp32 ``[T, hidden]``, the embeddings; overwritten with the last
+            layer's MLP output.
+        shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.
+        eps, scale: RMSNorm epsilon and softmax scale.
+        cos_table, sin_table, positions, slot_mapping, block_tables, seq_lens,
+            cu_seqlens_q: as :func:`rope_store` and :func:`paged_attention` take them
+            (validated by the caller).
+        block_size: tokens per cache block.
+
+    Returns:
+        The residual stream ``[T, hidden]``: the layers' output is ``x + residual``.
+    """
+    hidden, num_heads, num_kv_heads, head_dim, inter = shape
+    t = x.shape[0]
+    residual = torch.empty_like(x)
+    qkv = (num_heads + 2 * num_kv_heads) * head_dim
+    scratch = torch.empty(t * (hidden + qkv + num_heads * head_dim + 3 * inter))
+    _lib().decoder_layers_f32(
+        layers, len(layers), t, hidden, num_heads, num_kv_heads, head_dim, inter, eps, scale,
+        cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
+        slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
+        seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.shape[0], block_size,
+        x.data_ptr(), residual.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return residual

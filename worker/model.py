@@ -16,8 +16,10 @@ al., 2021). q/k/v and gate/up projections are fused into single matmuls at load 
 
 from __future__ import annotations
 
+import ctypes
+import os
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -180,6 +182,8 @@ class LlamaForCausalLM(nn.Module):
         # Set by pack_weights: the tied LM head packed for the CPU GEMM (untied: lm_head
         # itself becomes a PackedLinear).
         self.packed_head: torch.Tensor | None = None
+        # (KV cache pointers, layer array) for cpu_native.decoder_layers; see _fused_layers.
+        self._fused: tuple[tuple[int, ...], ctypes.Array[Any]] | None = None
 
     def forward(
         self,
@@ -262,17 +266,80 @@ class LlamaForCausalLM(nn.Module):
         if self.batch_invariant:  # every token attends as a decode does
             meta = per_token_metadata(meta, positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            decoder = cast(LlamaDecoderLayer, layer)
-            h, residual = decoder.forward_cpu(
-                h, residual, positions, self.rotary_emb, kv_cache, meta
-            )
+        fused = self._fused_layers(kv_caches)
+        if fused is not None:  # all layers in one C call, the same kernels and bits
+            arch = self.arch
+            residual = cpu_native.decoder_layers(
+                fused, h,
+                (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                 arch.intermediate_size),
+                cast(LlamaDecoderLayer, self.layers[0]).input_layernorm.eps,
+                arch.head_dim**-0.5, self.rotary_emb.cos_table, self.rotary_emb.sin_table,
+                positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                meta.cu_seqlens_q, block_size,
+            )  # fmt: skip
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                decoder = cast(LlamaDecoderLayer, layer)
+                h, residual = decoder.forward_cpu(
+                    h, residual, positions, self.rotary_emb, kv_cache, meta
+                )
         if residual is None:  # no layers
             residual = torch.zeros_like(h)
         hidden = h.index_select(0, logits_indices)
         res = residual.index_select(0, logits_indices)
         hidden = cpu_native.rms_norm(hidden, self.norm.weight, self.norm.eps, residual=res)
         return self._lm_head(hidden)
+
+    def _fused_layers(self, kv_caches: Sequence[KVCache]) -> ctypes.Array[Any] | None:
+        """The layers' tensors for :func:`cpu_native.decoder_layers`, or ``None`` when
+        that path does not apply: no layers, a linear layer that is not packed, layers
+        whose norms differ in epsilon, a cache that is not contiguous fp32, or
+        ``PAGEDSERVE_FUSED_LAYERS=0``. Built once per set of KV caches and kept."""
+        key = tuple(t.data_ptr() for cache in kv_caches for t in cache)
+        if self._fused is not None and self._fused[0] == key:
+            return self._fused[1]
+        self._fused = None
+        if not self.layers or os.environ.get("PAGEDSERVE_FUSED_LAYERS", "1") in ("0", "false"):
+            return None
+        entries: list[dict[str, torch.Tensor | None]] = []
+        eps = cast(LlamaDecoderLayer, self.layers[0]).input_layernorm.eps
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            decoder = cast(LlamaDecoderLayer, layer)
+            attn, mlp = decoder.self_attn, decoder.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (decoder.input_layernorm, decoder.post_attention_layernorm)
+            if not all(isinstance(m, PackedLinear) for m in linears) or any(
+                n.eps != eps for n in norms
+            ):
+                return None
+            for cache in (k_cache, v_cache):
+                if (
+                    cache.dtype != torch.float32
+                    or not cache.is_contiguous()
+                    or cache.shape != kv_caches[0][0].shape
+                    or cache.shape[2:] != (self.arch.num_kv_heads, self.arch.head_dim)
+                ):
+                    return None
+            qkv, o, gate_up, down = cast(tuple[PackedLinear, ...], linears)
+            entries.append(
+                {
+                    "input_norm": norms[0].weight.detach(),
+                    "post_norm": norms[1].weight.detach(),
+                    **qkv.pointer_tensors("qkv"),
+                    **o.pointer_tensors("o"),
+                    **gate_up.pointer_tensors("gate_up"),
+                    **down.pointer_tensors("down"),
+                    "k_cache": k_cache,
+                    "v_cache": v_cache,
+                }
+            )
+        for entry in entries:
+            for tensor in entry.values():
+                if tensor is not None and not tensor.is_contiguous():
+                    return None
+        self._fused = (key, cpu_native.decoder_layer_array(entries))
+        return self._fused[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final RMSNorm and LM head: ``[N, hidden]`` -> fp32 ``[N, vocab_size]``."""
@@ -285,6 +352,7 @@ class LlamaForCausalLM(nn.Module):
         Raises:
             ValueError: weights that are not fp32 on CPU (nothing is packed then).
         """
+        self._fused = None
         if self.lm_head is None:
             self.packed_head = cpu_native.pack_linear_weight(self.embed_tokens.weight.detach())
         return pack_linears(self)

@@ -70,6 +70,12 @@ class PackedLinear(nn.Module):
         out = cpu_native.linear_packed(flat, self.packed, n, self.bias)
         return out.view(*x.shape[:-1], n)
 
+    def pointer_tensors(self, name: str) -> dict[str, torch.Tensor | None]:
+        """``{name: packed weight, name_bias: bias or None}``, for
+        :func:`pagedserve.kernels.cpu_native.decoder_layer_array`."""
+        _, packed, bias = self._fast
+        return {name: packed, f"{name}_bias": bias}
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 

@@ -196,3 +196,42 @@ def test_variants_equal_hf(variant: str, tmp_path: Path) -> None:
     expected = [hf_greedy(hf, p, 12) for p in prompts]
     sched = FakeScheduler(make_worker(model_dir), BLOCK_SIZE, NUM_BLOCKS, token_budget=16)
     assert sched.generate(prompts, 12) == expected
+
+
+@pytest.mark.parametrize("variant", ["tied", "bias-headdim"])
+def test_all_layers_in_one_call_equal_the_per_layer_path_bit_for_bit(
+    variant: str, tmp_path: Path
+) -> None:
+    # A prefill chunk over a cached prefix and a decode in one step; the cache afterwards
+    # and every logits row must be the same bits on both paths.
+    arch, overrides = VARIANTS[variant]
+    model_dir = build_tiny_model(tmp_path / variant, arch, seed=5, **overrides)
+    worker = make_worker(model_dir)
+    model, pool = worker.runner.model, worker.runner.kv_pool
+    long = SequenceState("a", list(PROMPTS[4]), len(PROMPTS[4]), list(range(30)), 0, GREEDY, 0, 0)
+    long.num_computed_tokens = 8
+    short = SequenceState("b", list(PROMPTS[0]), len(PROMPTS[0]), [60, 59, 58], 0, GREEDY, 0, 0)
+    short.num_computed_tokens = 8
+    inputs = prepare_inputs([(long, 20), (short, 1)], BLOCK_SIZE, NUM_BLOCKS, worker.runner.device)
+    torch.manual_seed(0)
+    for cache in pool.key_caches + pool.value_caches:  # the cached prefixes
+        cache.normal_()
+    before = [c.clone() for c in pool.key_caches + pool.value_caches]
+    results = []
+    for fused in (True, False):
+        for cache, saved in zip(pool.key_caches + pool.value_caches, before):
+            cache.copy_(saved)
+        if not fused:
+            model._fused_layers = lambda caches: None  # the per-layer Python path
+        else:
+            assert model._fused_layers(pool.layer_caches()) is not None
+        with torch.inference_mode():
+            logits = model(
+                inputs.input_ids, inputs.positions, pool.layer_caches(), inputs.attn_metadata,
+                torch.arange(21),
+            )  # fmt: skip
+        results.append((logits, [c.clone() for c in pool.key_caches + pool.value_caches]))
+    (fused_logits, fused_caches), (layer_logits, layer_caches) = results
+    assert torch.equal(fused_logits, layer_logits)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, layer_caches))
+    assert not torch.equal(fused_caches[0], before[0])  # the step's K rows were stored
