@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels import cpu_native
 from pagedserve.scheduler.sampling_params import GREEDY_TEMPERATURE
 
 
@@ -103,6 +104,20 @@ def sampling_probs(
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]``: ``logits.argmax(dim=-1)`` of float ``[N, V]``, on the CPU kernel
+    (:func:`pagedserve.kernels.cpu_native.argmax_rows`, the same indices) for fp32 CPU
+    logits when it is built."""
+    if (
+        logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.dim() == 2
+        and cpu_native.available()
+    ):
+        return cpu_native.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per logits row. Holds only a reusable CPU generator."""
 
@@ -134,7 +149,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(rows)} sampling rows")
         if not rows:
             return []
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         random_rows = [i for i, row in enumerate(rows) if not row.greedy]
         if random_rows:
             specs = [rows[i] for i in random_rows]

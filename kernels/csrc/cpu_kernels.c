@@ -426,3 +426,62 @@ void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter) {
     for (int64_t i = 0; i < num_rows; ++i)
         silu_mul_row(x + i * 2 * inter, x + i * 2 * inter + inter, out + i * inter, inter);
 }
+
+/*
+ * out[i] = the index of the first maximum of row i of x (row stride ld), as torch.argmax:
+ * ties go to the lowest index, a NaN counts as the maximum (the first NaN wins).
+ * One pass: lane l keeps the first maximum among indices = l (mod 16); the lanes holding
+ * the row's maximum then give the lowest index; the tail (n mod 16) comes last.
+ */
+static int64_t argmax_row(const float *x, int64_t n) {
+    v16 best = splat16(-INFINITY);
+    v16i chunk = (v16i){0};
+    v16i nan = (v16i){0};
+    int64_t c = 0;
+    for (; (c + 1) * 16 <= n; ++c) {
+        const v16 v = load16(x + c * 16);
+        const v16i gt = v > best;
+        best = select16(gt, v, best);
+        chunk = (chunk & ~gt) | (((v16i){0} + (int32_t)c) & gt);
+        nan |= v != v;
+    }
+    int any_nan = 0;
+    for (int l = 0; l < 16; ++l) any_nan |= nan[l] != 0;
+    float m = -INFINITY;
+    for (int l = 0; l < 16 && c > 0; ++l) m = best[l] > m ? best[l] : m;
+    int64_t idx = -1;
+    if (!any_nan && c > 0 && m > -INFINITY) {
+        for (int l = 0; l < 16; ++l) {
+            const int64_t j = (int64_t)chunk[l] * 16 + l;
+            if (best[l] == m && (idx < 0 || j < idx)) idx = j;
+        }
+        for (int64_t j = c * 16; j < n; ++j) {
+            if (x[j] != x[j]) {
+                any_nan = 1;
+                break;
+            }
+            if (x[j] > m) {
+                m = x[j];
+                idx = j;
+            }
+        }
+    }
+    if (idx < 0 || any_nan) { /* a NaN, a row of -inf, or a row shorter than 16: scalar */
+        idx = 0;
+        float bm = x[0];
+        for (int64_t j = 0; j < n; ++j) {
+            if (x[j] != x[j]) return j;
+            if (x[j] > bm) {
+                bm = x[j];
+                idx = j;
+            }
+        }
+    }
+    return idx;
+}
+
+void argmax_rows_f32(const float *x, int64_t num_rows, int64_t n, int64_t ld, int64_t *out,
+                     int64_t num_threads) {
+#pragma omp parallel for if (num_rows >= 4) num_threads(num_threads > 0 ? num_threads : 1)
+    for (int64_t i = 0; i < num_rows; ++i) out[i] = n > 0 ? argmax_row(x + i * ld, n) : 0;
+}

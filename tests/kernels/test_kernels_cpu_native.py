@@ -193,3 +193,25 @@ def test_disabled_by_environment_falls_back_to_torch():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+def test_argmax_rows_equals_torch_argmax_on_ties_nans_and_infinities():
+    gen = torch.Generator().manual_seed(0)
+    cases = [torch.randn(5, 49152, generator=gen), torch.randn(3, 7, generator=gen)]
+    for width in (1, 15, 16, 17, 33, 100):
+        ties = torch.randint(-2, 3, (6, width), generator=gen).float()  # many equal maxima
+        cases.append(ties)
+        nan = ties.clone()
+        nan[1, width // 2] = float("nan")
+        nan[2, width - 1] = float("nan")
+        cases.append(nan)
+        cases.append(torch.full((2, width), float("-inf")))
+        signed_zeros = torch.zeros(2, width)
+        signed_zeros[0, ::2] = -0.0
+        cases.append(signed_zeros)
+        inf = ties.clone()
+        inf[3, width - 1] = float("inf")
+        cases.append(inf)
+    cases.append(torch.randn(8, 64, generator=gen)[:, ::2])  # row and column strides
+    for logits in cases:
+        assert torch.equal(cpu_native.argmax_rows(logits), logits.argmax(dim=-1)), logits
