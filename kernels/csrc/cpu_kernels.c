@@ -69,12 +69,40 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
-/* a . b for n a positive multiple of 16: lane i sums a[d] b[d] over d = i (mod 16) in
- * order, then the lanes are summed by hsum16. */
-static inline float dot16(const float *a, const float *b, int64_t n) {
-    v16 acc = load16(a) * load16(b);
-    for (int64_t d = 16; d < n; d += 16) acc = acc + load16(a + d) * load16(b + d);
-    return hsum16(acc);
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle((a), (b), (v16i){__VA_ARGS__})
+#endif
+
+/* Lane i of the result: the sum of the 16 lanes of p[i], all 16 sums in one vector. Every
+ * lane goes through the same tree: ((l0 + l8) + (l4 + l12)) + ((l2 + l10) + (l6 + l14)),
+ * plus the same for the odd lanes, odd last; so a sum does not depend on its lane. */
+static inline v16 transpose_sum16(const v16 *p) {
+    v16 s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; ++i)
+        s8[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                SHUF(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        s4[i] = SHUF(s8[2 * i], s8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                SHUF(s8[2 * i], s8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        s2[i] = SHUF(s4[2 * i], s4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                SHUF(s4[2 * i], s4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(s2[0], s2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUF(s2[0], s2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* Lane i: q . k[i] for 16 key rows, head_dim a positive multiple of 16. Per key: lane l
+ * of a partial sums q[d] k[d] over d = l (mod 16) in order, then transpose_sum16. */
+static inline v16 dot16x16(const float *q, const float *const *k, int64_t head_dim) {
+    v16 part[16];
+    for (int i = 0; i < 16; ++i) {
+        v16 acc = load16(q) * load16(k[i]);
+        for (int64_t d = 16; d < head_dim; d += 16) acc = acc + load16(q + d) * load16(k[i] + d);
+        part[i] = acc;
+    }
+    return transpose_sum16(part);
 }
 
 /*
@@ -172,6 +200,38 @@ static inline __attribute__((always_inline)) void pv_slice(
     for (int g = 0; g < gn; ++g) store16(out + g * head_dim, acc[g]);
 }
 
+/* pv_slice over the whole head for head_dim = 16 * ns: each V row is read once for all
+ * its slices and the task's gn heads (gn * ns <= 24 accumulators in registers), and the
+ * rows pf_blocks blocks ahead are prefetched. The same operations per output element, in
+ * the same key order, as pv_slice: the same bits. */
+static inline __attribute__((always_inline)) void pv_rows(
+    const int gn, const int ns, const float *p, int64_t p_stride, int64_t len,
+    const float *v_base, const int32_t *table, int64_t block_size, int64_t row,
+    int64_t pf_blocks, float *out, int64_t head_dim) {
+    v16 acc[6][8];
+    for (int g = 0; g < gn; ++g)
+        for (int s = 0; s < ns; ++s) acc[g][s] = splat16(0.0f);
+    for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
+        const float *vb = v_base + (int64_t)table[b] * block_size * row;
+        const float *vn = j0 + pf_blocks * block_size < len
+                              ? v_base + (int64_t)table[b + pf_blocks] * block_size * row
+                              : NULL;
+        const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
+        for (int64_t o = 0; o < jn; ++o) {
+            if (vn != NULL)
+                for (int s = 0; s < ns; ++s) __builtin_prefetch(vn + o * row + 16 * s, 0, 3);
+            v16 v[8];
+            for (int s = 0; s < ns; ++s) v[s] = load16(vb + o * row + 16 * s);
+            for (int g = 0; g < gn; ++g) {
+                const v16 w = splat16(p[g * p_stride + j0 + o]);
+                for (int s = 0; s < ns; ++s) acc[g][s] = acc[g][s] + w * v[s];
+            }
+        }
+    }
+    for (int g = 0; g < gn; ++g)
+        for (int s = 0; s < ns; ++s) store16(out + g * head_dim + 16 * s, acc[g][s]);
+}
+
 /*
  * Causal attention of ragged query chunks over the paged cache (decode = chunk of 1).
  * Chunk s has rows cu_seqlens_q[s] .. cu_seqlens_q[s+1]; its query i sits at position
@@ -222,6 +282,8 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
         if (seq_lens[s] > max_seq_len) max_seq_len = seq_lens[s];
     const int vec = head_dim % 16 == 0;
     const int64_t pf_blocks = (PREFETCH_KEYS + block_size - 1) / block_size;
+    /* head_dim in 16-float slices for the whole-row pass-2 paths (pv_rows), else 0 */
+    const int64_t ns = (head_dim == 64 || head_dim == 128) ? head_dim / 16 : 0;
 #pragma omp parallel if (num_tasks > 1) num_threads(threads)
     {
         float *scores = (float *)malloc(sizeof(float) * QTILE * sub * (max_seq_len + 1));
@@ -249,36 +311,55 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
             if (n_keys < 0) n_keys = 0;
             const int32_t *table = block_tables + s * bt_stride;
             const float *q_head0 = q + (q0 + first) * q_token_stride + (kvh * group + g_lo) * head_dim;
-            /* pass 1: scores[r][g][j] for the task's heads g < gs, walking the block table */
-            for (int64_t b = 0, j0 = 0; j0 < n_keys; ++b, j0 += block_size) {
-                const int64_t blk = (int64_t)table[b] * block_size * row + kvh * head_dim;
-                const float *kb = k_cache + blk;
-                const float *vb = v_cache + blk;
-                const int64_t jn = (n_keys - j0) < block_size ? (n_keys - j0) : block_size;
-                /* K rows PREFETCH_KEYS keys ahead (whole blocks) while this block's are
-                 * used: one KV head's rows are strided in the cache, and a row missed is a
-                 * stall. V rows are fetched here too, for pass 2. */
-                const float *kn = j0 + pf_blocks * block_size < n_keys
-                                      ? k_cache + (int64_t)table[b + pf_blocks] * block_size * row +
-                                            kvh * head_dim
-                                      : NULL;
-                for (int64_t o = 0; o < jn; ++o) {
-                    const int64_t j = j0 + o;
-                    const float *krow = kb + o * row;
-                    for (int64_t l = 0; l < head_dim; l += 16) {
-                        if (kn != NULL) __builtin_prefetch(kn + o * row + l, 0, 3);
-                        __builtin_prefetch(vb + o * row + l, 0, 3);
+            /* pass 1: scores[r][g][j] for the task's heads g < gs. Keys go in groups of
+             * 16 (the last group padded with its last row), walking the block table: each
+             * score is the same operations whatever group it falls in, so a query's
+             * scores do not depend on the batch, the tile or the split of heads. Rows
+             * that do not see a key get a score they never read. K rows PREFETCH_KEYS
+             * keys ahead are prefetched (one KV head's rows are strided in the cache, and
+             * a row missed is a stall), and V rows of the first blocks for pass 2. */
+            const float *krows[16];
+            const int64_t k_off = kvh * head_dim;
+            int64_t cb = 0, co = 0;                          /* current key: block, offset */
+            int64_t pb = pf_blocks, po = 0, pj = pf_blocks * block_size; /* prefetch walker */
+            for (int64_t j = 0; j < n_keys;) {
+                int cnt = 0;
+                for (; cnt < 16 && j + cnt < n_keys; ++cnt) {
+                    const int64_t slot = (int64_t)table[cb] * block_size + co;
+                    krows[cnt] = k_cache + slot * row + k_off;
+                    if (pj < n_keys) {
+                        const float *kp = k_cache + ((int64_t)table[pb] * block_size + po) * row + k_off;
+                        for (int64_t l = 0; l < head_dim; l += 16) __builtin_prefetch(kp + l, 0, 3);
+                        ++pj;
+                        if (++po == block_size) {
+                            po = 0;
+                            ++pb;
+                        }
                     }
-                    /* row r sees keys 0 .. pos0 + r */
-                    for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
-                        const float *qr = q_head0 + r * q_token_stride;
-                        float *sr = scores + r * gs * n_keys + j;
-                        for (int64_t g = 0; g < gs; ++g)
-                            sr[g * n_keys] = (vec ? dot16(qr + g * head_dim, krow, head_dim)
-                                                  : dot(qr + g * head_dim, krow, head_dim)) *
-                                             scale;
+                    if (ns == 0 || cb < pf_blocks)
+                        for (int64_t l = 0; l < head_dim; l += 16)
+                            __builtin_prefetch(v_cache + slot * row + k_off + l, 0, 3);
+                    if (++co == block_size) {
+                        co = 0;
+                        ++cb;
                     }
                 }
+                for (int c = cnt; c < 16; ++c) krows[c] = krows[cnt - 1];
+                /* row r sees keys 0 .. pos0 + r */
+                for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
+                    const float *qr = q_head0 + r * q_token_stride;
+                    float *sr = scores + r * gs * n_keys + j;
+                    for (int64_t g = 0; g < gs; ++g) {
+                        if (vec) {
+                            const v16 sc = dot16x16(qr + g * head_dim, krows, head_dim) * splat16(scale);
+                            memcpy(sr + g * n_keys, &sc, sizeof(float) * cnt);
+                        } else {
+                            for (int c = 0; c < cnt; ++c)
+                                sr[g * n_keys + c] = dot(qr + g * head_dim, krows[c], head_dim) * scale;
+                        }
+                    }
+                }
+                j += cnt;
             }
             /* softmax per (r, g) over keys 0..pos0+r */
             for (int64_t r = 0; r < rows; ++r) {
@@ -286,17 +367,40 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                 if (len <= 0) continue; /* no keys (malformed chunk): pass 2 writes zeros */
                 for (int64_t g = 0; g < gs; ++g) softmax_inplace(scores + (r * gs + g) * n_keys, len);
             }
-            /* pass 2: out[r][g] = sum_j p[r][g][j] v_j, one 16-float slice of head_dim at a
-             * time with up to VGROUP heads' accumulators in registers, so each V row is
-             * read once per slice for those heads (same operations per element, in the
-             * same key order, as one head at a time) */
+            /* pass 2: out[r][g] = sum_j p[r][g][j] v_j. head_dim 64 or 128: whole V rows
+             * at a time for up to 6 (3) heads (pv_rows, V prefetched ahead); otherwise one
+             * 16-float slice of the head at a time for up to VGROUP heads (pv_slice) and a
+             * scalar tail. Either way each output element is the same in-order sum. */
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t len = pos0 + r + 1;
                 float *orow = out + ((q0 + first + r) * num_heads + kvh * group + g_lo) * head_dim;
-                for (int64_t g0 = 0; g0 < gs; g0 += VGROUP) {
-                    const int64_t gn = (gs - g0) < VGROUP ? (gs - g0) : VGROUP;
+                const int64_t gstep = ns == 4 ? 6 : (ns == 8 ? 3 : VGROUP);
+                for (int64_t g0 = 0; g0 < gs; g0 += gstep) {
+                    const int64_t gn = (gs - g0) < gstep ? (gs - g0) : gstep;
                     const float *p = scores + (r * gs + g0) * n_keys;
                     float *og = orow + g0 * head_dim;
+                    const float *vhead = v_cache + kvh * head_dim;
+#define PVR(G, S) pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim)
+                    if (ns == 4) {
+                        switch (gn) {
+                        case 1: PVR(1, 4); break;
+                        case 2: PVR(2, 4); break;
+                        case 3: PVR(3, 4); break;
+                        case 4: PVR(4, 4); break;
+                        case 5: PVR(5, 4); break;
+                        default: PVR(6, 4); break;
+                        }
+                        continue;
+                    }
+                    if (ns == 8) {
+                        switch (gn) {
+                        case 1: PVR(1, 8); break;
+                        case 2: PVR(2, 8); break;
+                        default: PVR(3, 8); break;
+                        }
+                        continue;
+                    }
+#undef PVR
                     int64_t d0 = 0;
                     for (; d0 + 16 <= head_dim; d0 += 16) {
                         const float *vbase = v_cache + kvh * head_dim + d0;
