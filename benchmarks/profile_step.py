@@ -17,6 +17,10 @@ is exact; the wrappers cost ~1 us each):
 * ``ray_call`` (``--ray``): round trip of an actor call carrying this step's
   SchedulerOutput and RunnerOutput, measured apart on a no-op actor.
 
+The model runs its layers one Python call per kernel (``PAGEDSERVE_FUSED_LAYERS=0``, set
+here unless given) so the timers see each part; serving calls all layers in one C call,
+which saves the Python between the kernels (``other_model`` here over-counts that).
+
 Reports the first (prefill) step and the mean decode step at full batch, writes
 ``benchmarks/results/profile.json``. ``--backend torch`` forces the torch reference path
 (the code before the fused CPU kernels and the packed GEMM) for a same-run comparison with
@@ -256,6 +260,9 @@ def main() -> None:
     ap.add_argument("--ray", action="store_true", help="also time a Ray actor round trip")
     ap.add_argument("--out", default=str(RESULTS / "profile.json"))
     args = ap.parse_args()
+    # The timers wrap the per-kernel Python calls, which the one-call layer path
+    # (cpu_native.decoder_layers) skips: profile the per-layer path, same kernels and bits.
+    os.environ.setdefault("PAGEDSERVE_FUSED_LAYERS", "0")
     model_dir = str(resolve_model(args.model, progress=False))
     tok = AutoTokenizer.from_pretrained(model_dir)
     backends = ("torch", "auto") if args.backend == "both" else (args.backend,)

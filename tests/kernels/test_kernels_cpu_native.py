@@ -215,3 +215,27 @@ def test_argmax_rows_equals_torch_argmax_on_ties_nans_and_infinities():
     cases.append(torch.randn(8, 64, generator=gen)[:, ::2])  # row and column strides
     for logits in cases:
         assert torch.equal(cpu_native.argmax_rows(logits), logits.argmax(dim=-1)), logits
+
+
+@pytest.mark.parametrize("length,head_dim,block_size", [(40, 64, 16), (100, 64, 8), (37, 80, 16)])
+def test_a_token_gets_the_same_bits_in_a_prefill_tile_a_chunk_and_as_a_decode(
+    length, head_dim, block_size
+):
+    # Scores in groups of 16 keys from key 0 and a softmax ordered by the row's key count
+    # alone: how a step cuts the sequence does not change a token's attention output.
+    case = make_paged_case([length], 3, head_dim, block_size, seed=1)
+    query = torch.randn(length, 9, head_dim)
+    table = case.block_tables.to(torch.int32).contiguous()
+    args = (case.key_cache, case.value_cache)
+    prefill = cpu_native.paged_attention(
+        query, *args, table, cu_seqlens([length]), torch.tensor([length], dtype=torch.int32), 0.125
+    )
+    decodes = cpu_native.paged_attention(
+        query, *args, table.expand(length, -1).contiguous(), cu_seqlens([1] * length),
+        torch.arange(1, length + 1, dtype=torch.int32), 0.125,
+    )  # fmt: skip
+    chunk = cpu_native.paged_attention(
+        query[-7:], *args, table, cu_seqlens([7]), torch.tensor([length], dtype=torch.int32), 0.125
+    )
+    assert torch.equal(prefill, decodes)
+    assert torch.equal(chunk, decodes[-7:])
