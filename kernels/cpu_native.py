@@ -167,6 +167,14 @@ def gemm_available() -> bool:
     return available()
 
 
+def fused_layers_enabled() -> bool:
+    """True when the library is built and ``PAGEDSERVE_FUSED_LAYERS`` is not falsy (read
+    by the model when it first builds its :func:`decoder_layer_array`)."""
+    if os.environ.get("PAGEDSERVE_FUSED_LAYERS", "1").strip().lower() in _FALSY:
+        return False
+    return available()
+
+
 def _lib() -> ctypes.CDLL:
     lib = load()
     if lib is None:

@@ -17,7 +17,6 @@ al., 2021). q/k/v and gate/up projections are fused into single matmuls at load 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -294,13 +293,15 @@ class LlamaForCausalLM(nn.Module):
     def _fused_layers(self, kv_caches: Sequence[KVCache]) -> ctypes.Array[Any] | None:
         """The layers' tensors for :func:`cpu_native.decoder_layers`, or ``None`` when
         that path does not apply: no layers, a linear layer that is not packed, layers
-        whose norms differ in epsilon, a cache that is not contiguous fp32, or
-        ``PAGEDSERVE_FUSED_LAYERS=0``. Built once per set of KV caches and kept."""
+        whose norms differ in epsilon, a cache that is not contiguous fp32 of the model's
+        shape, or ``PAGEDSERVE_FUSED_LAYERS=0``. Built on the first step with a given set
+        of KV caches (the environment is read then) and kept until the caches or the
+        packed weights change."""
         key = tuple(t.data_ptr() for cache in kv_caches for t in cache)
         if self._fused is not None and self._fused[0] == key:
             return self._fused[1]
         self._fused = None
-        if not self.layers or os.environ.get("PAGEDSERVE_FUSED_LAYERS", "1") in ("0", "false"):
+        if not self.layers or not cpu_native.fused_layers_enabled():
             return None
         entries: list[dict[str, torch.Tensor | None]] = []
         eps = cast(LlamaDecoderLayer, self.layers[0]).input_layernorm.eps
