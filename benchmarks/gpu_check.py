@@ -37,6 +37,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
 import json
 import os
 import platform
@@ -86,6 +88,29 @@ TINY = {
 }
 ATTENTION_KERNELS = re.compile(r"decode|prefill|store_kv|copy_blocks|attn|attention|paged", re.I)
 GEMM_KERNELS = re.compile(r"gemm|gemv|cutlass|nvjet|xmma|cublas|splitk|aten::(mm|addmm|bmm)", re.I)
+
+
+class ForbidImports(importlib.abc.MetaPathFinder):
+    """An import hook that makes ``FORBIDDEN`` modules missing, as on the bare GPU image.
+
+    Installed first on ``sys.meta_path`` by :func:`main`, so that a run in the project's
+    full venv fails on the same imports the bare image would (a module-level ``import
+    grpc`` reached from the model path, say) instead of passing here and failing on the
+    one GPU try.
+    """
+
+    def __init__(self, forbidden: tuple[str, ...] = FORBIDDEN) -> None:
+        self.forbidden = forbidden
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        """Raises ``ModuleNotFoundError`` for a forbidden module; ``None`` otherwise."""
+        if any(fullname == f or fullname.startswith(f + ".") for f in self.forbidden):
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r} (not on the bare GPU image)", name=fullname
+            )
+        return None
 
 
 def package_shim() -> Path:
@@ -291,6 +316,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     smoke = args.cpu_smoke
+    sys.meta_path.insert(0, ForbidImports())
     shim = package_shim()
     sys.path.insert(0, str(shim))
     env = dict(os.environ)

@@ -15,15 +15,22 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve import kernels
 from pagedserve.scheduler.outputs import SchedulerOutput, SwapResult, SwapTransfer
 from pagedserve.worker.kv_pool import KVPool
-from pagedserve.worker.swap_client import HostStoreClient, SwapError
+
+if TYPE_CHECKING:  # grpc only where a store is connected: the model path runs without it
+    from pagedserve.worker.swap_client import HostStoreClient
 
 log = logging.getLogger(__name__)
+
+
+class SwapError(Exception):
+    """A swap transfer failed (store unreachable or full, bad data); nothing to resume."""
 
 
 class KVSwapper:

@@ -43,7 +43,7 @@ from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.cpu_threads import ThreadGovernor
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block
-from pagedserve.worker.kv_swap import KVSwapper
+from pagedserve.worker.kv_swap import KVSwapper, SwapError
 from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.sampler import Sampler
@@ -362,8 +362,6 @@ class ModelRunner:
         Raises:
             SwapError: no store is connected, or it fails.
         """
-        from pagedserve.worker.swap_client import SwapError
-
         client = self.swapper.client
         if client is None:
             raise SwapError("no host block store is connected")

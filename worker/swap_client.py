@@ -23,13 +23,12 @@ import torch
 from pagedserve.v1 import kv_transfer_pb2 as pb
 from pagedserve.v1 import kv_transfer_pb2_grpc as pb_grpc
 from pagedserve.worker.config import HostStoreAccess
+from pagedserve.worker.kv_swap import SwapError
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "HostStoreClient", "SwapError"]
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # at least one block; 1 MiB measured faster than 2-8 MiB
 _MAX_MESSAGE_BYTES = 64 << 20
-
-
-class SwapError(Exception):
-    """A swap transfer failed (store unreachable or full, bad data); nothing to resume."""
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
