@@ -52,7 +52,7 @@ class ForkingMixin:
     def _queue_of(self, seq: Sequence) -> WorkerState:
         raise NotImplementedError
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, record: bool = True) -> None:
         raise NotImplementedError
 
     def _pinned(self, seq: Sequence) -> bool:
@@ -189,7 +189,7 @@ class ForkingMixin:
 
     def _drop_beam(self, beam: Sequence) -> None:
         """Free a pruned beam's blocks at once and forget it."""
-        self._finish(beam, FinishReason.ABORT)
+        self._finish(beam, FinishReason.ABORT, record=False)  # not a finished choice
         self.requests[beam.request_id].remove(beam)
         self.sequences.pop(beam.seq_id, None)
 
@@ -199,13 +199,17 @@ class ForkingMixin:
         seqs = self.requests.pop(request_id)
         for beam in seqs:
             if beam.status is not SequenceStatus.FINISHED:
-                self._finish(beam, FinishReason.LENGTH)
+                self._finish(beam, FinishReason.LENGTH, record=False)
             self.sequences.pop(beam.seq_id, None)
         first = seqs[0]
         eos = first.eos_token_ids
         outputs = []
         best = br.search.best(first.sampling.n)
-        self.metrics.on_beam_tokens(sum(len(hyp.token_ids) for hyp in best))
+        self.metrics.on_beam_request_finished(
+            first,
+            [(FinishReason.STOP if h.stopped else FinishReason.LENGTH, len(h.token_ids))
+             for h in best],
+        )  # fmt: skip
         for i, hyp in enumerate(best):
             last = hyp.token_ids[-1]
             stop_id = last if hyp.stopped and last in first.sampling.stop_token_ids else None
@@ -233,9 +237,10 @@ class ForkingMixin:
         seqs = self.requests.pop(request_id)
         for beam in seqs:
             if beam.status is not SequenceStatus.FINISHED:
-                self._finish(beam, reason)
+                self._finish(beam, reason, record=False)
             self.sequences.pop(beam.seq_id, None)
         first = seqs[0]
+        self.metrics.on_beam_request_finished(first, [(reason, 0)] * first.sampling.n)
         return [
             SequenceOutput(
                 request_id=request_id,

@@ -192,10 +192,17 @@ class SchedulerMetrics:
         self._times: dict[str, _SeqTimes] = {}
 
     # ------------------------------------------------------------------ events
+    @staticmethod
+    def _key(seq: Sequence) -> str:
+        """Whose timestamps: the sequence's, or for beam search its request's (beams fork
+        and are pruned every step; the request is what the client waits for)."""
+        return seq.request_id if seq.sampling.beam_width > 1 else seq.seq_id
+
     def _times_of(self, seq: Sequence) -> _SeqTimes:
-        times = self._times.get(seq.seq_id)
+        key = self._key(seq)
+        times = self._times.get(key)
         if times is None:
-            times = self._times[seq.seq_id] = _SeqTimes(arrival_s=seq.arrival_s)
+            times = self._times[key] = _SeqTimes(arrival_s=seq.arrival_s)
         return times
 
     def on_scheduled(self, seq: Sequence) -> None:
@@ -241,14 +248,37 @@ class SchedulerMetrics:
         times.last_token_s = now
         self.generation_tokens += 1
 
-    def on_beam_tokens(self, num_tokens: int) -> None:
-        """A beam-search request returned ``num_tokens`` output tokens (its n best beams).
+    def on_beam_request_finished(
+        self, seq: Sequence, choices: list[tuple[FinishReason, int]]
+    ) -> None:
+        """A beam-search request ended: record each of its ``n`` choices as a finished
+        sequence, as :meth:`on_finished` does for a sampled choice.
 
-        Beams fork and are pruned every step and are not counted token by token (their
-        tokens reach the client only at the end): generation_tokens counts, as for
-        sampling, the tokens delivered.
+        Beams fork and are pruned every step and are not counted one by one (a pruned
+        beam is not a finished sequence, and not an abort); their tokens reach the
+        client only at the end, so each choice's time to first token is its end-to-end
+        latency, and generation_tokens counts the tokens delivered.
+
+        Args:
+            seq: any beam of the request (its arrival, prompt and request id are used).
+            choices: ``(finish reason, output tokens)`` per choice returned (``n`` of
+                them; an aborted request's choices have 0 tokens).
         """
-        self.generation_tokens += num_tokens
+        now = self.clock()
+        times = self._times.pop(seq.request_id, None) or _SeqTimes(arrival_s=seq.arrival_s)
+        h = self.histograms
+        latency = now - times.arrival_s
+        for reason, num_output in choices:
+            self.request_success[reason.name.lower()] += 1
+            self.generation_tokens += num_output
+            h["e2e_request_latency_seconds"].observe(latency)
+            h["request_prompt_tokens"].observe(seq.num_prompt_tokens)
+            h["request_generation_tokens"].observe(num_output)
+            if num_output:
+                self.prompt_tokens += seq.num_prompt_tokens
+                self._ttft.observe(latency)
+            if times.scheduled_s is not None:
+                h["request_inference_time_seconds"].observe(now - times.scheduled_s)
 
     def on_step_gap(self, gap_s: float) -> None:
         """A busy worker idled ``gap_s`` seconds (its clock) between two steps."""

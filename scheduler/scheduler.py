@@ -744,7 +744,9 @@ class Scheduler(SwapMixin):
             ws.resident.discard(seq.seq_id)
             ws.pending_finished.append(seq.seq_id)
 
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, record: bool = True) -> None:
+        """End ``seq`` and free what it holds; ``record``: count it as a finished sequence
+        in the metrics (False for beams, which their request records as its choices)."""
         self._forget_swapped(seq)
         if seq.fork_children:
             # Ends before its prompt was computed (abort): the next choice takes over as
@@ -776,7 +778,8 @@ class Scheduler(SwapMixin):
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.worker_id = None
-        self.metrics.on_finished(seq, reason)
+        if record:
+            self.metrics.on_finished(seq, reason)
 
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)
