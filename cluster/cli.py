@@ -48,7 +48,9 @@ def _parse_bytes(text: str) -> int:
 
 
 def _add_serve(sub: Any) -> None:
-    p = sub.add_parser("serve", help="start a cluster and serve gRPC until Ctrl-C")
+    p = sub.add_parser(
+        "serve", help="start a cluster and serve gRPC + OpenAI HTTP until Ctrl-C or SIGTERM"
+    )
     p.add_argument("--model", default="default", help="'default', an HF folder or a .gguf file")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
@@ -356,16 +358,20 @@ def _generate(args: argparse.Namespace) -> int:
         if args.output == "json":
             print(json.dumps(client.generate(prompt, **kwargs).to_dict()))
             return 0
-        multi = (args.n or args.beam_width or 1) > 1
+        if (args.n or args.beam_width or 1) > 1:
+            # Several choices stream interleaved: print each whole, as "[i] text", when
+            # it finishes.
+            texts: dict[int, list[str]] = {}
+            for d in client.stream(prompt, **kwargs):
+                texts.setdefault(d.index, []).append(d.text)
+                if d.finish_reason is not None:
+                    print(f"[{d.index}] {''.join(texts.pop(d.index))}", flush=True)
+            return 0
         for d in client.stream(prompt, **kwargs):
-            prefix = f"[{d.index}] " if multi else ""
             if d.text:
-                sys.stdout.write(prefix + d.text if multi else d.text)
+                sys.stdout.write(d.text)
                 sys.stdout.flush()
-            if d.finish_reason is not None and multi:
-                sys.stdout.write("\n")
-        if not multi:
-            sys.stdout.write("\n")
+        sys.stdout.write("\n")
     return 0
 
 

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,19 +132,25 @@ def build_request(
     """Build a ``GenerateRequest``; exactly one of prompt / token_ids / chat.
 
     Raises:
-        ValueError: when not exactly one input is given.
+        ValueError: when not exactly one input is given, or a value does not fit its
+            protobuf field (a negative or > 2**32 - 1 count, a wrong type, text with a
+            lone surrogate); the message starts with the field's name.
     """
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or chat")
-    req = pb.GenerateRequest(request_id=request_id, return_token_ids=return_token_ids)
+    with _field("request_id"):
+        req = pb.GenerateRequest(request_id=request_id, return_token_ids=return_token_ids)
     if prompt is not None:
-        req.text = prompt
+        with _field("prompt"):
+            req.text = prompt
     elif token_ids is not None:
-        req.token_ids.ids.extend(token_ids)
+        with _field("token_ids"):
+            req.token_ids.ids.extend(token_ids)
     else:
         assert chat is not None
-        for m in chat:
-            req.chat.messages.add(role=m["role"], content=m["content"])
+        with _field("chat"):
+            for m in chat:
+                req.chat.messages.add(role=m["role"], content=m["content"])
     s = req.sampling
     for name, value in (
         ("max_tokens", max_tokens),
@@ -165,10 +172,22 @@ def build_request(
         ("priority", priority),
     ):
         if value is not None:
-            setattr(s, name, value)
-    s.stop.extend(stop)
-    s.stop_token_ids.extend(stop_token_ids)
+            with _field(name):
+                setattr(s, name, value)
+    with _field("stop"):
+        s.stop.extend(stop)
+    with _field("stop_token_ids"):
+        s.stop_token_ids.extend(stop_token_ids)
     return req
+
+
+@contextlib.contextmanager
+def _field(name: str) -> Iterator[None]:
+    """Re-raise protobuf's range, type and encoding errors as ``ValueError("name: ...")``."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name}: {exc}") from exc
 
 
 def _read(path: str | None, what: str) -> bytes | None:

@@ -302,6 +302,44 @@ def test_build_request_requires_one_input():
         build_request("a", token_ids=[1])
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"max_tokens": -3}, "max_tokens: Value out of range: -3"),
+        ({"n": 2**32}, "n: Value out of range"),
+        ({"temperature": "hot"}, "temperature: "),
+        ({"stop": ["ok", "\ud800"]}, "stop: 'utf-8' codec can't encode"),
+        ({"prompt": "\ud800 hi"}, "prompt: 'utf-8' codec can't encode"),
+        ({"prompt": None, "token_ids": [5, -1]}, "token_ids: Value out of range: -1"),
+    ],
+)
+def test_build_request_names_the_field_a_value_does_not_fit(kwargs, fragment):
+    args = {"prompt": "hi", **kwargs}
+    if args["prompt"] is None:
+        del args["prompt"]
+    prompt = args.pop("prompt", None)
+    with pytest.raises(ValueError) as info:
+        build_request(prompt, **args)
+    assert str(info.value).startswith(fragment)
+
+
+def test_cli_prints_each_of_n_choices_whole_and_names_bad_fields(address, capsys):
+    from pagedserve.cluster.cli import main
+
+    argv = ["generate", "--address", address, "--max-tokens", "6", "--ignore-eos"]
+    argv += ["--temperature", "0.9", "--seed", "5", "--n", "3", "A pet goldfish name:"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    with Client(address, timeout_s=120) as c:
+        ref = c.generate(
+            "A pet goldfish name:", max_tokens=6, ignore_eos=True, temperature=0.9, seed=5, n=3
+        )
+    blocks = [f"[{ch.index}] {ch.text}\n" for ch in ref.choices]  # in finishing order
+    assert all(b in out for b in blocks) and len(out) == sum(map(len, blocks))
+    assert main(["generate", "--address", address, "--max-tokens", "-3", "Hi"]) == 2
+    assert "max_tokens: Value out of range: -3" in capsys.readouterr().err
+
+
 def test_huge_text_prompt_is_refused_before_tokenizing(address):
     with Client(address, timeout_s=60) as c:
         t0 = time.monotonic()
