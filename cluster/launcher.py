@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +191,9 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         cuda = _use_cuda(config)
         worker_cls = ray.remote(Worker)
         workers = []
+        names = [
+            f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{wid}" for wid in range(config.num_workers)
+        ]
         for wid in range(config.num_workers):
             wcfg = dataclasses.replace(config.worker_config(wid), host_store_access=store_access)
             if cuda:
@@ -200,7 +204,10 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
                 opts = {"num_cpus": config.cpus_per_worker}
             workers.append(
                 worker_cls.options(
-                    name=None, max_concurrency=1, max_restarts=config.worker_max_restarts, **opts
+                    name=names[wid],
+                    max_concurrency=1,
+                    max_restarts=config.worker_max_restarts,
+                    **opts,
                 ).remote(wcfg)
             )
         infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
@@ -211,7 +218,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         scheduler = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
-            .remote(sched_cfg, workers, specs, swap=swap, tune_gc=True)
+            .remote(sched_cfg, names, specs, swap=swap, tune_gc=True)  # names: see SchedulerActor
         )
         await scheduler.ready.remote()
         info = ModelInfo(
@@ -313,7 +320,11 @@ def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:
     names = (config.server.served_model_name or short_name, info.name)
     openai = OpenAIServer(pipeline, names, config.server.max_http_body_bytes)
     app: Any = create_app(
-        scheduler, exporter, routers=[openai.router()], serving=lambda: pipeline.flights.serving
+        scheduler,
+        exporter,
+        routers=[openai.router()],
+        serving=lambda: pipeline.flights.serving,
+        exception_handlers=openai.exception_handlers(),
     )
     if config.server.api_key:
         app = ApiKeyMiddleware(app, config.server.api_key)

@@ -42,7 +42,11 @@ class SchedulerActor:
 
     Args:
         config: scheduler policy, with ``max_model_len`` set.
-        workers: Ray actor handles of the workers, index = worker id.
+        workers: the workers, index = worker id: Ray actor handles, or the names of
+            named actors in this job's namespace (looked up with ``ray.get_actor``). The
+            launcher passes names: Ray warns on every start of a restartable actor whose
+            constructor arguments hold actor handles (ray-project/ray#53727), and a
+            restarted scheduler then looks its workers up again.
         specs: the KV pool of each worker (from the workers' ``get_info``).
         probe_interval_s: how often idle workers are pinged (seconds).
         swap: the host block store for swap preemption (None: recompute only).
@@ -65,7 +69,7 @@ class SchedulerActor:
         self._probe_interval_s = probe_interval_s
         self._scheduler = Scheduler(config, specs, swap)
         self._swap = swap
-        self._workers = workers
+        self._workers = [ray.get_actor(w) if isinstance(w, str) else w for w in workers]
         self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
         # subscribe/add_request: subscriber -> its stream's queue of (tag, output), and
         # request id -> [subscriber, tag, choices not finished yet]
