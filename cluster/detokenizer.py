@@ -2,9 +2,10 @@
 
 Text is produced with ``tokenizers.decoders.DecodeStream`` (which buffers tokens until they
 form valid UTF-8). Stop strings are matched on the accumulated text; to never stream text
-that a stop string later turns out to cover, the last ``max(len(stop)) - 1`` characters are
-held back until more text arrives or the choice ends (the approach of vLLM's and TGI's
-stop-sequence handling).
+that a stop string later turns out to cover, the end of the text that could be the start of
+a stop string (its longest suffix that is a proper prefix of one) is held back until more
+text arrives or the choice ends. vLLM and TGI hold back a fixed ``max(len(stop)) - 1``
+characters; holding only a possible start sends the same text as soon as it is certain.
 """
 
 from __future__ import annotations
@@ -86,12 +87,25 @@ class IncrementalDetokenizer:
                     self._text = self._text[:cut]
                     self._stopped = True
                     break
-        end = len(self._text) if (final or self._stopped) else len(self._text) - self._hold
+        end = len(self._text) if (final or self._stopped) else len(self._text) - self._held()
         if end <= self._sent:
             return TextDelta("", self._stopped, self._matched)
         delta = self._text[self._sent : end]
         self._sent = end
         return TextDelta(delta, self._stopped, self._matched)
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of a stop string
+        (it may yet become one): the characters to hold back."""
+        text, held = self._text, 0
+        for s in self._stop:
+            p = text.find(s[0], max(0, len(text) - len(s) + 1))
+            while p != -1 and len(text) - p > held:  # longest candidates first
+                if s.startswith(text[p:]):
+                    held = len(text) - p
+                    break
+                p = text.find(s[0], p + 1)
+        return held
 
     def _find_stop(self, start: int) -> tuple[int, str] | None:
         best: tuple[int, str] | None = None
