@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import uvicorn
@@ -33,6 +33,7 @@ def create_app(
     health_timeout_s: float = 5.0,
     routers: Sequence[APIRouter] = (),
     serving: Callable[[], bool] | None = None,
+    exception_handlers: Mapping[Any, Callable[..., Any]] | None = None,
 ) -> FastAPI:
     """The ASGI app with ``/metrics``, ``/health`` and ``routers``.
 
@@ -43,8 +44,17 @@ def create_app(
         routers: more routes (e.g. ``OpenAIServer.router()``).
         serving: False while the frontend admits no requests (draining, scheduler
             down): /health answers 503 then.
+        exception_handlers: the app's handlers by exception class or status code (e.g.
+            the OpenAI error shape for unknown routes,
+            ``{HTTPException: openai_api.http_error_handler}``).
     """
-    app = FastAPI(title="pagedserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="pagedserve",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        exception_handlers=dict(exception_handlers or {}),
+    )
     for router in routers:
         app.include_router(router)
 

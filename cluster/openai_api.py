@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+"""The OpenAI-compatible HTTP API: ``/v1/models`` (and ``/v1/models/{model}``),
+``/v1/completions``, ``/v1/chat/completions``.
 
 A thin transport over :class:`~pagedserve.cluster.pipeline.RequestPipeline` (the request
 path gRPC uses too): parse the JSON body (:mod:`pagedserve.cluster.openai_protocol`), hand
@@ -8,8 +9,13 @@ objects, or as Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]`
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
 status looked up from the error's gRPC status name (:data:`HTTP_STATUS`): the same error
-classes that give gRPC statuses. A body over the size limit is 400 (code ``payload_too_large``). A request too large for
+classes that give gRPC statuses, and ``param`` naming the request's field (see
+:func:`error_json`). A body over the size limit is 400 (code ``payload_too_large``); one that
+is not JSON, nested too deeply for the parser, or holding text that is not valid Unicode (a
+lone UTF-16 surrogate escape such as ``"\\ud800"``) is 400 too. A request too large for
 any KV pool (RESOURCE_EXHAUSTED) is 400, as it can never succeed (429 would invite retries).
+An unknown route (404) or method (405) gets the same error shape
+(:meth:`OpenAIServer.exception_handlers`, installed by the app's builder).
 Errors after a stream has started are sent as one ``data: {"error": ...}`` event before the
 stream ends (the status line is already sent).
 
@@ -24,15 +30,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any, TypeVar, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 from pagedserve.cluster.openai_protocol import (
     ChatCompletionRequest,
@@ -41,8 +50,18 @@ from pagedserve.cluster.openai_protocol import (
     completion_inputs,
     sampling_request,
 )
-from pagedserve.cluster.pipeline import ChoiceDelta, PreparedRequest, RequestPipeline
-from pagedserve.scheduler.errors import InvalidRequest, ModelNotFound, ServingError
+from pagedserve.cluster.pipeline import (
+    ChoiceDelta,
+    PreparedRequest,
+    RequestPipeline,
+    unicode_problem,
+)
+from pagedserve.scheduler.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    RequestRejected,
+    ServingError,
+)
 from pagedserve.scheduler.outputs import SampleLogprobs
 
 # gRPC status name (pagedserve.scheduler.errors) -> (HTTP status, OpenAI error type).
@@ -58,6 +77,8 @@ SSE_DONE = "data: [DONE]\n\n"
 MERGE_QUEUE_SIZE = 16  # deltas of a request's prompts waiting for the response writer
 CLIENT_CLOSED = 499  # the status logged for a request whose client went away (nginx's)
 M = TypeVar("M", bound=BaseModel)
+# JSON's escape of a UTF-16 surrogate (\uD800-\uDFFF): a body without one holds no lone one.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class BodyTooLarge(Exception):
@@ -69,23 +90,89 @@ def error_body(message: str, err_type: str, param: str | None, code: str | None)
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-def error_json(exc: ServingError, fields: frozenset[str] = frozenset()) -> tuple[int, dict]:
+def error_json(
+    exc: ServingError,
+    fields: frozenset[str] = frozenset(),
+    rename: Callable[[str], str] | None = None,
+) -> tuple[int, dict]:
     """(HTTP status, OpenAI error object) of a :class:`ServingError`: one lookup by its
-    status. ``param`` is the error's own, else the message's first word when it is one of
-    ``fields`` (the shared validation names the field first: "temperature must be ...")."""
+    status.
+
+    ``param`` is the error's own, else (a refusal of the request: INVALID_ARGUMENT or
+    RESOURCE_EXHAUSTED) the message's first word, a trailing ":" dropped, when it is one
+    of ``fields``: the shared validation names the field first ("temperature must be ...",
+    "max_tokens: ..."). ``rename`` turns the pipeline's field names (gRPC's: ``text``,
+    ``chat``, ``beam_width``, ...) into the request's (``prompt``, ``messages``, ``n``).
+    """
     status, err_type = HTTP_STATUS.get(exc.status, HTTP_STATUS["INTERNAL"])
     param = getattr(exc, "param", None)
-    if param is None and isinstance(exc, InvalidRequest):
-        first = str(exc).split(" ", 1)[0]
+    if param is not None:
+        param = rename(param) if rename is not None else param
+    elif isinstance(exc, InvalidRequest | RequestRejected):
+        first = str(exc).split(" ", 1)[0].removesuffix(":")
+        first = rename(first) if rename is not None else first
         param = first if first in fields else None
     code = "model_not_found" if isinstance(exc, ModelNotFound) else exc.status.lower()
     return status, error_body(str(exc), err_type, param, code)
 
 
-def error_response(exc: ServingError, fields: frozenset[str] = frozenset()) -> JSONResponse:
+def error_response(
+    exc: ServingError,
+    fields: frozenset[str] = frozenset(),
+    rename: Callable[[str], str] | None = None,
+) -> JSONResponse:
     """The JSON error response of a :class:`ServingError` (see :func:`error_json`)."""
-    status, body = error_json(exc, fields)
+    status, body = error_json(exc, fields, rename)
     return JSONResponse(body, status_code=status)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> Response:
+    """Starlette's own HTTP errors (an unknown route: 404, a method the route does not
+    take: 405) in OpenAI's error shape; the code is the status phrase in snake case
+    (``not_found``, ``method_not_allowed``). Install on the app as the handler of
+    ``starlette.exceptions.HTTPException``."""
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    if status < 400:  # bodiless (e.g. 304), as Starlette's own handler answers them
+        return Response(status_code=status, headers=exc.headers)
+    try:
+        code: str | None = HTTPStatus(status).phrase.lower().replace(" ", "_")
+    except ValueError:
+        code = None
+    body = error_body(
+        f"{exc.detail} ({request.method} {request.url.path})",
+        "invalid_request_error" if status < 500 else "server_error",
+        None,
+        code,
+    )
+    return JSONResponse(body, status_code=status, headers=exc.headers)
+
+
+def find_lone_surrogate(data: Any) -> InvalidRequest | None:
+    """The error of the first string (or key) of a decoded JSON document that is not valid
+    Unicode (a lone surrogate, see :func:`~pagedserve.cluster.pipeline.unicode_problem`),
+    naming its top-level field as ``param`` and its path in the message; None when all
+    are valid. Iterative, so any nesting depth is fine."""
+    stack: list[tuple[str | None, str, Any]] = [(None, "", data)]
+    while stack:
+        top, path, value = stack.pop()
+        if isinstance(value, str):
+            problem = unicode_problem(value)
+            if problem is not None:
+                where = path or "the body"
+                return InvalidRequest(f"{where}: the text is not valid Unicode: {problem}", top)
+        elif isinstance(value, list):
+            stack.extend((top, f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+        elif isinstance(value, dict):
+            items = []
+            for key, v in value.items():
+                problem = unicode_problem(key)
+                if problem is not None:
+                    where = f"a field name in {path}" if path else "a field name"
+                    return InvalidRequest(f"{where} is not valid Unicode: {problem}", top)
+                items.append((key if top is None else top, f"{path}.{key}" if path else key, v))
+            stack.extend(reversed(items))
+    return None
 
 
 async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
@@ -93,7 +180,9 @@ async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
 
     Raises:
         BodyTooLarge: the body is larger than the limit.
-        InvalidRequest: not valid JSON, or not a JSON object.
+        InvalidRequest: not valid JSON (nested too deeply included), not a JSON object,
+            or a string that is not valid Unicode (a lone surrogate escape; ``param`` its
+            top-level field).
     """
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > max_body_bytes:
@@ -105,12 +194,17 @@ async def read_json(request: Request, max_body_bytes: int) -> dict[str, Any]:
         if size > max_body_bytes:
             raise BodyTooLarge(f"the request body exceeds {max_body_bytes} bytes")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the body is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequest("the body is not valid JSON: it is nested too deeply") from None
     if not isinstance(data, dict):
         raise InvalidRequest("the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw) and (err := find_lone_surrogate(data)) is not None:
+        raise err
     return data
 
 
@@ -121,14 +215,31 @@ async def wait_disconnect(request: Request, poll_s: float = 0.2) -> None:
         await asyncio.sleep(poll_s)
 
 
+def _union_member(loc_part: str | int) -> bool:
+    return loc_part == "str" or str(loc_part).startswith(("list[", "dict["))
+
+
 def parse_body(data: dict[str, Any], model: type[M]) -> M:
-    """Validate ``data`` as ``model``; the first error becomes InvalidRequest naming the field."""
+    """Validate ``data`` as ``model``; the first error becomes InvalidRequest naming the field
+    (a value that is none of a union's types, e.g. ``"prompt": [true]``, names the types)."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"] if not str(p).startswith(("list[", "str")))
-        raise InvalidRequest(f"{loc}: {first['msg']}", loc or None) from None
+        errors = exc.errors()
+        path = errors[0]["loc"]
+        # NOTE: a union's member names ("str", "list[int]") are in loc; fields are not.
+        cut = next((i for i, p in enumerate(path) if _union_member(p)), len(path))
+        loc = ".".join(str(p) for p in path[:cut])
+        if cut == len(path):
+            msg = errors[0]["msg"]
+        else:
+            kinds = dict.fromkeys(
+                str(e["loc"][cut])
+                for e in errors
+                if len(e["loc"]) > cut and e["loc"][:cut] == path[:cut]
+            )
+            msg = f"Input should be one of {' | '.join(kinds)}"
+        raise InvalidRequest(f"{loc}: {msg}", loc or None) from None
 
 
 @dataclass
@@ -162,24 +273,42 @@ class OpenAIServer:
         self.created = int(time.time())
 
     def router(self) -> APIRouter:
-        """An APIRouter with the three routes (add it with ``app.include_router``)."""
+        """An APIRouter with the routes (add it with ``app.include_router``, and
+        :meth:`exception_handlers` to the app)."""
         router = APIRouter()
         router.add_api_route("/v1/models", self.models, methods=["GET"])
+        router.add_api_route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"])
         router.add_api_route("/v1/completions", self.completions, methods=["POST"])
         router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         return router
 
-    async def models(self) -> JSONResponse:
-        """``GET /v1/models``: the served model."""
-        card = {
-            "id": self.model_names[0],
+    @staticmethod
+    def exception_handlers() -> dict[Any, Callable[..., Any]]:
+        """The app's handlers that keep OpenAI's error shape for the app's own errors
+        (unknown route, wrong method): pass them to
+        :func:`~pagedserve.cluster.http_server.create_app`."""
+        return {HTTPException: http_error_handler}
+
+    def _card(self, model_id: str) -> dict[str, Any]:
+        return {
+            "id": model_id,
             "object": "model",
             "created": self.created,
             "owned_by": "pagedserve",
             "root": self.pipeline.info.name,
             "max_model_len": self.pipeline.info.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self) -> JSONResponse:
+        """``GET /v1/models``: the served model."""
+        return JSONResponse({"object": "list", "data": [self._card(self.model_names[0])]})
+
+    async def retrieve_model(self, model: str) -> JSONResponse:
+        """``GET /v1/models/{model}``: the model's entry of ``/v1/models`` (under the name
+        asked for, any of ``model_names``), else 404 ``model_not_found``."""
+        if model not in self.model_names:
+            return error_response(ModelNotFound(f"the model {model!r} does not exist", "model"))
+        return JSONResponse(self._card(model))
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions``."""
@@ -191,11 +320,14 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ request path
     async def _handle(self, request: Request, model: type[BaseModel]) -> Response:
+        fields = frozenset(model.model_fields)
+        rename: Callable[[str], str] | None = None
         try:
             body = cast(
                 CompletionRequest | ChatCompletionRequest,
                 parse_body(await read_json(request, self.max_body_bytes), model),
             )
+            rename = body.http_param
             if body.model not in self.model_names:
                 raise ModelNotFound(f"the model {body.model!r} does not exist", "model")
             body.check_supported()
@@ -225,8 +357,8 @@ class OpenAIServer:
                 status_code=400,  # a client error, as the API's other refusals
             )
         except ServingError as exc:
-            return error_response(exc, frozenset(model.model_fields))
-        render = _Renderer(self, body, request_id, prepared, chat)
+            return error_response(exc, fields, rename)
+        render = _Renderer(self, body, request_id, prepared, chat, fields)
         if body.stream:
             return StreamingResponse(
                 render.sse(first, stream),
@@ -244,7 +376,7 @@ class OpenAIServer:
                 return Response(status_code=CLIENT_CLOSED)
             return JSONResponse(collect.result())
         except ServingError as exc:
-            return error_response(exc)
+            return error_response(exc, fields, rename)
         finally:
             gone.cancel()
             await stream.aclose()  # on any early exit: cancel the streams, free the blocks
@@ -298,8 +430,10 @@ class _Renderer:
         request_id: str,
         prepared: list[PreparedRequest],
         chat: bool,
+        fields: frozenset[str] = frozenset(),
     ) -> None:
         self.body = body
+        self.fields = fields
         self.request_id = request_id
         self.prepared = prepared
         self.chat = chat
@@ -471,7 +605,8 @@ class _Renderer:
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
                 yield self._chunk([], self._usage())
         except ServingError as exc:
-            yield f"data: {json.dumps(error_json(exc)[1])}\n\n"
+            body = error_json(exc, self.fields, self.body.http_param)[1]
+            yield f"data: {json.dumps(body)}\n\n"
         finally:
             await rest.aclose()
         yield SSE_DONE

@@ -2,21 +2,24 @@
 
 The models accept what OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` accept plus
 the extension fields vLLM accepts for features this server has; unknown fields are ignored
-(as OpenAI does). Known fields this server cannot honour raise :class:`InvalidRequest`
-naming the field (``param``), so a client never silently gets something else than it asked
-for. :func:`completion_inputs` / :func:`chat_input` and :func:`sampling_request` produce the
-transport-neutral :class:`GenerateInput` / :class:`SamplingRequest` of
-:mod:`pagedserve.cluster.pipeline`; range checks stay there (one copy for both transports).
+(as OpenAI does). Types are strict, as OpenAI's: ``true`` is not an integer, ``"2"`` not a
+number, ``"yes"`` not a boolean (an integer is a number). Known fields this server cannot
+honour raise :class:`InvalidRequest` naming the field (``param``), so a client never
+silently gets something else than it asked for. :func:`completion_inputs` /
+:func:`chat_input` and :func:`sampling_request` produce the transport-neutral
+:class:`GenerateInput` / :class:`SamplingRequest` of :mod:`pagedserve.cluster.pipeline`;
+range checks stay there (one copy for both transports).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from pagedserve.cluster.pipeline import CHAT_ROLES, GenerateInput, SamplingRequest
 from pagedserve.scheduler.errors import InvalidRequest
+from pagedserve.scheduler.sampling_params import MAX_BEAM_WIDTH
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is its own request)
 
@@ -24,14 +27,16 @@ MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is its own req
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the request's usage."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (OpenAI's, then vLLM's extensions)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+    # The pipeline's (gRPC's) name of a field -> this body's name of it.
+    PIPELINE_PARAMS: ClassVar[dict[str, str]] = {"beam_width": "n"}
 
     model: str
     max_tokens: int | None = None
@@ -60,6 +65,12 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
 
+    def http_param(self, name: str) -> str:
+        """The body's field behind the pipeline's field ``name`` (its errors name gRPC's
+        fields: ``text`` / ``token_ids`` are ``prompt``, ``chat`` is ``messages``,
+        ``beam_width`` is ``n``); other names are returned as they are."""
+        return self.PIPELINE_PARAMS.get(name, name)
+
     def check_supported(self) -> None:
         """Raise InvalidRequest naming the first known field this server cannot honour."""
         if self.logit_bias:
@@ -71,6 +82,11 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
+    PIPELINE_PARAMS: ClassVar[dict[str, str]] = {
+        "beam_width": "n",
+        "text": "prompt",
+        "token_ids": "prompt",
+    }
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool | None = None
@@ -90,7 +106,7 @@ class CompletionRequest(_SamplingFields):
 class TextPart(BaseModel):
     """One part of a message's list-of-parts content."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     text: str | None = None
 
@@ -98,7 +114,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message: string content or a list of text parts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -108,6 +124,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
 
+    PIPELINE_PARAMS: ClassVar[dict[str, str]] = {
+        "beam_width": "n",
+        "chat": "messages",
+        "prompt": "messages",
+    }
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -120,6 +141,13 @@ class ChatCompletionRequest(_SamplingFields):
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
+
+    def http_param(self, name: str) -> str:
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"  # it wins over max_tokens
+        if name == "logprobs" and self.top_logprobs is not None:
+            return "top_logprobs"  # the pipeline's logprobs count
+        return super().http_param(name)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -148,6 +176,9 @@ def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> Samplin
 
     ``use_beam_search`` turns on beam search with ``n`` beams (vLLM's meaning), returning
     the ``n`` best.
+
+    Raises:
+        InvalidRequest: ``use_beam_search`` with ``n`` out of [1, MAX_BEAM_WIDTH] (``n``).
     """
     max_tokens = body.max_tokens
     logprobs: int | None
@@ -160,7 +191,13 @@ def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> Samplin
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     beam_width = None
     if body.use_beam_search:
-        beam_width = body.n or 1
+        beam_width = 1 if body.n is None else body.n
+        if not 1 <= beam_width <= MAX_BEAM_WIDTH:
+            raise InvalidRequest(
+                f"n must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search (n beams), "
+                f"got {beam_width}",
+                "n",
+            )
     return SamplingRequest(
         max_tokens=max_tokens,
         temperature=body.temperature,

@@ -49,6 +49,30 @@ MAX_CHAT_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode text, or None when it is.
+
+    A lone UTF-16 surrogate (what JSON's ``"\\ud800"`` escape decodes to when no low
+    surrogate follows) is a ``str`` character with no UTF-8 form: it cannot be tokenized,
+    hashed or sent back, so a request holding one is refused.
+    """
+    if text.isascii():
+        return None
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        return f"a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}"
+    return None
+
+
+def check_unicode(text: str, field: str) -> None:
+    """Raise InvalidRequest naming ``field`` when ``text`` is not valid Unicode text
+    (see :func:`unicode_problem`)."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise InvalidRequest(f"{field}: the text is not valid Unicode: {problem}", field)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the frontend must know about the served model and the cluster's pools.
@@ -225,6 +249,7 @@ class RequestPipeline:
             InvalidRequest: a bad field (the message names it), an empty or too long prompt.
         """
         self._check_sampling_fields(req)
+        self._check_unicode(prompt, req)
         # Validate every field now (cheap) with a provisional max_tokens; the default is
         # resolved once the prompt length is known.
         provisional = self._sampling(
@@ -304,7 +329,7 @@ class RequestPipeline:
             if value is not None and not math.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number")
         if len(req.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
         if any(len(s) > MAX_STOP_CHARS for s in req.stop):
             raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters")
         if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
@@ -315,6 +340,21 @@ class RequestPipeline:
             )
         if req.n is not None and req.n > MAX_N:
             raise InvalidRequest(f"n must be <= {MAX_N}, got {req.n}")
+
+    @staticmethod
+    def _check_unicode(prompt: GenerateInput, req: SamplingRequest) -> None:
+        """Every text field of a request is valid Unicode (gRPC's strings always are;
+        JSON's may hold lone surrogates), named as the pipeline names it."""
+        if prompt.text is not None:
+            check_unicode(prompt.text, "text")
+        for role, content in prompt.messages or ():
+            check_unicode(role, "chat")
+            check_unicode(content, "chat")
+        for s in req.stop:
+            if isinstance(s, str):
+                check_unicode(s, "stop")
+        if isinstance(req.cache_salt, str):
+            check_unicode(req.cache_salt, "cache_salt")
 
     def _sampling(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
         if max_tokens > self.info.max_model_len:
@@ -352,18 +392,19 @@ class RequestPipeline:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    def _check_text_size(self, text: str) -> None:
+    def _check_text_size(self, text: str, field: str) -> None:
         if len(text) > self._max_text_bytes or len(text.encode()) > self._max_text_bytes:
             raise InvalidRequest(
                 f"the prompt text ({len(text.encode())} bytes) cannot fit in max_model_len "
-                f"({self.info.max_model_len} tokens)"
+                f"({self.info.max_model_len} tokens)",
+                field,
             )
 
     def _prompt_ids(self, prompt: GenerateInput) -> list[int]:
         if prompt.text is not None:
             if not prompt.text:
-                raise InvalidRequest("the prompt text is empty")
-            self._check_text_size(prompt.text)
+                raise InvalidRequest("the prompt text is empty", "text")
+            self._check_text_size(prompt.text, "text")
             return list(self.tokenizer(prompt.text)["input_ids"])
         if prompt.token_ids is not None:
             ids = list(prompt.token_ids)
@@ -379,7 +420,7 @@ class RequestPipeline:
 
     def _chat_ids(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
         if not messages:
-            raise InvalidRequest("the chat has no messages")
+            raise InvalidRequest("the chat has no messages", "chat")
         if len(messages) > MAX_CHAT_MESSAGES:
             raise InvalidRequest(
                 f"chat: at most {MAX_CHAT_MESSAGES} messages are allowed, got {len(messages)}",
@@ -388,12 +429,15 @@ class RequestPipeline:
         if len(messages) > self.info.max_model_len:
             raise InvalidRequest(
                 f"{len(messages)} chat messages cannot fit in max_model_len "
-                f"({self.info.max_model_len} tokens)"
+                f"({self.info.max_model_len} tokens)",
+                "chat",
             )
         for role, _ in messages:
             if role not in CHAT_ROLES:
-                raise InvalidRequest(f"unknown chat role {role!r} (use one of {CHAT_ROLES})")
-        self._check_text_size("".join(content for _, content in messages))
+                raise InvalidRequest(
+                    f"unknown chat role {role!r} (use one of {CHAT_ROLES})", "chat"
+                )
+        self._check_text_size("".join(content for _, content in messages), "chat")
         try:
             text = self.tokenizer.apply_chat_template(
                 [{"role": r, "content": c} for r, c in messages],
@@ -402,7 +446,7 @@ class RequestPipeline:
             )
         except Exception as exc:  # template errors (e.g. role order) are the client's
             raise InvalidRequest(f"chat template failed: {exc}") from exc
-        self._check_text_size(text)
+        self._check_text_size(text, "chat")
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     # ------------------------------------------------------------------ generation

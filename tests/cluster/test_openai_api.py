@@ -288,7 +288,7 @@ def test_raw_http_errors_keep_the_server_serving(base_url, model, cluster, oai):
             (dict(json={"prompt": "hi"}), 400, "model"),
             (dict(json={"model": model}), 400, "prompt"),
             (dict(json={"model": model, "prompt": "x" * (17 << 20)}), 400, None),
-            (dict(json={"model": model, "prompt": "hi", "max_tokens": 3500}), 400, None),
+            (dict(json={"model": model, "prompt": "hi", "max_tokens": 3500}), 400, "max_tokens"),
         ]
         for kw, status, param in cases:
             r = h.post(
