@@ -392,7 +392,7 @@ class RequestPipeline:
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 
-    def _check_text_size(self, text: str, field: str) -> None:
+    def _check_text_size(self, text: str, field: str = "text") -> None:
         if len(text) > self._max_text_bytes or len(text.encode()) > self._max_text_bytes:
             raise InvalidRequest(
                 f"the prompt text ({len(text.encode())} bytes) cannot fit in max_model_len "
