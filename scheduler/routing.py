@@ -100,12 +100,16 @@ class Router:
         queue's worker; None when there is none.
 
         Victims are the busy workers (running something), most loaded first: a worker
-        with an empty batch admits its own queue at its next step. Walking a victim's queue in order, the
-        victim keeps the sequences it could admit now that hit its prefix cache (their
-        blocks and seats are set aside in turn); the first other one is stealable.
-        ``pinned`` sequences (beams whose siblings run) are never taken. ``admits(victim,
-        seq)``, when given, is the victim's own admission rule (e.g. projected growth): a
-        sequence it refuses is stealable even when the blocks are free.
+        with an empty batch admits its own queue at its next step. Walking a victim's
+        queue in order, a sequence is stealable when the victim could not admit it now
+        (blocks, seats, or ``admits(victim, seq)``, the victim's own admission rule such
+        as projected growth, refuses it), or when it hits nothing in the victim's prefix
+        cache and the move evens the loads (the thief's load plus the sequence's width
+        stays at most the victim's load minus it). The victim keeps the others (their
+        blocks and seats are set aside in turn), so a burst that routing split stays
+        split: without the load rule, whichever worker stepped first took every uncached
+        request queued on the other. ``pinned`` sequences (beams whose siblings run) are
+        never taken.
         """
         victims = [
             ws
@@ -121,14 +125,14 @@ class Router:
             for seq in list(victim.waiting)[:_STEAL_SCAN]:
                 if pinned(seq):
                     continue
+                width = 1 + len(seq.fork_children)
                 computed, hit = kv.get_computed_blocks(
                     seq.all_token_ids, seq.sampling.cache_salt, count=False
                 )
-                if hit == 0:
+                if hit == 0 and thief.load + width <= victim.load - width:
                     return victim, seq
                 fresh = [b for b in computed if b not in revived and kv.get_ref_count(b) == 0]
                 need = -(-seq.num_tokens // kv.block_size) - len(computed) + len(fresh)
-                width = 1 + len(seq.fork_children)
                 if need > free or width > seats:
                     return victim, seq
                 if admits is not None and not admits(victim, seq):

@@ -131,15 +131,36 @@ def test_round_robin_cycles_regardless_of_load():
 
 
 def test_idle_worker_steals_uncached_work():
-    s = make(routing="round-robin")
-    s.add_request("a", [1, 2, 3], greedy(3))
-    s.add_request("b", [4, 5, 6], greedy(3))
-    assert s.schedule(0).num_scheduled_tokens == {"a/0": 3}  # worker 0 is busy
-    s.add_request("c", [7, 8, 9], greedy(3))
-    assert queued_on(s)["c"] == 0
-    so1 = s.schedule(1)  # worker 1 admits b, then steals c (no prefix of c on worker 0)
-    assert so1.num_scheduled_tokens == {"b/0": 3, "c/0": 3}
+    s, fakes = make(routing="round-robin"), [ScriptedWorker(), ScriptedWorker()]
+    s.add_request("a", [1, 2, 3], greedy(50))  # worker 0
+    s.add_request("b", [4, 5, 6], greedy(1))  # worker 1: done after one step
+    step_round(s, fakes)
+    for rid in "cdefg":  # round-robin: c, e, g on worker 0; d, f on worker 1
+        s.add_request(rid, [ord(rid), 2, 3], greedy(3))
+    assert [q.request_id for q in s.workers[0].waiting] == ["c", "e", "g"]
+    so1 = s.schedule(1)  # admits d, f (load 2), then steals c from worker 0 (load 4:
+    # running a, queued c, e, g; no prefix of c there; 2 + 1 <= 4 - 1); then 3 + 1 > 3 - 1
+    assert so1.num_scheduled_tokens == {"d/0": 3, "f/0": 3, "c/0": 3}
     assert s.sequences["c/0"].worker_id == 1
+    assert [q.request_id for q in s.workers[0].waiting] == ["e", "g"]
+    s.check_integrity()
+
+
+def test_stealing_keeps_a_split_burst_split():
+    """Requests queued on a busy worker while another one steps are not all taken by
+    the one that steps first (a burst of 8 went 8 / 1 on two real workers)."""
+    s = make(routing="round-robin")
+    s.add_request("w", [99, 98, 97], greedy(50))
+    s.add_request("x", [96, 95, 94], greedy(50))  # round-robin: one on each worker
+    s.schedule(0)
+    s.schedule(1)
+    for i in range(8):  # the burst arrives while both step: 4 queued on each
+        s.add_request(f"u{i}", [10 * i + 1, 2, 3], greedy(50))
+    so0 = s.schedule(0)  # before its update: its batch is still {w}
+    admitted = sorted(n.seq_id for n in so0.new_seqs)
+    assert len(admitted) == 4  # its own 4, nothing stolen: loads stay 5 / 5
+    assert all(s.sequences[sid].worker_id == 0 for sid in admitted)
+    assert [q.request_id for q in s.workers[1].waiting] == ["u1", "u3", "u5", "u7"]
     s.check_integrity()
 
 
