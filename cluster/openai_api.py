@@ -442,6 +442,7 @@ class _Renderer:
         self.tokenizer = server.pipeline.tokenizer
         self.n = prepared[0].sampling.n
         self.usage: dict[int, Any] = {}  # choice index -> its Usage
+        self.streamed: dict[int, int] = {}  # choice index -> tokens streamed so far
         self.text_offset: dict[int, int] = {}
 
     def _index(self, prompt_index: int, delta: ChoiceDelta) -> int:
@@ -560,13 +561,27 @@ class _Renderer:
             "model": self.model,
             "choices": choices,
         }
-        if self.body.stream_options is not None and self.body.stream_options.include_usage:
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            if usage is None and options.continuous_usage_stats and choices:
+                usage = self._choice_usage(choices[0]["index"])
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk)}\n\n"
+
+    def _choice_usage(self, index: int) -> dict[str, Any]:
+        """vLLM's continuous usage of one choice: its prompt, its tokens streamed so far."""
+        prompt = len(self.prepared[index // self.n].prompt_token_ids)
+        completion = self.streamed.get(index, 0)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
 
     def _stream_choice(self, p: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         index = self._index(p, delta)
         self._note(index, delta)
+        self.streamed[index] = self.streamed.get(index, 0) + len(delta.token_ids)
         wants_ids = bool(self.body.return_token_ids and delta.token_ids)
         if not (delta.text or delta.finish_reason or delta.logprobs or wants_ids):
             return None  # text held back (a stop string may follow): nothing to say yet

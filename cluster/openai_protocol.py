@@ -25,10 +25,13 @@ MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is its own req
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a last chunk with the request's usage."""
+    """``stream_options``: ``include_usage`` adds a last chunk with the request's usage;
+    with it, vLLM's ``continuous_usage_stats`` also puts in every chunk the usage so far of
+    the chunk's choice (its prompt's tokens, the tokens it has streamed)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):

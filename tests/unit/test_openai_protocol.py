@@ -445,6 +445,24 @@ def test_the_openai_client_still_works_with_strict_types():
             )
             chunks = [c async for c in stream]
             assert chunks[-1].usage.completion_tokens == 1
+            assert all(c.usage is None for c in chunks[:-1])
+            stream = await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "q"}],
+                max_tokens=3,
+                n=2,
+                stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True},
+            )
+            chunks = [c async for c in stream]
+            prompt = chunks[-1].usage.prompt_tokens
+            assert prompt > 0
+            # vLLM's continuous usage: each chunk carries its choice's usage so far (the
+            # role chunks 0 tokens, each "a" 1), then the request's total.
+            seen = [(c.choices[0].index, c.usage.completion_tokens) for c in chunks[:-1]]
+            assert seen == [(0, 0), (1, 0), (0, 1), (1, 1)]
+            assert all(c.usage.prompt_tokens == prompt for c in chunks[:-1])
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
             chat = await client.chat.completions.create(
                 model=MODEL,
                 messages=[
