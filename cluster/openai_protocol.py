@@ -86,7 +86,7 @@ class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
     PIPELINE_PARAMS: ClassVar[dict[str, str]] = {
-        "beam_width": "n",
+        **_SamplingFields.PIPELINE_PARAMS,
         "text": "prompt",
         "token_ids": "prompt",
     }
@@ -128,7 +128,7 @@ class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
 
     PIPELINE_PARAMS: ClassVar[dict[str, str]] = {
-        "beam_width": "n",
+        **_SamplingFields.PIPELINE_PARAMS,
         "chat": "messages",
         "prompt": "messages",
     }

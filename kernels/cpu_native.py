@@ -131,7 +131,7 @@ def load() -> ctypes.CDLL | None:
     Unavailable means: ``PAGEDSERVE_CPU_KERNELS=0``, a non-x86_64/aarch64 Linux host, no
     C compiler, or a failed build (logged once as a warning with the compiler's output).
     """
-    if os.environ.get("PAGEDSERVE_CPU_KERNELS", "1").strip().lower() in _FALSY:
+    if not _flag("PAGEDSERVE_CPU_KERNELS"):
         return None
     if platform.system() != "Linux":
         return None
@@ -155,6 +155,11 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+def _flag(name: str) -> bool:
+    """An on-by-default switch: False when the variable ``name`` is one of ``_FALSY``."""
+    return os.environ.get(name, "1").strip().lower() not in _FALSY
+
+
 def available() -> bool:
     """True when :func:`load` gives a library."""
     return load() is not None
@@ -162,17 +167,13 @@ def available() -> bool:
 
 def gemm_available() -> bool:
     """True when the library is built and ``PAGEDSERVE_CPU_GEMM`` is not falsy."""
-    if os.environ.get("PAGEDSERVE_CPU_GEMM", "1").strip().lower() in _FALSY:
-        return False
-    return available()
+    return _flag("PAGEDSERVE_CPU_GEMM") and available()
 
 
 def fused_layers_enabled() -> bool:
     """True when the library is built and ``PAGEDSERVE_FUSED_LAYERS`` is not falsy (read
     by the model when it first builds its :func:`decoder_layer_array`)."""
-    if os.environ.get("PAGEDSERVE_FUSED_LAYERS", "1").strip().lower() in _FALSY:
-        return False
-    return available()
+    return _flag("PAGEDSERVE_FUSED_LAYERS") and available()
 
 
 def _lib() -> ctypes.CDLL:

@@ -117,7 +117,9 @@ class Router:
             if ws is not thief and ws.alive and ws.waiting and ws.running
         ]
         victims.sort(key=lambda w: (-w.load, w.spec.worker_id))
+        thief_load = thief.load
         for victim in victims:
+            victim_load = victim.load  # neither changes during the scan
             kv = victim.kv
             free = kv.num_free_blocks
             seats = self.max_num_seqs - victim.num_seats
@@ -129,7 +131,7 @@ class Router:
                 computed, hit = kv.get_computed_blocks(
                     seq.all_token_ids, seq.sampling.cache_salt, count=False
                 )
-                if hit == 0 and thief.load + width <= victim.load - width:
+                if hit == 0 and thief_load + width <= victim_load - width:
                     return victim, seq
                 fresh = [b for b in computed if b not in revived and kv.get_ref_count(b) == 0]
                 need = -(-seq.num_tokens // kv.block_size) - len(computed) + len(fresh)
