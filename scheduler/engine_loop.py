@@ -1,0 +1,309 @@
+"""The step loop: one per worker, schedule -> execute -> update, serial or overlapped.
+
+Every driver of the engine runs this loop: the scheduler Ray actor
+(:class:`~pagedserve.scheduler.actor.SchedulerActor` adds only the Ray plumbing), the
+offline :class:`pagedserve.LLM`, the tests and the benchmarks. As vLLM v1's
+``EngineCore`` (``step_fn = step if batch_queue is None else step_with_batch_queue``) the
+loop kind is chosen once, from ``SchedulerConfig.async_scheduling``:
+
+- serial: plan a step, await its answer, apply it, plan the next;
+- overlapped: step t+1 is planned and sent while step t runs (the scheduler assumes each
+  decode of t yields one token and reconciles when t's answer arrives), so the worker,
+  which runs its steps one at a time in order, starts t+1 as soon as t ends. A stop found
+  in t's answer drops that sequence's t+1 result (one wasted slot, never streamed). No
+  step is planned past one that swaps a group in (:meth:`Scheduler.can_plan_past`): its
+  answer is awaited first.
+
+A worker is anything with ``execute(sched_out) -> Awaitable[RunnerOutput]``
+(:class:`WorkerHandle`). The call must send the step at once (overlap relies on it); the
+awaitable raises :class:`WorkerDied` when the worker is gone (its sequences are requeued
+on the live workers and the loop ends) and anything else for a failed step (its requests
+are aborted and the loop goes on). Idle loops sleep until :meth:`EngineLoop.wake_all`;
+the loop itself wakes the others when a plan or an update says so (``wake_others``), and
+after a death or a failed step.
+
+This module imports neither Ray nor torch (an import-linter contract checks it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from pagedserve.scheduler.request import SequenceOutput
+    from pagedserve.scheduler.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[list["SequenceOutput"]], None]
+PlanHook = Callable[[int, SchedulerOutput, "SchedulerOutput | None"], None]
+StepHook = Callable[[int, SchedulerOutput, RunnerOutput], None]
+
+
+class WorkerDied(Exception):
+    """Raised by a :class:`WorkerHandle`'s awaitable when the worker process is gone
+    (a Ray actor's ``RayActorError``); any other exception is a failed step."""
+
+
+class WorkerHandle(Protocol):
+    """One worker as the step loop sees it."""
+
+    def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
+        """Send one step now; the awaitable gives its answer.
+
+        Raises (from the awaitable):
+            WorkerDied: the worker is gone.
+            Exception: any other: the step failed.
+        """
+        ...
+
+
+class ThreadWorker:
+    """An in-process worker as a :class:`WorkerHandle`: ``execute_model`` runs on one
+    thread of its own, so steps run in order and an overlapped loop plans step t+1 while
+    t runs (torch releases the GIL inside its kernels).
+
+    Args:
+        execute_model: ``Worker.execute_model`` or a fake with the same signature.
+    """
+
+    def __init__(self, execute_model: Callable[[SchedulerOutput], RunnerOutput]) -> None:
+        self._execute_model = execute_model
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-worker")
+
+    def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
+        return asyncio.get_running_loop().run_in_executor(
+            self._pool, self._execute_model, sched_out
+        )
+
+    def close(self) -> None:
+        """Stop the thread (after the step it runs, if any)."""
+        self._pool.shutdown(wait=True)
+
+
+class EngineLoop:
+    """The step loops of a :class:`Scheduler`'s workers.
+
+    Args:
+        scheduler: the scheduler; ``scheduler.config.async_scheduling`` picks the loop.
+        workers: worker id -> handle, for every worker of ``scheduler``.
+        sink: receives every list of deltas the scheduler returns (update, a death, a
+            failed step), in order; called on the loop's thread, never concurrently.
+        on_plan: ``(worker_id, planned, in_flight)`` after a step is sent (``in_flight``:
+            the step still running, overlapped loop only) — for tests.
+        on_step: ``(worker_id, sched_out, runner_out)`` after an answer is applied and
+            its deltas sunk — for tests (integrity checks) and benchmarks (timings).
+
+    Attributes:
+        in_step: ids of the workers with a step in flight (a liveness probe skips them:
+            a ping would queue behind the step).
+    """
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        workers: Mapping[int, WorkerHandle],
+        sink: Sink,
+        on_plan: PlanHook | None = None,
+        on_step: StepHook | None = None,
+    ) -> None:
+        missing = set(scheduler.workers) - set(workers)
+        if missing:
+            raise ValueError(f"no handle for workers {sorted(missing)}")
+        self._scheduler = scheduler
+        self._workers = workers
+        self._sink = sink
+        self._on_plan = on_plan
+        self._on_step = on_step
+        self._wakeups = {wid: asyncio.Event() for wid in scheduler.workers}
+        self._running: set[int] = set()  # workers whose loop has not ended
+        self._waiting: set[int] = set()  # ... of those, the ones asleep
+        self._idle = asyncio.Event()
+        self.in_step: set[int] = set()
+        self._step_loop = self._overlapped if scheduler.config.async_scheduling else self._serial
+
+    # ------------------------------------------------------------------ driving
+    def start(self, worker_id: int, after: Awaitable[Any] | None = None) -> asyncio.Task[None]:
+        """Start ``worker_id``'s loop as a task of the running event loop (once ``after``
+        is done, when given). The task ends when the worker dies, or when cancelled.
+
+        Raises:
+            RuntimeError: that worker's loop is running already.
+        """
+        if worker_id in self._running:
+            raise RuntimeError(f"worker {worker_id}'s loop is already running")
+        self._running.add(worker_id)
+        return asyncio.get_running_loop().create_task(self._run(worker_id, after))
+
+    async def _run(self, worker_id: int, after: Awaitable[Any] | None) -> None:
+        try:
+            if after is not None:
+                await after
+            await self._step_loop(worker_id)
+        finally:
+            self._running.discard(worker_id)
+            self.in_step.discard(worker_id)
+            self._note_idle()
+
+    async def run_until_idle(self) -> None:
+        """Run every live worker's loop until all of them sleep with nothing in flight
+        (no worker can make progress), then stop them.
+
+        Work may be left when no live worker can take it (every worker died, or a
+        request waits for blocks nothing will free): callers check ``has_work``.
+
+        Raises:
+            Exception: whatever a loop raised (a hook's assertion, a scheduler bug).
+        """
+        tasks = [self.start(w) for w, ws in self._scheduler.workers.items() if ws.alive]
+        idle: asyncio.Future[Any] | None = None
+        try:
+            while tasks and not self.idle:
+                self._idle.clear()
+                idle = asyncio.ensure_future(self._idle.wait())
+                done, _ = await asyncio.wait([idle, *tasks], return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not idle:
+                        tasks.remove(task)  # type: ignore[arg-type]
+                        task.result()  # a loop's error ends the run
+        finally:
+            if idle is not None:
+                idle.cancel()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    @property
+    def idle(self) -> bool:
+        """True when every running loop sleeps and none was woken since."""
+        return all(w in self._waiting and not self._wakeups[w].is_set() for w in self._running)
+
+    def wake_all(self) -> None:
+        """Wake every sleeping loop (work was added, aborted, freed or moved)."""
+        for ev in self._wakeups.values():
+            ev.set()
+
+    # ------------------------------------------------------------------ the loops
+    async def _serial(self, worker_id: int) -> None:
+        worker = self._workers[worker_id]
+        sched = self._scheduler
+        while True:
+            if not sched.has_work(worker_id):
+                await self._sleep(worker_id)
+                continue
+            plan = sched.schedule(worker_id)
+            if plan.wake_others:
+                self.wake_all()  # preempted or unadmittable work: idle workers may take it
+            sched_out = plan.output
+            if sched_out.is_empty:
+                # Nothing fits on this worker right now (e.g. waiting requests need
+                # blocks another worker's step will free): wait for a change.
+                await self._sleep(worker_id)
+                continue
+            self.in_step.add(worker_id)
+            pending = worker.execute(sched_out)
+            if self._on_plan is not None:
+                self._on_plan(worker_id, sched_out, None)
+            try:
+                runner_out = await pending
+            except WorkerDied:
+                self._died(worker_id)
+                return
+            except Exception:
+                self._failed(worker_id, sched_out)
+                continue
+            finally:
+                self.in_step.discard(worker_id)
+            self._apply(worker_id, sched_out, runner_out)
+
+    async def _overlapped(self, worker_id: int) -> None:
+        worker = self._workers[worker_id]
+        sched = self._scheduler
+        inflight: tuple[SchedulerOutput, Awaitable[RunnerOutput]] | None = None
+        while True:
+            nxt: tuple[SchedulerOutput, Awaitable[RunnerOutput]] | None = None
+            ahead = inflight is None or sched.can_plan_past(inflight[0])
+            if ahead and sched.has_work(worker_id):
+                plan = sched.schedule(worker_id)
+                if plan.wake_others:
+                    self.wake_all()
+                if not plan.output.is_empty:
+                    self.in_step.add(worker_id)
+                    nxt = (plan.output, worker.execute(plan.output))
+                    if self._on_plan is not None:
+                        self._on_plan(worker_id, plan.output, inflight[0] if inflight else None)
+            if inflight is None:
+                if nxt is None:
+                    await self._sleep(worker_id)
+                else:
+                    inflight = nxt  # plan the next step while this one runs
+                continue
+            sched_out, pending = inflight
+            try:
+                runner_out = await pending
+            except WorkerDied:
+                if nxt is not None:
+                    _discard(nxt[1])
+                self._died(worker_id)
+                return
+            except Exception:
+                self._failed(worker_id, sched_out)
+                inflight = nxt
+                continue
+            finally:
+                if nxt is None:
+                    self.in_step.discard(worker_id)
+            inflight = nxt
+            self._apply(worker_id, sched_out, runner_out)
+
+    # ------------------------------------------------------------------ one place each
+    def _apply(self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
+        upd = self._scheduler.update(worker_id, sched_out, runner_out)
+        self._sink(upd.outputs)
+        if upd.wake_others:
+            self.wake_all()  # freed blocks may let another worker admit
+        if self._on_step is not None:
+            self._on_step(worker_id, sched_out, runner_out)
+
+    def _died(self, worker_id: int) -> None:
+        log.exception("worker %d died; requeueing its sequences", worker_id)
+        self.in_step.discard(worker_id)
+        self._sink(self._scheduler.mark_worker_dead(worker_id))
+        self.wake_all()  # live workers pick up what was requeued
+
+    def _failed(self, worker_id: int, sched_out: SchedulerOutput) -> None:
+        log.exception("worker %d failed a step; aborting its requests", worker_id)
+        self._sink(self._scheduler.fail_step(worker_id, sched_out))
+        self.wake_all()
+
+    async def _sleep(self, worker_id: int) -> None:
+        wake = self._wakeups[worker_id]
+        wake.clear()
+        self._waiting.add(worker_id)
+        self._note_idle()
+        try:
+            await wake.wait()
+        finally:
+            self._waiting.discard(worker_id)
+
+    def _note_idle(self) -> None:
+        if self.idle:
+            self._idle.set()
+
+
+def _discard(pending: Awaitable[Any]) -> None:
+    """Drop a step's answer nobody will read (its worker died) without a warning."""
+    if inspect.iscoroutine(pending):
+        pending.close()
+    elif isinstance(pending, asyncio.Future):
+        pending.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+
+__all__ = ["EngineLoop", "ThreadWorker", "WorkerDied", "WorkerHandle"]
