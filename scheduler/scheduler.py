@@ -51,6 +51,7 @@ import math
 import operator
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.config import SchedulerConfig
@@ -82,6 +83,34 @@ from pagedserve.scheduler.worker_state import (
     WorkerState,
     worker_stats,
 )
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What :meth:`Scheduler.schedule` returns.
+
+    Attributes:
+        output: the step's message, what the worker runs.
+        wake_others: this step preempted, left work queued or changed sequences other
+            workers may take: the callers wake the idle workers' loops.
+    """
+
+    output: SchedulerOutput
+    wake_others: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepUpdate:
+    """What :meth:`Scheduler.update` returns.
+
+    Attributes:
+        outputs: the deltas to stream (one per sequence that got a token or finished).
+        wake_others: a finish freed blocks, or work moved: the callers wake the idle
+            workers' loops.
+    """
+
+    outputs: list[SequenceOutput]
+    wake_others: bool
 
 
 class Scheduler(SwapMixin):
@@ -248,8 +277,13 @@ class Scheduler(SwapMixin):
             return True
         return any(w.waiting for w in self.workers.values() if w.alive)
 
-    def schedule(self, worker_id: int) -> SchedulerOutput:
+    def schedule(self, worker_id: int) -> StepPlan:
         """Decide one step for ``worker_id`` (see the module docstring)."""
+        out = self._schedule(worker_id)
+        wake, self._wake_others = self._wake_others, False
+        return StepPlan(out, wake)
+
+    def _schedule(self, worker_id: int) -> SchedulerOutput:
         ws = self.workers[worker_id]
         kv = ws.kv
         budget = self.config.max_num_batched_tokens
@@ -569,12 +603,20 @@ class Scheduler(SwapMixin):
 
     def update(
         self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput
-    ) -> list[SequenceOutput]:
+    ) -> StepUpdate:
         """Apply a worker's answer: advance computed tokens, append samples, stop, free.
 
-        Returns the deltas to stream (one per sequence that got a token or finished).
-        Sequences aborted while the step ran are skipped.
+        Returns the deltas to stream (one per sequence that got a token or finished) and
+        whether idle workers should be woken. Sequences aborted while the step ran are
+        skipped.
         """
+        outputs = self._update(worker_id, sched_out, runner_out)
+        wake, self._wake_others = self._wake_others, False
+        return StepUpdate(outputs, wake or any(o.finish_reason is not None for o in outputs))
+
+    def _update(
+        self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput
+    ) -> list[SequenceOutput]:
         ws = self.workers[worker_id]
         outputs: list[SequenceOutput] = []
         finished_requests: set[str] = set()
@@ -675,12 +717,6 @@ class Scheduler(SwapMixin):
             self.num_recomputed_tokens += redone
         if end > seq.max_computed_tokens:
             seq.max_computed_tokens = end
-
-    # ------------------------------------------------------------------ wakeups
-    def drain_wakeups(self) -> bool:
-        """True once after a beam step changed sequences that may run on other workers."""
-        wake, self._wake_others = self._wake_others, False
-        return wake
 
     # ------------------------------------------------------------------ internals
     def _rank(self, seq: Sequence) -> tuple[int, float]:

@@ -410,10 +410,10 @@ def run_beams(
     sched.add_request("r", prompt, sampling, eos)
     outs, peak, copies = [], 0, 0
     while sched.has_work(0):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         peak = max(peak, kv.used())
         copies += len(so.blocks_to_copy)
-        outs.extend(sched.update(0, so, worker.execute_model(so)))
+        outs.extend(sched.update(0, so, worker.execute_model(so)).outputs)
         sched.check_integrity()
     assert kv.num_free_blocks == num_blocks and not sched.requests and not sched.sequences
     if on_done is not None:

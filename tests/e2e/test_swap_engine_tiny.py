@@ -112,11 +112,11 @@ def drive(
         if not live:
             break
         for wid in live:
-            so = sched.schedule(wid)
+            so = sched.schedule(wid).output
             if so.is_empty:
                 continue
             out = workers[wid].execute_model(so)
-            for o in sched.update(wid, so, out):
+            for o in sched.update(wid, so, out).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
                 if sink is not None:
                     sink.append(o)
@@ -141,7 +141,7 @@ def drive_overlapped(sched, workers, on_step, max_rounds, sink):
             cur = inflight[wid]
             nxt = None
             if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
-                so = sched.schedule(wid)
+                so = sched.schedule(wid).output
                 if not so.is_empty:
                     nxt = (so, worker.execute_model(so))
                     ahead += cur is not None
@@ -150,7 +150,7 @@ def drive_overlapped(sched, workers, on_step, max_rounds, sink):
                 progressed |= nxt is not None
                 continue
             progressed = True
-            for o in sched.update(wid, *cur):
+            for o in sched.update(wid, *cur).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
                 if sink is not None:
                     sink.append(o)

@@ -141,10 +141,10 @@ def run(sched: Scheduler, fakes: list[FakeKVWorker], max_rounds: int = 2000):
         if not live:
             break
         for wid in live:
-            so = sched.schedule(wid)
+            so = sched.schedule(wid).output
             if so.is_empty:
                 continue
-            for o in sched.update(wid, so, fakes[wid].execute(so)):
+            for o in sched.update(wid, so, fakes[wid].execute(so)).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
             sched.check_integrity()
     assert not any(sched.has_work(i) for i in range(len(fakes))), "stalled"
@@ -191,7 +191,7 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
     fake = FakeKVWorker(12, host)
 
     def step(wid: int = 0):
-        so = sched.schedule(wid)
+        so = sched.schedule(wid).output
         for t in so.blocks_to_swap_out:
             groups.append(len(t.seq_ids))
         return so
@@ -204,7 +204,7 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
         so = step()
         if so.is_empty:
             continue
-        for o in sched.update(0, so, fake.execute(so)):
+        for o in sched.update(0, so, fake.execute(so)).outputs:
             tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
         for t in so.blocks_to_swap_in:
             kv = sched.workers[0].kv
@@ -250,7 +250,7 @@ def test_abort_while_swapped_frees_host_blocks() -> None:
     sched.add_request("a", [1] * 10, GREEDY)
     sched.add_request("b", [2] * 10, GREEDY)
     for _ in range(50):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         sched.update(0, so, fake.execute(so))
         if sched.swap_stats().num_swap_outs:
             break
@@ -273,17 +273,17 @@ def test_a_pending_swap_out_is_not_stolen_and_migrates_once_done() -> None:
         sched._enqueue(sched.workers[0], seq)
     so = None
     for _ in range(50):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         if so.blocks_to_swap_out:
             break
         sched.update(0, so, fakes[0].execute(so))
     assert so is not None and so.blocks_to_swap_out
     # Worker 1 is idle while worker 0's swap-out is in flight: it may not take the group.
-    idle = sched.schedule(1)
+    idle = sched.schedule(1).output
     assert not idle.blocks_to_swap_in and not idle.num_scheduled_tokens
     sched.update(0, so, fakes[0].execute(so))
     # Done: worker 1 steals the swapped sequence and swaps it in.
-    took = sched.schedule(1)
+    took = sched.schedule(1).output
     assert took.blocks_to_swap_in
     sched.update(1, took, fakes[1].execute(took))
     run(sched, fakes)
@@ -337,7 +337,7 @@ def run_overlapped(sched: Scheduler, fakes: list[FakeKVWorker], on_plan=None, ma
             cur = inflight[wid]
             nxt = None
             if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
-                so = sched.schedule(wid)
+                so = sched.schedule(wid).output
                 if not so.is_empty:
                     nxt = (so, fake.execute(so))
                     ahead += cur is not None
@@ -352,7 +352,7 @@ def run_overlapped(sched: Scheduler, fakes: list[FakeKVWorker], on_plan=None, ma
                 progressed |= nxt is not None
                 continue
             progressed = True
-            for o in sched.update(wid, cur[0], cur[1]):
+            for o in sched.update(wid, cur[0], cur[1]).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
             sched.check_integrity()
         if not progressed:
@@ -536,12 +536,12 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     tokens: dict[tuple[str, int], list[int]] = {}
     inflight = None
     for _ in range(500):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         ans = fake.execute(so)
         if inflight is not None and so.blocks_to_swap_out:
             break
         if inflight is not None:
-            for o in sched.update(0, *inflight):
+            for o in sched.update(0, *inflight).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
         inflight = (so, ans)
     else:
@@ -549,7 +549,7 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     failed_so = inflight[0]
     aborted = {o.request_id for o in sched.fail_step(0, failed_so)}
     assert aborted
-    for o in sched.update(0, so, ans):
+    for o in sched.update(0, so, ans).outputs:
         tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
     sw = sched.swap_stats()
     assert sw.num_swap_outs == 1 and sw.num_swap_failures == 0
