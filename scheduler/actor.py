@@ -6,9 +6,11 @@ all of that frontend's requests travel as one item of that stream, tagged, so th
 per step does not grow with the number of requests (vLLM v1's engine core likewise sends
 one message of outputs per step). ``generate`` (one stream per request) is kept for
 direct callers. ``abort`` and ``get_stats`` are plain calls. A
-loop task per worker repeatedly asks the :class:`Scheduler` for that worker's next
-:class:`SchedulerOutput`, awaits the worker's ``execute_model`` and feeds the answer back;
-new requests join the running batch between steps (continuous batching).
+step loop per worker, :class:`~pagedserve.scheduler.engine_loop.EngineLoop`'s, plans each
+step with the :class:`Scheduler`, awaits the worker's ``execute_model`` and feeds the
+answer back; new requests join the running batch between steps (continuous batching).
+The actor adds the Ray plumbing only: the worker handles (:class:`RayWorker`), resetting
+the workers before the first step, the liveness probe and revival.
 
 This module imports Ray but never torch: the scheduler process holds metadata only.
 """
@@ -19,22 +21,43 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import ray
 
 from pagedserve.scheduler import gc_tuning
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, WorkerDied
 from pagedserve.scheduler.errors import ClusterUnavailable
 from pagedserve.scheduler.metrics import MetricsSnapshot
-from pagedserve.scheduler.outputs import SchedulerOutput
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import FinishReason, SequenceOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
+
+
+class RayWorker:
+    """A worker actor as the engine loop's :class:`~pagedserve.scheduler.engine_loop.
+    WorkerHandle`: ``execute_model.remote`` is sent at once, and a dead actor
+    (``RayActorError``) surfaces as :class:`WorkerDied`."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
+        return self._answer(self.actor.execute_model.remote(sched_out))
+
+    @staticmethod
+    async def _answer(ref: Any) -> RunnerOutput:
+        try:
+            out: RunnerOutput = await ref
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerDied(str(exc)) from exc
+        return out
 
 
 class SchedulerActor:
@@ -75,9 +98,12 @@ class SchedulerActor:
         # request id -> [subscriber, tag, choices not finished yet]
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
         self._subscribed: dict[str, list[Any]] = {}
-        self._wakeups: dict[int, asyncio.Event] = {}
+        self._engine = EngineLoop(
+            self._scheduler,
+            {wid: RayWorker(w) for wid, w in enumerate(self._workers)},
+            self._dispatch,
+        )
         self._loops: dict[int, asyncio.Task[None]] = {}
-        self._in_step: set[int] = set()
         self._monitor: asyncio.Task[None] | None = None
         self._stopped: asyncio.Event | None = None
         self._workers_reset: asyncio.Task[None] | None = None
@@ -94,8 +120,7 @@ class SchedulerActor:
             self._workers_reset = loop.create_task(self._reset_workers())
         for wid in self._scheduler.workers:
             if wid not in self._loops:
-                self._wakeups[wid] = asyncio.Event()
-                self._loops[wid] = loop.create_task(self._step_loop_fn()(wid))
+                self._loops[wid] = self._engine.start(wid, after=self._workers_reset)
         if self._monitor is None:
             self._monitor = loop.create_task(self._probe_idle_workers(self._probe_interval_s))
         await self._workers_reset  # no request is added before the workers are clean
@@ -282,8 +307,7 @@ class SchedulerActor:
 
     # ------------------------------------------------------------------ internals
     def _wake_all(self) -> None:
-        for ev in self._wakeups.values():
-            ev.set()
+        self._engine.wake_all()
 
     def _dispatch(self, outputs: list[SequenceOutput]) -> None:
         for out in outputs:
@@ -302,117 +326,6 @@ class SchedulerActor:
                 if entry[2] <= 0:
                     del self._subscribed[out.request_id]
 
-    def _step_loop_fn(self) -> Any:
-        """The per-worker loop: overlapped when ``async_scheduling`` is on (with or without
-        a host block store: a step that swaps a group in is the one not overlapped with
-        the next, see :meth:`_overlapped_step_loop`), else serial."""
-        if self._scheduler.config.async_scheduling:
-            return self._overlapped_step_loop
-        return self._step_loop
-
-    async def _step_loop(self, worker_id: int) -> None:
-        worker = self._workers[worker_id]
-        wake = self._wakeups[worker_id]
-        sched = self._scheduler
-        if self._workers_reset is not None:
-            await self._workers_reset
-        while True:
-            if not sched.has_work(worker_id):
-                wake.clear()
-                await wake.wait()
-                continue
-            plan = sched.schedule(worker_id)
-            sched_out = plan.output
-            if plan.wake_others:
-                self._wake_all()  # preempted or unadmittable work: idle workers may take it
-            if sched_out.is_empty:
-                # Nothing fits on this worker right now (e.g. waiting requests need
-                # blocks another worker's step will free): wait for a change.
-                wake.clear()
-                await wake.wait()
-                continue
-            self._in_step.add(worker_id)
-            try:
-                runner_out = await worker.execute_model.remote(sched_out)
-            except ray.exceptions.RayActorError:
-                log.exception("worker %d died; requeueing its sequences", worker_id)
-                self._dispatch(sched.mark_worker_dead(worker_id))
-                self._wake_all()  # live workers pick up what was requeued
-                return
-            except Exception:
-                log.exception("worker %d failed a step; aborting its requests", worker_id)
-                self._dispatch(sched.fail_step(worker_id, sched_out))
-                self._wake_all()
-                continue
-            finally:
-                self._in_step.discard(worker_id)
-            step = sched.update(worker_id, sched_out, runner_out)
-            self._dispatch(step.outputs)
-            if step.wake_others:
-                self._wake_all()  # freed blocks may let another worker admit
-
-    async def _overlapped_step_loop(self, worker_id: int) -> None:
-        """:meth:`_step_loop` with step t+1 planned and sent while step t runs.
-
-        The scheduler plans t+1 as if t's decodes each yield one token (``Sequence.
-        num_pending_tokens``) and reconciles when t's answer arrives; the worker actor runs
-        one call at a time, in order, so t+1 starts as soon as t ends, without waiting
-        for the scheduler's update and the next schedule. A stop found in t's answer
-        drops that sequence's t+1 result (one wasted slot, never streamed).
-
-        With a host block store, step t+1 is not planned while t swaps a group in
-        (:meth:`Scheduler.can_plan_past`): that step's answer is awaited first, and the
-        overlap resumes with the step after it. Swap-outs and frees overlap as usual
-        (:mod:`pagedserve.scheduler.swapping` says why each case is safe).
-        """
-        worker = self._workers[worker_id]
-        wake = self._wakeups[worker_id]
-        sched = self._scheduler
-        if self._workers_reset is not None:
-            await self._workers_reset
-        inflight: tuple[SchedulerOutput, Any] | None = None
-        while True:
-            nxt: tuple[SchedulerOutput, Any] | None = None
-            ahead = inflight is None or sched.can_plan_past(inflight[0])
-            if ahead and sched.has_work(worker_id):
-                plan = sched.schedule(worker_id)
-                sched_out = plan.output
-                if plan.wake_others:
-                    self._wake_all()
-                if not sched_out.is_empty:
-                    self._in_step.add(worker_id)
-                    nxt = (sched_out, worker.execute_model.remote(sched_out))
-            if inflight is None:
-                if nxt is None:
-                    wake.clear()
-                    await wake.wait()
-                else:
-                    inflight = nxt  # plan the next step while this one runs
-                continue
-            sched_out, ref = inflight
-            try:
-                runner_out = await ref
-            except ray.exceptions.RayActorError:
-                log.exception("worker %d died; requeueing its sequences", worker_id)
-                self._in_step.discard(worker_id)
-                self._dispatch(sched.mark_worker_dead(worker_id))
-                self._wake_all()
-                return
-            except Exception:
-                log.exception("worker %d failed a step; aborting its requests", worker_id)
-                self._dispatch(sched.fail_step(worker_id, sched_out))
-                self._wake_all()
-                inflight = nxt
-                continue
-            finally:
-                if nxt is None:
-                    self._in_step.discard(worker_id)
-            inflight = nxt
-            step = sched.update(worker_id, sched_out, runner_out)
-            self._dispatch(step.outputs)
-            if step.wake_others:
-                self._wake_all()
-
     async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:
         """Ping idle live workers so a worker that dies between steps is noticed, and
         dead ones so a worker Ray restarted rejoins (:meth:`_try_revive`).
@@ -423,15 +336,15 @@ class SchedulerActor:
         while True:
             await asyncio.sleep(interval_s)
             for wid, ws in self._scheduler.workers.items():
-                if not ws.alive and wid not in self._in_step:
+                if not ws.alive and wid not in self._engine.in_step:
                     await self._try_revive(wid, max(1.0, interval_s))
                     continue
-                if wid in self._in_step:
+                if wid in self._engine.in_step:
                     continue
                 try:
                     await asyncio.wait_for(self._workers[wid].ping.remote(), timeout_s)
                 except (TimeoutError, ray.exceptions.RayActorError):
-                    if wid in self._in_step or not ws.alive:
+                    if wid in self._engine.in_step or not ws.alive:
                         continue  # a step started meanwhile: it will see the failure
                     log.error("worker %d does not answer; taking it out of service", wid)
                     self._dispatch(self._scheduler.mark_worker_dead(wid))
@@ -457,9 +370,7 @@ class SchedulerActor:
         self._scheduler.revive_worker(worker_id)
         old = self._loops.get(worker_id)
         if old is None or old.done():  # its loop ended at the death (a probe's: it idles)
-            self._loops[worker_id] = asyncio.get_running_loop().create_task(
-                self._step_loop_fn()(worker_id)
-            )
+            self._loops[worker_id] = self._engine.start(worker_id)
         log.warning("worker %d is back in service (empty pool)", worker_id)
         self._wake_all()
 

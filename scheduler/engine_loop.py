@@ -102,6 +102,7 @@ class EngineLoop:
             its deltas sunk — for tests (integrity checks) and benchmarks (timings).
 
     Attributes:
+        overlapped: the loop kind (``scheduler.config.async_scheduling``).
         in_step: ids of the workers with a step in flight (a liveness probe skips them:
             a ping would queue behind the step).
     """
@@ -127,7 +128,8 @@ class EngineLoop:
         self._waiting: set[int] = set()  # ... of those, the ones asleep
         self._idle = asyncio.Event()
         self.in_step: set[int] = set()
-        self._step_loop = self._overlapped if scheduler.config.async_scheduling else self._serial
+        self.overlapped = scheduler.config.async_scheduling
+        self._step_loop = self._overlapped if self.overlapped else self._serial
 
     # ------------------------------------------------------------------ driving
     def start(self, worker_id: int, after: Awaitable[Any] | None = None) -> asyncio.Task[None]:

@@ -7,6 +7,9 @@
   continuous batching with a token budget (chunked prefill), a shuffled free-block list
   (non-contiguous block tables, reuse of freed blocks) and the SchedulerOutput delta
   contract. It is deliberately simple: no preemption, no prefix cache.
+* :func:`drive` runs the real step loop (:class:`~pagedserve.scheduler.engine_loop.
+  EngineLoop`) over in-process workers (:class:`InlineWorker`) until no worker can make
+  progress, with every scheduler's integrity checked after every step.
 """
 
 from __future__ import annotations
@@ -343,6 +346,108 @@ class CheckedKVCacheManager:
         return self.m.num_blocks - self.m.num_free_blocks
 
 
+# ----------------------------------------------------------------------------- the step loop
+class InlineWorker:
+    """A synchronous worker (``execute`` of a fake, or ``Worker.execute_model``) as the
+    engine loop's ``WorkerHandle``: the step runs when it is sent, as a worker that runs
+    its steps in order would run it, and the answer comes after one turn of the event loop
+    (so several workers' loops interleave). Deterministic, unlike a thread.
+
+    Args:
+        execute: runs one step.
+        die_when: ``die_when(sched_out)`` True makes that step (and every later one) fail
+            with ``WorkerDied``, as a dead Ray actor's would.
+    """
+
+    def __init__(self, execute: Any, die_when: Any = None) -> None:
+        self._execute = execute
+        self._die_when = die_when
+        self.dead = False
+        self.sent: list[SchedulerOutput] = []
+
+    def execute(self, so: SchedulerOutput) -> Any:
+        from pagedserve.scheduler.engine_loop import WorkerDied
+
+        self.sent.append(so)
+        self.dead = self.dead or bool(self._die_when and self._die_when(so))
+        if self.dead:
+            return self._answer(None, WorkerDied("killed by the test"))
+        try:
+            return self._answer(self._execute(so), None)
+        except Exception as exc:  # a failed step: raised where the answer is awaited
+            return self._answer(None, exc)
+
+    @staticmethod
+    async def _answer(out: RunnerOutput | None, exc: BaseException | None) -> RunnerOutput:
+        await asyncio.sleep(0)
+        if exc is not None:
+            raise exc
+        assert out is not None
+        return out
+
+
+@dataclass
+class Driven:
+    """What :func:`drive` saw: tokens per (request id, choice index), every delta in order,
+    the final delta of each request id, and how many steps were planned while another
+    of the same worker was in flight."""
+
+    tokens: dict[tuple[str, int], list[int]] = field(default_factory=dict)
+    outputs: list[Any] = field(default_factory=list)
+    finish: dict[str, Any] = field(default_factory=dict)
+    ahead: int = 0
+
+
+def drive(
+    sched: Any,
+    workers: list[Any],
+    on_plan: Any = None,
+    on_step: Any = None,
+    timeout_s: float = 120.0,
+    check: bool = True,
+) -> Driven:
+    """Run ``sched``'s engine loop (serial or overlapped, as its config says) over
+    ``workers`` until no worker can make progress; assert nothing is left to do.
+
+    Args:
+        workers: per worker id, a ``WorkerHandle`` or a callable ``execute(so)`` (wrapped
+            in an :class:`InlineWorker`).
+        on_plan: ``on_plan(sched, worker_id, so, in_flight_so)`` after a step is sent.
+        on_step: ``on_step(sched, worker_id, so)`` after its answer is applied.
+        check: ``sched.check_integrity()`` after every step.
+    """
+    from pagedserve.scheduler.engine_loop import EngineLoop
+
+    seen = Driven()
+
+    def sink(outputs: list[Any]) -> None:
+        for o in outputs:
+            seen.outputs.append(o)
+            seen.tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                seen.finish[o.request_id] = o.finish_reason
+
+    def planned(wid: int, so: SchedulerOutput, cur: SchedulerOutput | None) -> None:
+        seen.ahead += cur is not None
+        if on_plan is not None:
+            on_plan(sched, wid, so, cur)
+
+    def stepped(wid: int, so: SchedulerOutput, ro: RunnerOutput) -> None:
+        if check:
+            sched.check_integrity()
+        if on_step is not None:
+            on_step(sched, wid, so)
+
+    handles = {
+        i: w if hasattr(w, "execute") and not callable(w) else InlineWorker(w)
+        for i, w in enumerate(workers)
+    }
+    engine = EngineLoop(sched, handles, sink, planned, stepped)
+    asyncio.run(asyncio.wait_for(engine.run_until_idle(), timeout_s))
+    assert not any(sched.has_work(i) for i in sched.workers), "stalled"
+    return seen
+
+
 # ----------------------------------------------------------------------------- beam search
 def hf_beams(
     hf: Any, prompt: list[int], k: int, n: int, max_new: int, length_penalty: float, eos: Any
@@ -403,18 +508,21 @@ def run_beams(
             )
         )
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=max_model_len),
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_model_len=max_model_len, async_scheduling=False
+        ),
         [WorkerSpec(0, num_blocks, block_size)],
     )
     sched.workers[0].kv = kv = CheckedKVCacheManager(num_blocks, block_size, True)
     sched.add_request("r", prompt, sampling, eos)
-    outs, peak, copies = [], 0, 0
-    while sched.has_work(0):
-        so = sched.schedule(0).output
+    peak, copies = 0, 0
+
+    def planned(s: Any, wid: int, so: SchedulerOutput, cur: Any) -> None:
+        nonlocal peak, copies
         peak = max(peak, kv.used())
         copies += len(so.blocks_to_copy)
-        outs.extend(sched.update(0, so, worker.execute_model(so)).outputs)
-        sched.check_integrity()
+
+    outs = drive(sched, [worker.execute_model], on_plan=planned).outputs
     assert kv.num_free_blocks == num_blocks and not sched.requests and not sched.sequences
     if on_done is not None:
         on_done(sched)

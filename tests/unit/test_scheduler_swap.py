@@ -700,7 +700,7 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
         max_num_batched_tokens=6, max_model_len=64, preemption_mode="swap", max_num_seqs=8
     )
     actor = SchedulerActor(config, [handle], [WorkerSpec(0, 10, BS)], 0.05, swap=spec)
-    assert actor._step_loop_fn() == actor._overlapped_step_loop
+    assert actor._engine.overlapped
 
     async def one(i: int, prompt: list[int]) -> list[int]:
         toks: list[int] = []

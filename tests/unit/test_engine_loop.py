@@ -1,0 +1,298 @@
+"""The step loop (scheduler/engine_loop.py) over fake workers: serial and overlapped give
+the same tokens, a worker that dies mid-step has its sequences requeued on the other, a
+failed step aborts only its requests, no step is planned past one ``can_plan_past``
+refuses, wake-ups reach a sleeping worker, a thread worker really overlaps, and a run
+with work nobody can do ends instead of hanging. Every test is bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+from helpers import InlineWorker, ScriptedWorker, drive
+
+from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, ThreadWorker, WorkerDied
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.scheduler.request import FinishReason
+from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.scheduler import Scheduler, StepPlan, StepUpdate, WorkerSpec
+
+pytestmark = pytest.mark.timeout(60)
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22], [30] * 9, [40, 41]]
+
+
+def make(workers: int = 1, overlap: bool = True, num_blocks: int = 64) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=8,
+            max_model_len=64,
+            max_num_seqs=4,
+            async_scheduling=overlap,
+            routing="round-robin",
+        ),
+        [WorkerSpec(i, num_blocks, 4) for i in range(workers)],
+    )
+
+
+def add_all(sched: Scheduler, prompts: list[list[int]] = PROMPTS) -> None:
+    for i, p in enumerate(prompts):
+        sched.add_request(f"r{i}", p, GREEDY)
+
+
+def reference() -> dict[tuple[str, int], list[int]]:
+    sched = make(overlap=False)
+    add_all(sched)
+    return drive(sched, [ScriptedWorker().execute]).tokens
+
+
+def run(engine: EngineLoop) -> None:
+    asyncio.run(asyncio.wait_for(engine.run_until_idle(), 30))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_serial_and_overlapped_give_the_reference_tokens(overlap: bool) -> None:
+    ref = reference()
+    assert len(ref) == len(PROMPTS) and all(len(t) == 6 for t in ref.values())
+    sched = make(overlap=overlap)
+    add_all(sched)
+    seen = drive(sched, [ScriptedWorker().execute])
+    assert seen.tokens == ref
+    assert (seen.ahead > 0) == overlap  # overlapped: steps planned with one in flight
+    assert sched.workers[0].kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_death_mid_step_requeues_on_the_other_worker(overlap: bool) -> None:
+    ref = reference()
+    sched = make(workers=2, overlap=overlap)
+    add_all(sched)  # round-robin: r0, r2 on worker 0; r1, r3 on worker 1
+    fakes = [ScriptedWorker(), ScriptedWorker()]
+    dying = InlineWorker(fakes[0].execute, die_when=lambda so: so.step_id == 2)
+    seen = drive(sched, [dying, InlineWorker(fakes[1].execute)])
+    assert not sched.workers[0].alive and sched.workers[1].alive
+    assert seen.tokens == ref  # recomputed on worker 1: the same tokens
+    assert all(f == FinishReason.LENGTH for f in seen.finish.values())
+    assert len(dying.sent) == (4 if overlap else 3)  # step 3 was in flight behind step 2
+    assert sched.workers[1].kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_failed_step_aborts_its_requests_and_the_loop_goes_on(overlap: bool) -> None:
+    ref = reference()
+    sched = make(overlap=overlap)
+    add_all(sched)
+    fake = ScriptedWorker()
+
+    def execute(so: SchedulerOutput) -> RunnerOutput:
+        out = fake.execute(so)  # the worker took the step's deltas, then failed
+        if so.step_id == 1:
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return out
+
+    failed: list[set[str]] = []
+    worker = InlineWorker(execute)
+    seen = drive(
+        sched, [worker], on_plan=lambda s, w, so, cur: failed.append(set(so.num_scheduled_tokens))
+    )
+    in_failed = {sid.split("/")[0] for sid in failed[1]}
+    assert in_failed
+    for rid, reason in seen.finish.items():
+        assert reason == (FinishReason.ABORT if rid in in_failed else FinishReason.LENGTH), rid
+    for (rid, c), toks in seen.tokens.items():
+        if rid not in in_failed:
+            assert toks == ref[(rid, c)]
+    assert len(seen.finish) == len(PROMPTS)
+    assert sched.workers[0].alive and sched.workers[0].kv.num_free_blocks == 64
+
+
+def test_no_step_is_planned_past_one_can_plan_past_refuses() -> None:
+    ref = reference()
+    sched = make(overlap=True)
+    add_all(sched)
+    refused = {1, 4}
+    sched.can_plan_past = lambda so: so.step_id not in refused  # type: ignore[method-assign]
+    plans: list[tuple[int, int | None]] = []
+    seen = drive(
+        sched,
+        [ScriptedWorker().execute],
+        on_plan=lambda s, w, so, cur: plans.append((so.step_id, cur and cur.step_id)),
+    )
+    assert seen.tokens == ref
+    assert all(cur not in refused for _, cur in plans)
+    assert (2, None) in plans and (5, None) in plans  # planned once 1 and 4 were answered
+    assert any(cur is not None for _, cur in plans)
+
+
+class _Live:
+    alive = True
+
+
+@dataclass
+class StubScheduler:
+    """The scheduler surface the loop uses, scripted: worker 0 has ``steps`` steps; worker
+    1 gets one step of work only when worker 0's second update says ``wake_others``."""
+
+    steps: int = 3
+    config: SchedulerConfig = field(default_factory=lambda: SchedulerConfig(max_model_len=8))
+    work: dict[int, int] = field(default_factory=dict)
+    ran: list[tuple[int, int]] = field(default_factory=list)
+    workers: dict[int, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.work = {0: self.steps, 1: 0}
+        self.workers = {0: _Live(), 1: _Live()}
+        self._next = {0: 0, 1: 0}
+
+    def has_work(self, wid: int) -> bool:
+        return self.work[wid] > 0
+
+    def schedule(self, wid: int) -> StepPlan:
+        self._next[wid] += 1
+        self.work[wid] -= 1
+        return StepPlan(SchedulerOutput(self._next[wid], num_scheduled_tokens={"s": 1}), False)
+
+    def can_plan_past(self, so: SchedulerOutput) -> bool:
+        return True
+
+    def update(self, wid: int, so: SchedulerOutput, ro: RunnerOutput) -> StepUpdate:
+        self.ran.append((wid, so.step_id))
+        wake = wid == 0 and so.step_id == 2
+        if wake:
+            self.work[1] += 1
+        return StepUpdate([], wake)
+
+
+class Ok:
+    """Answers every step after 5 ms (the other loops run meanwhile)."""
+
+    def execute(self, so: SchedulerOutput) -> asyncio.Task[RunnerOutput]:
+        return asyncio.ensure_future(self._answer(so))
+
+    @staticmethod
+    async def _answer(so: SchedulerOutput) -> RunnerOutput:
+        await asyncio.sleep(0.005)
+        return RunnerOutput(so.step_id)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_wake_others_from_an_update_wakes_a_sleeping_worker(overlap: bool) -> None:
+    stub = StubScheduler(config=SchedulerConfig(max_model_len=8, async_scheduling=overlap))
+    engine = EngineLoop(stub, {0: Ok(), 1: Ok()}, lambda outs: None)  # type: ignore[arg-type]
+    run(engine)
+    assert (1, 1) in stub.ran  # worker 1 slept until worker 0's step 2 woke it
+    assert [s for w, s in stub.ran if w == 0] == [1, 2, 3]
+    assert not engine.in_step
+
+
+def test_wake_all_from_outside_reaches_sleeping_loops() -> None:
+    stub = StubScheduler(steps=0)
+
+    async def scenario() -> None:
+        engine = EngineLoop(stub, {0: Ok(), 1: Ok()}, lambda outs: None)  # type: ignore[arg-type]
+        tasks = [engine.start(0), engine.start(1)]
+        await asyncio.sleep(0.01)
+        assert engine.idle
+        stub.work[1] = 2  # as add_request would
+        engine.wake_all()
+        assert not engine.idle
+        await asyncio.sleep(0.05)
+        assert engine.idle and [w for w, _ in stub.ran] == [1, 1]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+
+
+def test_thread_worker_overlaps_planning_with_the_running_step() -> None:
+    """Step 1's execution waits, on the worker thread, until step 2 was planned: only an
+    overlapped loop with a worker that runs concurrently gets past it (else the wait
+    times out and the step fails)."""
+    ref = reference()
+    sched = make(overlap=True)
+    add_all(sched)
+    fake = ScriptedWorker()
+    planned = threading.Event()
+    waited: list[bool] = []
+
+    def execute(so: SchedulerOutput) -> RunnerOutput:
+        if so.step_id == 1:
+            waited.append(planned.wait(5))
+        return fake.execute(so)
+
+    def on_plan(s, w, so, cur):
+        if so.step_id == 2:
+            planned.set()
+
+    worker = ThreadWorker(execute)
+    try:
+        seen = drive(sched, [worker], on_plan=on_plan)
+    finally:
+        worker.close()
+    assert waited == [True]
+    assert seen.tokens == ref
+
+
+def test_every_worker_dead_ends_the_run_with_its_requests_finished() -> None:
+    sched = make(workers=2)
+    add_all(sched)
+    finished: dict[str, FinishReason | None] = {}
+
+    def sink(outs: list) -> None:
+        finished.update((o.request_id, o.finish_reason) for o in outs)
+
+    dead = {w: InlineWorker(None, lambda so: True) for w in (0, 1)}
+    run(EngineLoop(sched, dead, sink))  # both die at their first step
+    assert sched.num_live_workers == 0 and not sched.requests
+    assert set(finished) == {f"r{i}" for i in range(len(PROMPTS))}
+    assert all(r is not None for r in finished.values())
+
+
+def test_work_nobody_can_do_ends_the_run() -> None:
+    """A worker that has work but plans empty steps (nothing fits) sleeps: with nobody
+    left to wake it, the run ends (its caller sees ``has_work``) instead of hanging."""
+    sched = make()
+    sched.has_work = lambda w: True  # type: ignore[method-assign]
+    worker = InlineWorker(ScriptedWorker().execute)
+    run(EngineLoop(sched, {0: worker}, lambda o: None))
+    assert worker.sent == []
+
+
+def test_a_loop_error_ends_the_run_with_it() -> None:
+    sched = make()
+    add_all(sched)
+
+    def boom(wid: int, so: SchedulerOutput, ro: RunnerOutput) -> None:
+        raise KeyError("hook")
+
+    engine = EngineLoop(
+        sched, {0: InlineWorker(ScriptedWorker().execute)}, lambda o: None, on_step=boom
+    )
+    with pytest.raises(KeyError, match="hook"):
+        run(engine)
+
+
+def test_handles_for_every_worker_and_one_loop_each() -> None:
+    sched = make(workers=2)
+    with pytest.raises(ValueError, match=r"no handle for workers \[1\]"):
+        EngineLoop(sched, {0: Ok()}, lambda o: None)
+
+    async def twice() -> None:
+        engine = EngineLoop(sched, {0: Ok(), 1: Ok()}, lambda o: None)
+        task = engine.start(0)
+        with pytest.raises(RuntimeError, match="already running"):
+            engine.start(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(asyncio.wait_for(twice(), 10))
+
+
+def test_worker_died_is_what_a_dead_handle_raises() -> None:
+    assert issubclass(WorkerDied, Exception)
