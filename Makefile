@@ -30,7 +30,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy cluster scheduler worker kernels sim
-	$(VENV)/bin/lint-imports
+	$(PY) tools/lint_imports.py
 
 format: setup
 	$(VENV)/bin/ruff check --fix .

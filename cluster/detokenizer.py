@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
+from pagedserve.scheduler.request import FinishReason, SequenceOutput
+
 
 @dataclass(frozen=True)
 class TextDelta:
@@ -31,6 +33,22 @@ class TextDelta:
     text: str
     stopped: bool
     stop: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputText:
+    """A scheduler delta seen through the detokenizer (:meth:`IncrementalDetokenizer.
+    step_output`).
+
+    Attributes:
+        text: new text that may be sent (stop strings cut, held-back text withheld).
+        finish_reason: the delta's, or STOP when a stop string matched in it.
+        stop_reason: the stop string that matched, else the delta's stop token id.
+    """
+
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None
 
 
 class IncrementalDetokenizer:
@@ -93,6 +111,24 @@ class IncrementalDetokenizer:
         delta = self._text[self._sent : end]
         self._sent = end
         return TextDelta(delta, self._stopped, self._matched)
+
+    def step_output(self, out: SequenceOutput) -> OutputText:
+        """Feed one scheduler delta of this choice (its last one flushes the text).
+
+        A stop token id that ended the choice is left out of the text unless
+        ``include_stop_str``. When the returned ``finish_reason`` is STOP while
+        ``out.finish_reason`` is None, a stop string ended the choice here: the caller
+        aborts it on the scheduler (``abort_request(..., FinishReason.STOP)``).
+        """
+        text_ids = out.new_token_ids
+        if out.stop_reason is not None and not self._include_stop:
+            text_ids = text_ids[:-1]
+        text = self.step(text_ids, final=out.finish_reason is not None)
+        return OutputText(
+            text.text,
+            FinishReason.STOP if text.stopped else out.finish_reason,
+            text.stop if text.stop is not None else out.stop_reason,
+        )
 
     def _held(self) -> int:
         """Length of the longest end of the text that is a proper prefix of a stop string

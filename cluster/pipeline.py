@@ -680,13 +680,8 @@ class RequestPipeline:
     def _delta(
         out: SequenceOutput, detok: IncrementalDetokenizer, sampling: SamplingParams
     ) -> ChoiceDelta:
-        final = out.finish_reason is not None
-        text_ids = out.new_token_ids
-        if out.stop_reason is not None and not sampling.include_stop_str_in_output:
-            text_ids = text_ids[:-1]  # a stop token id ends the delta; its text is left out
-        text = detok.step(text_ids, final=final)
-        stop_reason: str | int | None = text.stop if text.stop is not None else out.stop_reason
-        reason = FinishReason.STOP if text.stopped else out.finish_reason
+        text = detok.step_output(out)
+        reason = text.finish_reason
         usage = None
         if reason is not None:
             usage = Usage(
@@ -703,6 +698,6 @@ class RequestPipeline:
             cumulative_logprob=out.cumulative_logprob,
             score=out.score,
             finish_reason=reason,
-            stop_reason=stop_reason,
+            stop_reason=text.stop_reason,
             usage=usage,
         )

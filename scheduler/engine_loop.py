@@ -88,6 +88,27 @@ class ThreadWorker:
         self._pool.shutdown(wait=True)
 
 
+class InlineWorker:
+    """An in-process worker as a :class:`WorkerHandle` that runs each step on the event
+    loop's thread when it is sent (an answered future comes back): for one serial worker
+    whose steps must run on the caller's thread (a profiler's), and deterministic runs.
+
+    Args:
+        execute_model: ``Worker.execute_model`` or a fake with the same signature.
+    """
+
+    def __init__(self, execute_model: Callable[[SchedulerOutput], RunnerOutput]) -> None:
+        self._execute_model = execute_model
+
+    def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
+        answer: asyncio.Future[RunnerOutput] = asyncio.get_running_loop().create_future()
+        try:
+            answer.set_result(self._execute_model(sched_out))
+        except Exception as exc:  # a failed step, raised where the answer is awaited
+            answer.set_exception(exc)
+        return answer
+
+
 class EngineLoop:
     """The step loops of a :class:`Scheduler`'s workers.
 
@@ -127,6 +148,7 @@ class EngineLoop:
         self._running: set[int] = set()  # workers whose loop has not ended
         self._waiting: set[int] = set()  # ... of those, the ones asleep
         self._idle = asyncio.Event()
+        self._until: Callable[[], bool] | None = None
         self.in_step: set[int] = set()
         self.overlapped = scheduler.config.async_scheduling
         self._step_loop = self._overlapped if self.overlapped else self._serial
@@ -154,18 +176,24 @@ class EngineLoop:
             self.in_step.discard(worker_id)
             self._note_idle()
 
-    async def run_until_idle(self) -> None:
+    async def run_until_idle(self, until: Callable[[], bool] | None = None) -> None:
         """Run every live worker's loop until all of them sleep with nothing in flight
         (no worker can make progress), then stop them.
 
         Work may be left when no live worker can take it (every worker died, or a
         request waits for blocks nothing will free): callers check ``has_work``.
 
+        Args:
+            until: checked before each step is planned; once True no step is planned and
+                the run ends when the steps in flight are applied (benchmarks run a
+                fixed number of steps with it).
+
         Raises:
             Exception: whatever a loop raised (a hook's assertion, a scheduler bug).
         """
         tasks = [self.start(w) for w, ws in self._scheduler.workers.items() if ws.alive]
         idle: asyncio.Future[Any] | None = None
+        self._until = until
         try:
             while tasks and not self.idle:
                 self._idle.clear()
@@ -176,6 +204,7 @@ class EngineLoop:
                         tasks.remove(task)  # type: ignore[arg-type]
                         task.result()  # a loop's error ends the run
         finally:
+            self._until = None
             if idle is not None:
                 idle.cancel()
             for task in tasks:
@@ -193,11 +222,16 @@ class EngineLoop:
             ev.set()
 
     # ------------------------------------------------------------------ the loops
+    def _has_work(self, worker_id: int) -> bool:
+        if self._until is not None and self._until():
+            return False
+        return self._scheduler.has_work(worker_id)
+
     async def _serial(self, worker_id: int) -> None:
         worker = self._workers[worker_id]
         sched = self._scheduler
         while True:
-            if not sched.has_work(worker_id):
+            if not self._has_work(worker_id):
                 await self._sleep(worker_id)
                 continue
             plan = sched.schedule(worker_id)
@@ -232,7 +266,7 @@ class EngineLoop:
         while True:
             nxt: tuple[SchedulerOutput, Awaitable[RunnerOutput]] | None = None
             ahead = inflight is None or sched.can_plan_past(inflight[0])
-            if ahead and sched.has_work(worker_id):
+            if ahead and self._has_work(worker_id):
                 plan = sched.schedule(worker_id)
                 if plan.wake_others:
                     self.wake_all()
@@ -308,4 +342,4 @@ def _discard(pending: Awaitable[Any]) -> None:
         pending.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-__all__ = ["EngineLoop", "ThreadWorker", "WorkerDied", "WorkerHandle"]
+__all__ = ["EngineLoop", "InlineWorker", "ThreadWorker", "WorkerDied", "WorkerHandle"]

@@ -8,7 +8,7 @@
   (non-contiguous block tables, reuse of freed blocks) and the SchedulerOutput delta
   contract. It is deliberately simple: no preemption, no prefix cache.
 * :func:`drive` runs the real step loop (:class:`~pagedserve.scheduler.engine_loop.
-  EngineLoop`) over in-process workers (:class:`InlineWorker`) until no worker can make
+  EngineLoop`) over in-process workers (:class:`InProcessWorker`) until no worker can make
   progress, with every scheduler's integrity checked after every step.
 """
 
@@ -347,7 +347,7 @@ class CheckedKVCacheManager:
 
 
 # ----------------------------------------------------------------------------- the step loop
-class InlineWorker:
+class InProcessWorker:
     """A synchronous worker (``execute`` of a fake, or ``Worker.execute_model``) as the
     engine loop's ``WorkerHandle``: the step runs when it is sent, as a worker that runs
     its steps in order would run it, and the answer comes after one turn of the event loop
@@ -411,7 +411,7 @@ def drive(
 
     Args:
         workers: per worker id, a ``WorkerHandle`` or a callable ``execute(so)`` (wrapped
-            in an :class:`InlineWorker`).
+            in an :class:`InProcessWorker`).
         on_plan: ``on_plan(sched, worker_id, so, in_flight_so)`` after a step is sent.
         on_step: ``on_step(sched, worker_id, so)`` after its answer is applied.
         check: ``sched.check_integrity()`` after every step.
@@ -439,7 +439,7 @@ def drive(
             on_step(sched, wid, so)
 
     handles = {
-        i: w if hasattr(w, "execute") and not callable(w) else InlineWorker(w)
+        i: w if hasattr(w, "execute") and not callable(w) else InProcessWorker(w)
         for i, w in enumerate(workers)
     }
     engine = EngineLoop(sched, handles, sink, planned, stepped)

@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 import pytest
-from helpers import InlineWorker, ScriptedWorker, drive
+from helpers import InProcessWorker, ScriptedWorker, drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, ThreadWorker, WorkerDied
@@ -73,8 +73,8 @@ def test_death_mid_step_requeues_on_the_other_worker(overlap: bool) -> None:
     sched = make(workers=2, overlap=overlap)
     add_all(sched)  # round-robin: r0, r2 on worker 0; r1, r3 on worker 1
     fakes = [ScriptedWorker(), ScriptedWorker()]
-    dying = InlineWorker(fakes[0].execute, die_when=lambda so: so.step_id == 2)
-    seen = drive(sched, [dying, InlineWorker(fakes[1].execute)])
+    dying = InProcessWorker(fakes[0].execute, die_when=lambda so: so.step_id == 2)
+    seen = drive(sched, [dying, InProcessWorker(fakes[1].execute)])
     assert not sched.workers[0].alive and sched.workers[1].alive
     assert seen.tokens == ref  # recomputed on worker 1: the same tokens
     assert all(f == FinishReason.LENGTH for f in seen.finish.values())
@@ -96,7 +96,7 @@ def test_failed_step_aborts_its_requests_and_the_loop_goes_on(overlap: bool) -> 
         return out
 
     failed: list[set[str]] = []
-    worker = InlineWorker(execute)
+    worker = InProcessWorker(execute)
     seen = drive(
         sched, [worker], on_plan=lambda s, w, so, cur: failed.append(set(so.num_scheduled_tokens))
     )
@@ -247,7 +247,7 @@ def test_every_worker_dead_ends_the_run_with_its_requests_finished() -> None:
     def sink(outs: list) -> None:
         finished.update((o.request_id, o.finish_reason) for o in outs)
 
-    dead = {w: InlineWorker(None, lambda so: True) for w in (0, 1)}
+    dead = {w: InProcessWorker(None, lambda so: True) for w in (0, 1)}
     run(EngineLoop(sched, dead, sink))  # both die at their first step
     assert sched.num_live_workers == 0 and not sched.requests
     assert set(finished) == {f"r{i}" for i in range(len(PROMPTS))}
@@ -259,7 +259,7 @@ def test_work_nobody_can_do_ends_the_run() -> None:
     left to wake it, the run ends (its caller sees ``has_work``) instead of hanging."""
     sched = make()
     sched.has_work = lambda w: True  # type: ignore[method-assign]
-    worker = InlineWorker(ScriptedWorker().execute)
+    worker = InProcessWorker(ScriptedWorker().execute)
     run(EngineLoop(sched, {0: worker}, lambda o: None))
     assert worker.sent == []
 
@@ -272,7 +272,7 @@ def test_a_loop_error_ends_the_run_with_it() -> None:
         raise KeyError("hook")
 
     engine = EngineLoop(
-        sched, {0: InlineWorker(ScriptedWorker().execute)}, lambda o: None, on_step=boom
+        sched, {0: InProcessWorker(ScriptedWorker().execute)}, lambda o: None, on_step=boom
     )
     with pytest.raises(KeyError, match="hook"):
         run(engine)
