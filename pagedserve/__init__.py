@@ -31,7 +31,7 @@ _EXPORTS = {
     "AsyncClient": "pagedserve.cluster.client",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["LLM", "AsyncClient", "Client", "CompletionOutput", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:
