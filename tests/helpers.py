@@ -355,8 +355,9 @@ class InProcessWorker:
 
     Args:
         execute: runs one step.
-        die_when: ``die_when(sched_out)`` True makes that step (and every later one) fail
-            with ``WorkerDied``, as a dead Ray actor's would.
+        die_when: ``die_when(sched_out)`` True when the step is sent kills the worker:
+            that step, every unanswered one and every later one fail with
+            ``WorkerDied``, as a dead Ray actor's would. Setting ``dead`` does the same.
     """
 
     def __init__(self, execute: Any, die_when: Any = None) -> None:
@@ -377,9 +378,12 @@ class InProcessWorker:
         except Exception as exc:  # a failed step: raised where the answer is awaited
             return self._answer(None, exc)
 
-    @staticmethod
-    async def _answer(out: RunnerOutput | None, exc: BaseException | None) -> RunnerOutput:
+    async def _answer(self, out: RunnerOutput | None, exc: BaseException | None) -> RunnerOutput:
+        from pagedserve.scheduler.engine_loop import WorkerDied
+
         await asyncio.sleep(0)
+        if self.dead:  # as a dead actor's calls: every answer not yet read is lost
+            raise WorkerDied("killed by the test")
         if exc is not None:
             raise exc
         assert out is not None
@@ -405,6 +409,7 @@ def drive(
     on_step: Any = None,
     timeout_s: float = 120.0,
     check: bool = True,
+    until: Any = None,
 ) -> Driven:
     """Run ``sched``'s engine loop (serial or overlapped, as its config says) over
     ``workers`` until no worker can make progress; assert nothing is left to do.
@@ -415,6 +420,8 @@ def drive(
         on_plan: ``on_plan(sched, worker_id, so, in_flight_so)`` after a step is sent.
         on_step: ``on_step(sched, worker_id, so)`` after its answer is applied.
         check: ``sched.check_integrity()`` after every step.
+        until: ``until()`` True stops planning (the run ends once the steps in flight are
+            applied; work may be left).
     """
     from pagedserve.scheduler.engine_loop import EngineLoop
 
@@ -443,8 +450,9 @@ def drive(
         for i, w in enumerate(workers)
     }
     engine = EngineLoop(sched, handles, sink, planned, stepped)
-    asyncio.run(asyncio.wait_for(engine.run_until_idle(), timeout_s))
-    assert not any(sched.has_work(i) for i in sched.workers), "stalled"
+    asyncio.run(asyncio.wait_for(engine.run_until_idle(until), timeout_s))
+    if until is None:
+        assert not any(sched.has_work(i) for i in sched.workers), "stalled"
     return seen
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import assert_same_beams, hf_beams, run_beams
+from helpers import assert_same_beams, drive, hf_beams, run_beams
 
 from pagedserve.scheduler.errors import RequestRejected
 from pagedserve.scheduler.request import FinishReason
@@ -90,13 +90,20 @@ def test_an_aborted_beam_request_counts_its_choices_as_aborted(tiny_llama_dir: P
         )
     )
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256), [WorkerSpec(0, 64, 4)]
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=256, async_scheduling=False),
+        [WorkerSpec(0, 64, 4)],
     )
     sampling = SamplingParams(max_tokens=20, beam_width=3, n=2, ignore_eos=True)
     sched.add_request("r", PROMPTS[0], sampling, (EOS,))
-    for _ in range(4):  # prefill + 3 beam steps: beams forked and pruned
-        so = sched.schedule(0).output
-        assert sched.update(0, so, worker.execute_model(so)).outputs == []
+    steps: list[int] = []
+    # prefill + 3 beam steps: beams forked and pruned, nothing streamed yet
+    seen = drive(
+        sched,
+        [worker.execute_model],
+        on_step=lambda s, w, so: steps.append(so.step_id),
+        until=lambda: len(steps) == 4,
+    )
+    assert steps == [0, 1, 2, 3] and seen.outputs == []
     outs = sched.abort_request("r")
     assert [(o.choice_index, o.finish_reason) for o in outs] == [
         (0, FinishReason.ABORT),

@@ -12,7 +12,7 @@ import itertools
 from pathlib import Path
 
 import pytest
-from helpers import FakeScheduler, hf_greedy
+from helpers import FakeScheduler, drive, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
             max_num_batched_tokens=budget,
             max_model_len=info.max_model_len,
             admission="fits-now",  # admit by current need, so that small pools preempt
+            async_scheduling=False,
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
@@ -52,17 +53,9 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
         sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, sampling, info.eos_token_ids)
-    tokens: dict[tuple[str, int], list[int]] = {}
-    cached: dict[str, int] = {}
-    for _ in range(2000):
-        if not sched.has_work(0):
-            break
-        so = sched.schedule(0).output
-        for out in sched.update(0, so, worker.execute_model(so)).outputs:
-            tokens.setdefault((out.request_id, out.choice_index), []).extend(out.new_token_ids)
-            cached[out.request_id] = out.num_cached_tokens
-        sched.check_integrity()
-    assert not sched.has_work(0)
+    seen = drive(sched, [worker.execute_model])
+    tokens = seen.tokens
+    cached = {out.request_id: out.num_cached_tokens for out in seen.outputs}
     kv = sched.workers[0].kv
     assert kv.num_free_blocks == info.num_blocks
     return tokens, sched, cached
@@ -103,19 +96,15 @@ def test_prefix_cache_hit_gives_cold_prefill_tokens(tiny_llama_dir: Path, expect
     )
     info = worker.get_info()
     sched = Scheduler(
-        SchedulerConfig(max_model_len=info.max_model_len), [WorkerSpec(0, info.num_blocks, 4)]
+        SchedulerConfig(max_model_len=info.max_model_len, async_scheduling=False),
+        [WorkerSpec(0, info.num_blocks, 4)],
     )
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     results = {}
     for rid, prompt in (("a", PROMPTS[1]), ("b", PROMPTS[1]), ("c", PROMPTS[3])):
         sched.add_request(rid, prompt, greedy, info.eos_token_ids)
-        toks: list[int] = []
-        while sched.has_work(0):
-            so = sched.schedule(0).output
-            for out in sched.update(0, so, worker.execute_model(so)).outputs:
-                toks.extend(out.new_token_ids)
-                results[rid] = (toks, out.num_cached_tokens)
-        sched.check_integrity()
+        outs = drive(sched, [worker.execute_model]).outputs
+        results[rid] = ([t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens)
     assert results["a"] == (expected[1], 0)
     assert results["b"] == (expected[1], 16)  # 18-token prompt: 4 full blocks, last kept out
     assert results["c"] == (expected[3], 12)  # 3 shared full blocks

@@ -80,9 +80,7 @@ def test_n_choices_text_and_prompt_shapes(llm, hf, expected):
 
 def test_stop_string_cuts_text_and_ends_the_choice(llm):
     ids = PROMPTS[1]
-    full = llm.generate(ids, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[
-        0
-    ]
+    full = llm.generate(ids, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0]
     text = full.outputs[0].text
     assert len(text) >= 4
     stop = text[2:4]
@@ -135,7 +133,7 @@ def test_bad_input_is_refused_clearly(llm, tiny_llama_dir):
         llm.generate([[1, 500]], GREEDY)
     with pytest.raises(ServingError):
         llm.generate([[3] * 600], GREEDY)  # longer than max_model_len (512)
-    with pytest.raises(ValueError, match="unknown engine option.*max_num_seq\\b"):
+    with pytest.raises(ValueError, match=r"unknown engine option.*max_num_seq\b"):
         LLM(str(tiny_llama_dir), max_num_seq=4)
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(tiny_llama_dir), block_size=0)

@@ -1,8 +1,8 @@
 """Overlapped scheduling with the real Worker in-process on a tiny random Llama.
 
-The step loop of ``SchedulerActor._overlapped_step_loop`` in one thread: step t+1 is
-planned (and, as the worker actor would once t ends, executed) before step t's answer
-is applied. Greedy outputs must equal HF transformers' greedy, also under preemption and
+The engine loop that serves (:mod:`pagedserve.scheduler.engine_loop`, overlapped), driven
+in-process (``helpers.drive``): step t+1 is planned (and, as the worker actor would once t
+ends, executed) before step t's answer is applied. Greedy outputs must equal HF transformers' greedy, also under preemption and
 chunked prefill, with stop tokens found one step late and aborts while steps are in
 flight; every block is free at the end.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import hf_greedy
+from helpers import drive, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -60,36 +60,21 @@ def engine(model_dir: Path, num_blocks: int, budget: int, admission: str):
 
 
 def run_overlapped(worker, sched, abort=None):
-    """Drive one worker with one step always in flight; ``abort(step, sched)`` is called
-    after each step is planned (requests can be aborted while it is in flight)."""
-    tokens: dict[tuple[str, int], list[int]] = {}
+    """Run the overlapped engine loop over one in-process worker; ``abort(step, sched)``
+    is called after each step is planned (requests can be aborted while it is in flight)."""
+    assert sched.config.async_scheduling
+    planned = [0]
     finish: dict[str, object] = {}
-    inflight = None
-    planned = 0
-    for _ in range(3000):
-        nxt = None
-        if sched.has_work(0):
-            so = sched.schedule(0).output
-            if not so.is_empty:
-                nxt = (so, worker.execute_model(so))  # the worker runs steps in order
-                planned += 1
-                if abort is not None:
-                    for out in abort(planned, sched):
-                        finish[out.request_id] = out.finish_reason
-        if inflight is None:
-            if nxt is None:
-                break
-            inflight = nxt
-            continue
-        so, answer = inflight
-        inflight = nxt
-        for out in sched.update(0, so, answer).outputs:
-            tokens.setdefault((out.request_id, out.choice_index), []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
+
+    def on_plan(s, wid, so, cur):
+        planned[0] += 1
+        if abort is not None:
+            for out in abort(planned[0], s):
                 finish[out.request_id] = out.finish_reason
-        sched.check_integrity()
-    assert inflight is None and not sched.has_work(0)
-    return tokens, finish
+
+    seen = drive(sched, [worker.execute_model], on_plan=on_plan)
+    assert seen.ahead > 0
+    return seen.tokens, {**seen.finish, **finish}
 
 
 @pytest.mark.parametrize(

@@ -10,13 +10,15 @@ loop does: step t+1 is planned and run by the worker before t's answer is applie
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import zlib
 from pathlib import Path
 
+import helpers
 import pytest
-from helpers import FakeScheduler, hf_greedy
+from helpers import FakeScheduler, InProcessWorker, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -94,75 +96,25 @@ def make_scheduler(
 
 def drive(
     sched: Scheduler,
-    workers: list[Worker],
+    workers: list,
     on_step=None,
-    max_rounds: int = 3000,
     overlap: bool = False,
     sink: list | None = None,
 ):
-    """Step every live worker with work in turn until nothing is left; check integrity.
+    """Run the engine loop (``helpers.drive``: integrity checked after every step) until
+    nothing is left; returns the tokens per (request id, choice).
 
-    ``on_step(sched, wid, so)`` runs after each step's answer is applied; ``sink`` gets
-    every SequenceOutput. ``overlap``: see :func:`drive_overlapped`."""
-    if overlap:
-        return drive_overlapped(sched, workers, on_step, max_rounds, sink)
-    tokens: dict[tuple[str, int], list[int]] = {}
-    for _ in range(max_rounds):
-        live = [i for i in range(len(workers)) if sched.has_work(i)]
-        if not live:
-            break
-        for wid in live:
-            so = sched.schedule(wid).output
-            if so.is_empty:
-                continue
-            out = workers[wid].execute_model(so)
-            for o in sched.update(wid, so, out).outputs:
-                tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-                if sink is not None:
-                    sink.append(o)
-            sched.check_integrity()
-            if on_step is not None:
-                on_step(sched, wid, so)
-    assert not any(sched.has_work(i) for i in range(len(workers))), "stalled"
-    return tokens
-
-
-def drive_overlapped(sched, workers, on_step, max_rounds, sink):
-    """As ``SchedulerActor._overlapped_step_loop``, per worker: step t+1 is planned, and
-    executed by the worker (which runs steps in order), before t's answer is applied,
-    unless t swaps a group in (``Scheduler.can_plan_past``). Asserts that steps were
-    planned ahead at all."""
-    tokens: dict[tuple[str, int], list[int]] = {}
-    inflight: dict[int, tuple | None] = dict.fromkeys(range(len(workers)))
-    ahead = 0
-    for _ in range(max_rounds):
-        progressed = False
-        for wid, worker in enumerate(workers):
-            cur = inflight[wid]
-            nxt = None
-            if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
-                so = sched.schedule(wid).output
-                if not so.is_empty:
-                    nxt = (so, worker.execute_model(so))
-                    ahead += cur is not None
-            inflight[wid] = nxt
-            if cur is None:
-                progressed |= nxt is not None
-                continue
-            progressed = True
-            for o in sched.update(wid, *cur).outputs:
-                tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-                if sink is not None:
-                    sink.append(o)
-            sched.check_integrity()
-            if on_step is not None:
-                on_step(sched, wid, cur[0])
-        if not progressed:
-            break
-    assert all(v is None for v in inflight.values()), "steps left in flight"
-    assert not any(sched.has_work(i) for i in range(len(workers))), "stalled"
-    assert ahead > 0
-    return tokens
+    ``overlap`` sets the scheduler's ``async_scheduling`` (the loop kind); overlapped runs
+    must plan steps ahead at all. ``on_step(sched, wid, so)`` runs after each step's
+    answer is applied; ``sink`` gets every SequenceOutput. ``workers``: Workers or
+    ``WorkerHandle``s."""
+    sched.config = dataclasses.replace(sched.config, async_scheduling=overlap)
+    handles = [w.execute_model if isinstance(w, Worker) else w for w in workers]
+    seen = helpers.drive(sched, handles, on_step=on_step)
+    if sink is not None:
+        sink.extend(seen.outputs)
+    assert (seen.ahead > 0) is overlap
+    return seen.tokens
 
 
 def assert_all_free(sched: Scheduler, st: HostBlockStore | None = None) -> None:
@@ -224,17 +176,16 @@ def test_migration_to_the_other_worker_equals_hf(tiny_llama_dir: Path, expected,
             sched._enqueue(sched.workers[0], seq)
     migrated: list[str] = []
 
-    def kill_worker0_once_swapped(s: Scheduler, wid: int, so) -> None:
-        if wid == 0 and s.workers[0].alive and s.swap_stats().num_swap_outs > 0:
-            swapped = [sid for sid in s._groups if not s._groups[sid].pending]
-            if swapped:
-                migrated.extend(swapped)
-                s.mark_worker_dead(0)
+    def dies_once_swapped(so) -> bool:
+        swapped = [sid for sid in sched._groups if not sched._groups[sid].pending]
+        migrated.extend(swapped)
+        return bool(swapped)
 
     real_has_work = sched.has_work
-    # Worker 1 idles (it would steal) until worker 0 has swapped something out.
+    # Worker 1 idles (it would steal) until worker 0 has swapped something out and died.
     sched.has_work = lambda w: real_has_work(w) and (w == 0 or not sched.workers[0].alive)  # type: ignore[method-assign]
-    tokens = drive(sched, workers, kill_worker0_once_swapped)
+    dying = InProcessWorker(workers[0].execute_model, die_when=dies_once_swapped)
+    tokens = drive(sched, [dying, workers[1]])
     sched.has_work = real_has_work  # type: ignore[method-assign]
     assert migrated
     for i, ref in enumerate(expected):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import drive
 from torch.nn import functional as F
 
 from pagedserve.kernels import cpu_native
@@ -54,23 +55,20 @@ def run(model_dir: Path, requests, num_blocks: int, batch_invariant: bool, budge
     info = worker.get_info()
     sched = Scheduler(
         SchedulerConfig(
-            max_num_seqs=64, max_num_batched_tokens=budget, max_model_len=info.max_model_len
+            max_num_seqs=64,
+            max_num_batched_tokens=budget,
+            max_model_len=info.max_model_len,
+            async_scheduling=False,
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     for rid, prompt, sampling in requests:
         sched.add_request(rid, prompt, sampling, info.eos_token_ids)
     out: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
-    for _ in range(20_000):
-        if not sched.has_work(0):
-            break
-        so = sched.schedule(0).output
-        for o in sched.update(0, so, worker.execute_model(so)).outputs:
-            ids, lps = out.setdefault((o.request_id, o.choice_index), ([], []))
-            ids.extend(o.new_token_ids)
-            lps.extend(lp.logprob for lp in o.logprobs)
-    assert not sched.has_work(0)
-    sched.check_integrity()
+    for o in drive(sched, [worker.execute_model], timeout_s=600).outputs:
+        ids, lps = out.setdefault((o.request_id, o.choice_index), ([], []))
+        ids.extend(o.new_token_ids)
+        lps.extend(lp.logprob for lp in o.logprobs)
     assert sched.workers[0].kv.num_free_blocks == info.num_blocks
     return out, sched.num_preemptions
 

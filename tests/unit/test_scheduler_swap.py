@@ -5,17 +5,20 @@ swap-out / swap-in / copy-on-write, and before sampling reads the whole sequence
 through the block table: any block restored wrongly fails the test there. It samples a
 token that depends on every token it read, so outputs also reveal lost KV.
 
-Overlapped scheduling (the ``overlapped`` tests): :func:`run_overlapped` plans and runs
-each worker's step t+1 before step t's answer is applied, as the scheduler actor does, and
-the actor itself is driven over fake worker handles with a host store.
+Overlapped scheduling (the ``overlapped`` tests): :func:`run_overlapped` runs the engine
+loop that serves, overlapped (each worker's step t+1 planned and run before step t's
+answer is applied), and the actor itself is driven over fake worker handles with a host
+store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
+from helpers import InProcessWorker, drive
 
 from pagedserve.scheduler import swapping
 from pagedserve.scheduler.actor import SchedulerActor
@@ -134,21 +137,10 @@ def make(num_blocks, mode="swap", host_blocks=64, workers=1, budget=6, **kw) -> 
     )
 
 
-def run(sched: Scheduler, fakes: list[FakeKVWorker], max_rounds: int = 2000):
-    tokens: dict[tuple[str, int], list[int]] = {}
-    for _ in range(max_rounds):
-        live = [i for i in range(len(fakes)) if sched.has_work(i)]
-        if not live:
-            break
-        for wid in live:
-            so = sched.schedule(wid).output
-            if so.is_empty:
-                continue
-            for o in sched.update(wid, so, fakes[wid].execute(so)).outputs:
-                tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-            sched.check_integrity()
-    assert not any(sched.has_work(i) for i in range(len(fakes))), "stalled"
-    return tokens
+def run(sched: Scheduler, fakes: list[FakeKVWorker]):
+    """The serial engine loop over the fakes (``helpers.drive``); tokens per choice."""
+    sched.config = dataclasses.replace(sched.config, async_scheduling=False)
+    return drive(sched, [f.execute for f in fakes]).tokens
 
 
 def reference(prompts, sampling=GREEDY):
@@ -317,49 +309,19 @@ def test_validation() -> None:
 
 
 # ---------------------------------------------------------------------- overlapped scheduling
-def run_overlapped(sched: Scheduler, fakes: list[FakeKVWorker], on_plan=None, max_rounds=3000):
-    """Step each worker as ``SchedulerActor._overlapped_step_loop`` does: step t+1 is
-    planned, and run by the fake (steps run in order), before step t's answer is applied,
-    unless t swaps a group in (``Scheduler.can_plan_past``).
+def run_overlapped(sched: Scheduler, fakes: list, on_plan=None):
+    """The overlapped engine loop over the fakes (``helpers.drive``): step t+1 is planned,
+    and run by the fake (steps run in order), before step t's answer is applied, unless t
+    swaps a group in (``Scheduler.can_plan_past``).
 
-    ``on_plan(sched, wid, so, inflight_so)`` runs after each step is planned
-    (``inflight_so``: the step still in flight, or None); it may mark the worker dead
-    (its steps in flight are then dropped, as the actor's loop does). Returns the tokens
-    and how many steps were planned with another in flight."""
-    tokens: dict[tuple[str, int], list[int]] = {}
-    inflight: dict[int, tuple[SchedulerOutput, RunnerOutput] | None] = dict.fromkeys(
-        range(len(fakes))
-    )
-    ahead = 0
-    for _ in range(max_rounds):
-        progressed = False
-        for wid, fake in enumerate(fakes):
-            cur = inflight[wid]
-            nxt = None
-            if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
-                so = sched.schedule(wid).output
-                if not so.is_empty:
-                    nxt = (so, fake.execute(so))
-                    ahead += cur is not None
-                    if on_plan is not None:
-                        on_plan(sched, wid, so, None if cur is None else cur[0])
-                    if not sched.workers[wid].alive:
-                        inflight[wid] = None
-                        progressed = True
-                        continue
-            inflight[wid] = nxt
-            if cur is None:
-                progressed |= nxt is not None
-                continue
-            progressed = True
-            for o in sched.update(wid, cur[0], cur[1]).outputs:
-                tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-            sched.check_integrity()
-        if not progressed:
-            break
-    assert all(v is None for v in inflight.values()), "steps left in flight"
-    assert not any(sched.has_work(i) for i in range(len(fakes))), "stalled"
-    return tokens, ahead
+    ``on_plan(sched, wid, so, inflight_so)`` runs after each step is sent
+    (``inflight_so``: the step still in flight, or None). ``fakes``: FakeKVWorkers or
+    worker handles. Returns the tokens and how many steps were planned with another in
+    flight."""
+    assert sched.config.async_scheduling
+    handles = [f.execute if isinstance(f, FakeKVWorker) else f for f in fakes]
+    seen = drive(sched, handles, on_plan=on_plan)
+    return seen.tokens, seen.ahead
 
 
 def _victims_in_flight(counter: list[int]):
@@ -508,16 +470,18 @@ def test_overlapped_worker_death_with_two_steps_in_flight() -> None:
         sched._enqueue(sched.workers[0], seq)
     died: list[int] = []
 
+    handles = [InProcessWorker(FakeKVWorker(10, host).execute) for _ in range(2)]
+
     def kill(s, wid, so, cur):
         if wid == 0 and cur is not None and so.blocks_to_swap_out and not died:
             died.append(so.step_id)
-            assert s.mark_worker_dead(0) == []
+            handles[0].dead = True  # both steps in flight fail with WorkerDied
 
     real_has_work = sched.has_work
     # Worker 1 idles (it would steal) until worker 0 is dead.
     sched.has_work = lambda w: real_has_work(w) and (w == 0 or not sched.workers[0].alive)  # type: ignore[method-assign]
-    tokens, _ = run_overlapped(sched, [FakeKVWorker(10, host), FakeKVWorker(10, host)], kill)
-    assert died
+    tokens, _ = run_overlapped(sched, handles, kill)
+    assert died and not sched.workers[0].alive
     assert tokens == ref
     sw = sched.swap_stats()
     assert sw.num_swap_failures > 0  # the swap-out of the dead worker's last step
@@ -532,38 +496,50 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     sched = make(10)
     for i, p in enumerate(PROMPTS):
         sched.add_request(f"r{i}", p, GREEDY)
-    fake = FakeKVWorker(10, host)
-    tokens: dict[tuple[str, int], list[int]] = {}
-    inflight = None
-    for _ in range(500):
-        so = sched.schedule(0).output
-        ans = fake.execute(so)
-        if inflight is not None and so.blocks_to_swap_out:
-            break
-        if inflight is not None:
-            for o in sched.update(0, *inflight).outputs:
-                tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-        inflight = (so, ans)
-    else:
-        raise AssertionError("no swap-out was planned with a step in flight")
-    failed_so = inflight[0]
-    aborted = {o.request_id for o in sched.fail_step(0, failed_so)}
-    assert aborted
-    for o in sched.update(0, so, ans).outputs:
-        tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-    sw = sched.swap_stats()
-    assert sw.num_swap_outs == 1 and sw.num_swap_failures == 0
-    sched.check_integrity()
-    rest, _ = run_overlapped(sched, [fake])
-    for key, toks in rest.items():
-        tokens.setdefault(key, []).extend(toks)
+    handle = FailsLater(FakeKVWorker(10, host))
+    failed: list[SchedulerOutput] = []
+    after: list[SwapStats] = []
+
+    def on_plan(s, wid, so, cur):
+        if cur is not None and so.blocks_to_swap_out and not failed:
+            failed.append(cur)
+            handle.fail.add(cur.step_id)
+
+    def on_step(s, wid, so):
+        if failed and so.step_id == failed[0].step_id + 1:
+            after.append(s.swap_stats())
+
+    seen = drive(sched, [handle], on_plan=on_plan, on_step=on_step)
+    assert failed, "no swap-out was planned with a step in flight"
+    aborted = {r for r, f in seen.finish.items() if f.name == "ABORT"}
+    assert aborted and aborted <= {sid.split("/")[0] for sid in failed[0].num_scheduled_tokens}
+    assert after[0].num_swap_outs == 1 and after[0].num_swap_failures == 0
     for i in range(len(PROMPTS)):
         key = (f"r{i}", 0)
+        toks = seen.tokens.get(key, [])
         if f"r{i}" in aborted:
-            assert tokens.get(key, []) == ref[key][: len(tokens.get(key, []))]
+            assert toks == ref[key][: len(toks)]
         else:
-            assert tokens[key] == ref[key]
+            assert toks == ref[key]
     all_free(sched, host)
+
+
+class FailsLater:
+    """A worker handle over a fake: each step runs when sent; the answer of a step in
+    ``fail`` raises when awaited (the step failed on the worker)."""
+
+    def __init__(self, fake: FakeKVWorker) -> None:
+        self.fake = fake
+        self.fail: set[int] = set()
+
+    def execute(self, so: SchedulerOutput):
+        return self._answer(so.step_id, self.fake.execute(so))
+
+    async def _answer(self, step_id: int, out: RunnerOutput) -> RunnerOutput:
+        await asyncio.sleep(0)
+        if step_id in self.fail:
+            raise RuntimeError("the step failed on the worker")
+        return out
 
 
 class FlakyKVWorker(FakeKVWorker):
