@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import time
@@ -30,6 +31,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.batch_invariant import invariant_linear
@@ -70,21 +72,26 @@ def engine(model_dir: str, requests, num_blocks: int, batch_invariant: bool,
     )
     info = worker.get_info()
     sched = Scheduler(
-        SchedulerConfig(max_model_len=info.max_model_len),
+        SchedulerConfig(max_model_len=info.max_model_len, async_scheduling=False),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     for rid, ids, sampling in requests:
         sched.add_request(rid, ids, sampling, info.eos_token_ids)
     out: dict = {}
     tokens = 0
-    start = time.perf_counter()
-    while sched.has_work(0):
-        so = sched.schedule(0).output
-        for o in sched.update(0, so, worker.execute_model(so)).outputs:
+
+    def collect(outputs: list) -> None:
+        nonlocal tokens
+        for o in outputs:
             ids, lps = out.setdefault((o.request_id, o.choice_index), ([], []))
             ids.extend(o.new_token_ids)
             lps.extend(dict(lp.top) for lp in o.logprobs)
             tokens += len(o.new_token_ids)
+
+    start = time.perf_counter()
+    asyncio.run(
+        EngineLoop(sched, {0: InlineWorker(worker.execute_model)}, collect).run_until_idle()
+    )
     return out, tokens / (time.perf_counter() - start), sched.num_preemptions
 
 

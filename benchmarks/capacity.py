@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ from typing import Any
 from serving import make_workload
 
 from pagedserve.scheduler.config import ADMISSION_RESERVES, SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -65,6 +67,7 @@ def run_one(
             admission_reserve=reserve,
             admission="fits-now",  # paged = admit by current need (vLLM's rule), as measured
             enable_prefix_caching=False,  # only the admission policy differs between runs
+            async_scheduling=False,
         ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
@@ -78,17 +81,19 @@ def run_one(
     running, held, reserved, util, dts = [], [], [], [], []
     tokens = 0
     lengths: dict[str, int] = {}
-    start = time.perf_counter()
-    while sched.has_work(0):
-        t = time.perf_counter()
-        so = sched.schedule(0).output
-        ro = worker.execute_model(so)
-        outs = sched.update(0, so, ro).outputs
-        dts.append(time.perf_counter() - t)
+    last = start = time.perf_counter()
+
+    def sink(outs: list) -> None:
+        nonlocal tokens
         for o in outs:
             tokens += len(o.new_token_ids)
             if o.finish_reason is not None:
                 lengths[o.request_id] = o.num_output_tokens
+
+    def on_step(wid: int, so: Any, ro: Any) -> None:
+        """After each step: its time (schedule, execute, update) and the pool's state."""
+        nonlocal last
+        dts.append(time.perf_counter() - last)
         running.append(len(so.num_scheduled_tokens))
         used = nb - ws.kv.num_free_blocks
         live = sum(s.num_computed_tokens for s in ws.running)
@@ -100,6 +105,10 @@ def run_one(
         held.append(used / nb)
         reserved.append((used + owed) / nb)
         util.append(live / (used * bs) if used else 0.0)
+        last = time.perf_counter()  # the next step's time starts after this bookkeeping
+
+    engine = EngineLoop(sched, {0: InlineWorker(worker.execute_model)}, sink, on_step=on_step)
+    asyncio.run(engine.run_until_idle())
     wall = time.perf_counter() - start
     total_dt = sum(dts) or 1.0
     return {

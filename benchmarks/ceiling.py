@@ -25,6 +25,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -37,6 +38,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -110,9 +112,15 @@ class DecodeEngine:
                 max_model_len=info.max_model_len,
                 max_num_seqs=max(batch, 1),
                 max_num_batched_tokens=max(2048, batch * prompt_len),
+                async_scheduling=False,
             ),
             [WorkerSpec(0, info.num_blocks, info.block_size)],
         )
+        self.steps = self.tokens = 0
+        self.engine = EngineLoop(
+            self.sched, {0: InlineWorker(worker.execute_model)}, self._count, on_step=self._stepped
+        )
+        self.aio = asyncio.new_event_loop()
         rng = random.Random(seed)
         sampling = SamplingParams(max_tokens=info.max_model_len - prompt_len, ignore_eos=True,
                                   temperature=0)  # fmt: skip
@@ -122,16 +130,23 @@ class DecodeEngine:
         while any(s.num_computed_tokens == 0 for s in self.sched.sequences.values()):
             self.step()  # prefill
 
+    def _count(self, outputs: list) -> None:
+        self.tokens += len(outputs)
+
+    def _stepped(self, worker_id: int, so: object, ro: object) -> None:
+        self.steps += 1
+
     def step(self) -> int:
-        """One engine step; returns the number of tokens it produced."""
-        so = self.sched.schedule(0).output
-        ro = self.worker.execute_model(so)
-        return len(self.sched.update(0, so, ro).outputs)
+        """One step of the engine loop; returns the number of tokens it produced."""
+        target, before = self.steps + 1, self.tokens
+        self.aio.run_until_complete(self.engine.run_until_idle(lambda: self.steps >= target))
+        return self.tokens - before
 
     def close(self) -> None:
         for rid in list(self.sched.requests):
             self.sched.abort_request(rid)
         self.step()  # sends the finished ids so the worker forgets them
+        self.aio.close()
 
 
 def time_call(fn: Callable[[], object], reps: int) -> float:

@@ -1,12 +1,14 @@
-"""In-process engine throughput (real Scheduler + Worker, no Ray, no gRPC).
+"""In-process engine throughput: ``pagedserve.LLM`` (the engine loop that serves, no Ray,
+no gRPC).
 
 The same workload as ``benchmarks/serving.py`` (its chat prompts, greedy, ``ignore_eos``,
 ``--max-tokens`` each), all requests submitted at once, so the two figures side by side
-show what Ray + gRPC + detokenization cost.
+show what Ray + gRPC cost. Prints one line (tokens/s); writes nothing.
 
 Usage::
 
     .venv/bin/python benchmarks/engine_inprocess.py --num-requests 16 --max-tokens 64
+    .venv/bin/python benchmarks/engine_inprocess.py --no-async-scheduling  # serial loop
 """
 
 from __future__ import annotations
@@ -16,14 +18,8 @@ import os
 import time
 
 from serving import PROMPTS
-from transformers import AutoTokenizer
 
-from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
-from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
-from pagedserve.worker.model_store import resolve_model
-from pagedserve.worker.worker import Worker
+from pagedserve import LLM, SamplingParams
 
 
 def main() -> None:
@@ -32,42 +28,38 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
     args = ap.parse_args()
-    model_dir = str(resolve_model(args.model, progress=False))
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    worker = Worker(
-        WorkerConfig(
-            model=ModelConfig(model=model_dir),
-            cache=CacheConfig(num_blocks=1024),
-            device="cpu",
-            num_threads=args.threads,
-        )
+    llm = LLM(
+        args.model,
+        num_blocks=1024,
+        device="cpu",
+        num_threads=args.threads,
+        async_scheduling=args.async_scheduling,
     )
-    info = worker.get_info()
-    sched = Scheduler(
-        SchedulerConfig(max_model_len=info.max_model_len),
-        [WorkerSpec(0, info.num_blocks, info.block_size)],
-    )
+    messages = [
+        [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(args.num_requests)
+    ]
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    for i in range(args.num_requests):
-        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        sched.add_request(f"r{i}", ids, sampling, info.eos_token_ids)
-    start = time.perf_counter()
-    tokens = steps = 0
     execute_s = 0.0
-    while sched.has_work(0):
-        so = sched.schedule(0).output
-        ro = worker.execute_model(so)
-        execute_s += ro.execute_time_s
+    steps = 0
+
+    def on_step(worker_id: int, so: object, ro: object) -> None:
+        nonlocal execute_s, steps
+        execute_s += ro.execute_time_s  # type: ignore[attr-defined]
         steps += 1
-        tokens += sum(len(o.new_token_ids) for o in sched.update(0, so, ro).outputs)
+
+    llm._engine._on_step = on_step  # the step timings, without changing the loop
+    start = time.perf_counter()
+    outs = llm.chat(messages, sampling)
     wall = time.perf_counter() - start
+    tokens = sum(o.num_output_tokens for o in outs)
     print(
         f"{args.num_requests} requests: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} "
-        f"tok/s; worker execute {execute_s:.2f} s over {steps} steps"
+        f"tok/s; worker execute {execute_s:.2f} s over {steps} steps "
+        f"({'overlapped' if args.async_scheduling else 'serial'})"
     )
+    llm.close()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import os
@@ -28,6 +29,7 @@ import torch
 from pressure import busy_core
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -38,7 +40,11 @@ from pagedserve.worker.worker import Worker
 def run(worker: Worker, args: Any) -> float:
     info = worker.get_info()
     sched = Scheduler(
-        SchedulerConfig(max_num_seqs=args.num_requests, max_model_len=info.max_model_len),
+        SchedulerConfig(
+            max_num_seqs=args.num_requests,
+            max_model_len=info.max_model_len,
+            async_scheduling=False,
+        ),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     rng = random.Random(0)
@@ -47,12 +53,14 @@ def run(worker: Worker, args: Any) -> float:
         prompt = [rng.randint(100, 30000) for _ in range(args.prompt_len)]
         sched.add_request(f"r{i}", prompt, sp, info.eos_token_ids)
     tokens = 0
+
+    def count(outputs: list) -> None:
+        nonlocal tokens
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+
+    engine = EngineLoop(sched, {0: InlineWorker(worker.execute_model)}, count)
     t0 = time.perf_counter()
-    while sched.has_work(0):
-        so = sched.schedule(0).output
-        tokens += sum(
-            len(o.new_token_ids) for o in sched.update(0, so, worker.execute_model(so)).outputs
-        )
+    asyncio.run(engine.run_until_idle())
     return tokens / (time.perf_counter() - t0)
 
 
