@@ -134,7 +134,8 @@ def test_non_loopback_host_without_key_warns_before_anything_starts(caplog):
 
 
 def test_no_pickle_or_eval_in_the_network_layer():
-    """The frontends parse protobuf and JSON only (Ray's own channels pickle; see README)."""
+    """The frontends parse protobuf and JSON only (Ray's own channels pickle; see
+    docs/operations.md, "Security and limits")."""
     banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
     banned_calls = {"eval", "exec", "compile", "__import__"}
     for path in sorted(CLUSTER_DIR.glob("*.py")):
