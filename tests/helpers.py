@@ -26,6 +26,7 @@ from pagedserve.scheduler.outputs import (
     NewSequenceData,
     RunnerOutput,
     SchedulerOutput,
+    SwapPlan,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -35,6 +36,11 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1_000_000)
+
+
+def swaps_of(so: SchedulerOutput) -> SwapPlan:
+    """The step's swap plan, or an empty one when it moves nothing."""
+    return so.swap_plan if so.swap_plan is not None else SwapPlan()
 
 
 def build_char_tokenizer() -> Any:
