@@ -79,8 +79,8 @@ def engine(model_dir: str, requests, num_blocks: int, batch_invariant: bool,
     tokens = 0
     start = time.perf_counter()
     while sched.has_work(0):
-        so = sched.schedule(0)
-        for o in sched.update(0, so, worker.execute_model(so)):
+        so = sched.schedule(0).output
+        for o in sched.update(0, so, worker.execute_model(so)).outputs:
             ids, lps = out.setdefault((o.request_id, o.choice_index), ([], []))
             ids.extend(o.new_token_ids)
             lps.extend(dict(lp.top) for lp in o.logprobs)

@@ -81,9 +81,9 @@ def run_one(
     start = time.perf_counter()
     while sched.has_work(0):
         t = time.perf_counter()
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         ro = worker.execute_model(so)
-        outs = sched.update(0, so, ro)
+        outs = sched.update(0, so, ro).outputs
         dts.append(time.perf_counter() - t)
         for o in outs:
             tokens += len(o.new_token_ids)

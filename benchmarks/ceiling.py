@@ -124,9 +124,9 @@ class DecodeEngine:
 
     def step(self) -> int:
         """One engine step; returns the number of tokens it produced."""
-        so = self.sched.schedule(0)
+        so = self.sched.schedule(0).output
         ro = self.worker.execute_model(so)
-        return len(self.sched.update(0, so, ro))
+        return len(self.sched.update(0, so, ro).outputs)
 
     def close(self) -> None:
         for rid in list(self.sched.requests):

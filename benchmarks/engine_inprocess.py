@@ -58,11 +58,11 @@ def main() -> None:
     tokens = steps = 0
     execute_s = 0.0
     while sched.has_work(0):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         ro = worker.execute_model(so)
         execute_s += ro.execute_time_s
         steps += 1
-        tokens += sum(len(o.new_token_ids) for o in sched.update(0, so, ro))
+        tokens += sum(len(o.new_token_ids) for o in sched.update(0, so, ro).outputs)
     wall = time.perf_counter() - start
     print(
         f"{args.num_requests} requests: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} "

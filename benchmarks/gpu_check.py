@@ -271,8 +271,8 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
             sched.add_request(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids)
 
         def step(sched: Scheduler = sched) -> int:
-            so = sched.schedule(0)
-            return len(sched.update(0, so, runner.execute_model(so)))
+            so = sched.schedule(0).output
+            return len(sched.update(0, so, runner.execute_model(so)).outputs)
 
         while any(s.num_computed_tokens < prompt_len for s in sched.sequences.values()):
             step()  # prefill (chunked by the token budget)

@@ -73,7 +73,7 @@ def simulate(reqs: list[dict[str, Any]], concurrency: int, args: Any, **cfg: Any
             arrived[r["id"]] = step
         nxt = None
         if s.has_work(0):
-            so = s.schedule(0)
+            so = s.schedule(0).output
             if not so.is_empty:
                 nxt = (so, w.execute(so))
                 steps += 1
@@ -84,7 +84,7 @@ def simulate(reqs: list[dict[str, Any]], concurrency: int, args: Any, **cfg: Any
                 break
             inflight = nxt
             continue
-        outs = s.update(0, *inflight)
+        outs = s.update(0, *inflight).outputs
         inflight = nxt
         for o in outs:
             out_tokens += len(o.new_token_ids)

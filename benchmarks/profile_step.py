@@ -169,11 +169,11 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
     while sched.has_work(0):
         timers.acc.clear()
         t0 = time.perf_counter()
-        so = timers.wrap("schedule", sched.schedule)(0)
+        so = timers.wrap("schedule", sched.schedule)(0).output
         t1 = time.perf_counter()
         ro = worker.execute_model(so)
         t2 = time.perf_counter()
-        outs = timers.wrap("update", sched.update)(0, so, ro)
+        outs = timers.wrap("update", sched.update)(0, so, ro).outputs
         t3 = time.perf_counter()
         for o in outs:
             detoks[o.request_id].step(o.new_token_ids, final=o.finish_reason is not None)

@@ -73,7 +73,7 @@ def build(n: int, prompt_len: int, steps: int, queued: bool) -> Scheduler:
     for i in range(n):
         prompt = [(i * 31 + j) % 30000 + 3 for j in range(prompt_len)]
         s.add_request(f"r{i}", prompt, sampling, [2])
-    so = s.schedule(0)  # every prefill in one step
+    so = s.schedule(0).output  # every prefill in one step
     s.update(0, so, fake_execute(so))
     if len(s.workers[0].running) != n:
         raise RuntimeError(f"expected {n} running, got {len(s.workers[0].running)}")
@@ -124,7 +124,7 @@ def measure(
         for _ in range(steps):
             clock.active = True
             t0, c0 = time.perf_counter(), time.thread_time()
-            so = s.schedule(0)
+            so = s.schedule(0).output
             t1, c1 = time.perf_counter(), time.thread_time()
             clock.active = False
             ro = fake_execute(so)

@@ -49,8 +49,10 @@ def run(worker: Worker, args: Any) -> float:
     tokens = 0
     t0 = time.perf_counter()
     while sched.has_work(0):
-        so = sched.schedule(0)
-        tokens += sum(len(o.new_token_ids) for o in sched.update(0, so, worker.execute_model(so)))
+        so = sched.schedule(0).output
+        tokens += sum(
+            len(o.new_token_ids) for o in sched.update(0, so, worker.execute_model(so)).outputs
+        )
     return tokens / (time.perf_counter() - t0)
 
 

@@ -321,8 +321,9 @@ class SchedulerActor:
                 wake.clear()
                 await wake.wait()
                 continue
-            sched_out = sched.schedule(worker_id)
-            if sched.drain_wakeups():
+            plan = sched.schedule(worker_id)
+            sched_out = plan.output
+            if plan.wake_others:
                 self._wake_all()  # preempted or unadmittable work: idle workers may take it
             if sched_out.is_empty:
                 # Nothing fits on this worker right now (e.g. waiting requests need
@@ -345,9 +346,9 @@ class SchedulerActor:
                 continue
             finally:
                 self._in_step.discard(worker_id)
-            outputs = sched.update(worker_id, sched_out, runner_out)
-            self._dispatch(outputs)
-            if any(o.finish_reason is not None for o in outputs) or sched.drain_wakeups():
+            step = sched.update(worker_id, sched_out, runner_out)
+            self._dispatch(step.outputs)
+            if step.wake_others:
                 self._wake_all()  # freed blocks may let another worker admit
 
     async def _overlapped_step_loop(self, worker_id: int) -> None:
@@ -374,8 +375,9 @@ class SchedulerActor:
             nxt: tuple[SchedulerOutput, Any] | None = None
             ahead = inflight is None or sched.can_plan_past(inflight[0])
             if ahead and sched.has_work(worker_id):
-                sched_out = sched.schedule(worker_id)
-                if sched.drain_wakeups():
+                plan = sched.schedule(worker_id)
+                sched_out = plan.output
+                if plan.wake_others:
                     self._wake_all()
                 if not sched_out.is_empty:
                     self._in_step.add(worker_id)
@@ -406,9 +408,9 @@ class SchedulerActor:
                 if nxt is None:
                     self._in_step.discard(worker_id)
             inflight = nxt
-            outputs = sched.update(worker_id, sched_out, runner_out)
-            self._dispatch(outputs)
-            if any(o.finish_reason is not None for o in outputs) or sched.drain_wakeups():
+            step = sched.update(worker_id, sched_out, runner_out)
+            self._dispatch(step.outputs)
+            if step.wake_others:
                 self._wake_all()
 
     async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:

@@ -26,6 +26,7 @@ from pagedserve.scheduler.outputs import (
     NewSequenceData,
     RunnerOutput,
     SchedulerOutput,
+    SwapPlan,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -35,6 +36,11 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1_000_000)
+
+
+def swaps_of(so: SchedulerOutput) -> SwapPlan:
+    """The step's swap plan, or an empty one when it moves nothing."""
+    return so.swap_plan if so.swap_plan is not None else SwapPlan()
 
 
 def build_char_tokenizer() -> Any:
@@ -410,10 +416,10 @@ def run_beams(
     sched.add_request("r", prompt, sampling, eos)
     outs, peak, copies = [], 0, 0
     while sched.has_work(0):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         peak = max(peak, kv.used())
         copies += len(so.blocks_to_copy)
-        outs.extend(sched.update(0, so, worker.execute_model(so)))
+        outs.extend(sched.update(0, so, worker.execute_model(so)).outputs)
         sched.check_integrity()
     assert kv.num_free_blocks == num_blocks and not sched.requests and not sched.sequences
     if on_done is not None:

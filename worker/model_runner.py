@@ -238,7 +238,7 @@ class ModelRunner:
         # NOTE: swap-outs first: their blocks may be reused by this very step (swap-in
         # destinations, copy-on-write targets, new KV); swap-ins before the copies, which
         # may read a block just swapped in.
-        swaps = self.swapper.run(so) if self._has_swaps(so) else {}
+        swaps = self.swapper.run(so.swap_plan) if so.swap_plan is not None else {}
         dropped = self._drop_failed_swap_ins(so, swaps)
         if so.blocks_to_copy:
             mapping = torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
@@ -295,14 +295,10 @@ class ModelRunner:
             so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
         )
 
-    @staticmethod
-    def _has_swaps(so: SchedulerOutput) -> bool:
-        return bool(so.blocks_to_swap_out or so.blocks_to_swap_in or so.host_blocks_to_free)
-
     def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:
         """Forget the sequences of failed swap-ins (the scheduler recomputes them)."""
         dropped: set[str] = set()
-        for t in so.blocks_to_swap_in:
+        for t in so.swap_plan.blocks_to_swap_in if so.swap_plan is not None else ():
             if not swaps[t.transfer_id].ok:
                 dropped.update(t.seq_ids)
         for seq_id in dropped:

@@ -95,8 +95,8 @@ def test_an_aborted_beam_request_counts_its_choices_as_aborted(tiny_llama_dir: P
     sampling = SamplingParams(max_tokens=20, beam_width=3, n=2, ignore_eos=True)
     sched.add_request("r", PROMPTS[0], sampling, (EOS,))
     for _ in range(4):  # prefill + 3 beam steps: beams forked and pruned
-        so = sched.schedule(0)
-        assert sched.update(0, so, worker.execute_model(so)) == []
+        so = sched.schedule(0).output
+        assert sched.update(0, so, worker.execute_model(so)).outputs == []
     outs = sched.abort_request("r")
     assert [(o.choice_index, o.finish_reason) for o in outs] == [
         (0, FinishReason.ABORT),

@@ -57,8 +57,8 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
     for _ in range(2000):
         if not sched.has_work(0):
             break
-        so = sched.schedule(0)
-        for out in sched.update(0, so, worker.execute_model(so)):
+        so = sched.schedule(0).output
+        for out in sched.update(0, so, worker.execute_model(so)).outputs:
             tokens.setdefault((out.request_id, out.choice_index), []).extend(out.new_token_ids)
             cached[out.request_id] = out.num_cached_tokens
         sched.check_integrity()
@@ -111,8 +111,8 @@ def test_prefix_cache_hit_gives_cold_prefill_tokens(tiny_llama_dir: Path, expect
         sched.add_request(rid, prompt, greedy, info.eos_token_ids)
         toks: list[int] = []
         while sched.has_work(0):
-            so = sched.schedule(0)
-            for out in sched.update(0, so, worker.execute_model(so)):
+            so = sched.schedule(0).output
+            for out in sched.update(0, so, worker.execute_model(so)).outputs:
                 toks.extend(out.new_token_ids)
                 results[rid] = (toks, out.num_cached_tokens)
         sched.check_integrity()

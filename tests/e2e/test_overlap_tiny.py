@@ -69,7 +69,7 @@ def run_overlapped(worker, sched, abort=None):
     for _ in range(3000):
         nxt = None
         if sched.has_work(0):
-            so = sched.schedule(0)
+            so = sched.schedule(0).output
             if not so.is_empty:
                 nxt = (so, worker.execute_model(so))  # the worker runs steps in order
                 planned += 1
@@ -83,7 +83,7 @@ def run_overlapped(worker, sched, abort=None):
             continue
         so, answer = inflight
         inflight = nxt
-        for out in sched.update(0, so, answer):
+        for out in sched.update(0, so, answer).outputs:
             tokens.setdefault((out.request_id, out.choice_index), []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 finish[out.request_id] = out.finish_reason

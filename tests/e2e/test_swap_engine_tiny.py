@@ -16,7 +16,7 @@ import zlib
 from pathlib import Path
 
 import pytest
-from helpers import FakeScheduler, hf_greedy
+from helpers import FakeScheduler, hf_greedy, swaps_of
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -112,11 +112,11 @@ def drive(
         if not live:
             break
         for wid in live:
-            so = sched.schedule(wid)
+            so = sched.schedule(wid).output
             if so.is_empty:
                 continue
             out = workers[wid].execute_model(so)
-            for o in sched.update(wid, so, out):
+            for o in sched.update(wid, so, out).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
                 if sink is not None:
                     sink.append(o)
@@ -141,7 +141,7 @@ def drive_overlapped(sched, workers, on_step, max_rounds, sink):
             cur = inflight[wid]
             nxt = None
             if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
-                so = sched.schedule(wid)
+                so = sched.schedule(wid).output
                 if not so.is_empty:
                     nxt = (so, worker.execute_model(so))
                     ahead += cur is not None
@@ -150,7 +150,7 @@ def drive_overlapped(sched, workers, on_step, max_rounds, sink):
                 progressed |= nxt is not None
                 continue
             progressed = True
-            for o in sched.update(wid, *cur):
+            for o in sched.update(wid, *cur).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
                 if sink is not None:
                     sink.append(o)
@@ -226,7 +226,7 @@ def test_migration_to_the_other_worker_equals_hf(tiny_llama_dir: Path, expected,
 
     def kill_worker0_once_swapped(s: Scheduler, wid: int, so) -> None:
         if wid == 0 and s.workers[0].alive and s.swap_stats().num_swap_outs > 0:
-            swapped = [sid for sid in s._groups if not s._groups[sid].pending]
+            swapped = [sid for sid, g in s._swaps.groups.items() if not g.pending]
             if swapped:
                 migrated.extend(swapped)
                 s.mark_worker_dead(0)
@@ -276,7 +276,7 @@ def test_forked_choices_swap_as_a_group_and_keep_sharing(
     shared_after_swap_in: list[int] = []
 
     def check_sharing(s: Scheduler, wid: int, so) -> None:
-        for t in so.blocks_to_swap_in:
+        for t in swaps_of(so).blocks_to_swap_in:
             members = [m for m in t.seq_ids if s.workers[wid].kv.has_seq(m)]
             if len(members) > 1:
                 kv = s.workers[wid].kv
@@ -312,7 +312,7 @@ def test_auto_mode_follows_the_cost_model(tiny_llama_dir: Path, expected, store)
     for bandwidth, swaps in ((1e12, True), (1.0, False)):
         workers = make_workers(tiny_llama_dir, 1, 14, address)
         sched = make_scheduler(workers, "auto", 64, bandwidth=bandwidth, prefill=1e-3)
-        sched._cost.observe_step = lambda *a: None  # type: ignore[union-attr,method-assign]
+        sched._swaps.cost.observe_step = lambda *a: None  # type: ignore[union-attr,method-assign]
         add_all(sched, PROMPTS)
         tokens = drive(sched, workers)
         for i, ref in enumerate(expected):
@@ -337,7 +337,7 @@ def test_store_killed_mid_run_recovers_by_recompute(
         sched = make_scheduler(workers, "swap", 64)
 
         def kill_after_first_swap_out(s: Scheduler, wid: int, so) -> None:
-            if so.blocks_to_swap_out and proc.poll() is None:
+            if swaps_of(so).blocks_to_swap_out and proc.poll() is None:
                 proc.kill()  # swapped-out blocks are lost with it
                 proc.wait(10)
 
@@ -415,7 +415,7 @@ def test_beam_requests_swap_as_groups_and_equal_hf(
     beam_groups: list[int] = []
 
     def record(s: Scheduler, wid: int, so) -> None:
-        beam_groups.extend(len(t.seq_ids) for t in so.blocks_to_swap_out)
+        beam_groups.extend(len(t.seq_ids) for t in swaps_of(so).blocks_to_swap_out)
 
     for i, p in enumerate(prompts):
         sched.add_request(f"r{i}", p, sampling, (2,))

@@ -64,8 +64,8 @@ def run(model_dir: Path, requests, num_blocks: int, batch_invariant: bool, budge
     for _ in range(20_000):
         if not sched.has_work(0):
             break
-        so = sched.schedule(0)
-        for o in sched.update(0, so, worker.execute_model(so)):
+        so = sched.schedule(0).output
+        for o in sched.update(0, so, worker.execute_model(so)).outputs:
             ids, lps = out.setdefault((o.request_id, o.choice_index), ([], []))
             ids.extend(o.new_token_ids)
             lps.extend(lp.logprob for lp in o.logprobs)

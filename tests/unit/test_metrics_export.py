@@ -26,7 +26,7 @@ def two_worker_scheduler() -> Scheduler:
     s.add_request("b", [7, 8], SamplingParams(max_tokens=9, temperature=0), [])
     w = ScriptedWorker()
     for wid in (0, 1, 0, 0):
-        so = s.schedule(wid)
+        so = s.schedule(wid).output
         s.update(wid, so, w.execute(so))
     return s
 

@@ -34,9 +34,9 @@ def run(s: Scheduler, w: FakeWorker, max_steps=200):
     for _ in range(max_steps):
         if not s.has_work(0):
             break
-        so = s.schedule(0)
+        so = s.schedule(0).output
         steps.append(so)
-        outs.extend(s.update(0, so, w.execute(so)))
+        outs.extend(s.update(0, so, w.execute(so)).outputs)
         s.check_integrity()
     return outs, steps
 
@@ -48,12 +48,12 @@ def greedy(max_tokens, **kw):
 def test_single_request_blocks_and_tokens():
     s, w = make(), FakeWorker()
     s.add_request("a", [5, 6, 7, 8, 9], greedy(4), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.num_scheduled_tokens == {"a/0": 5}
     assert so.new_seqs[0].block_ids == [0, 1]
     assert so.new_seqs[0].num_computed_tokens == 0
     outs, _ = [], None
-    outs = s.update(0, so, w.execute(so))
+    outs = s.update(0, so, w.execute(so)).outputs
     assert [o.new_token_ids for o in outs] == [(105,)]
     more, steps = run(s, w)
     toks = [t for o in outs + more for t in o.new_token_ids]
@@ -83,33 +83,33 @@ def test_eos_and_stop_token_ids_and_ignore_eos():
 def test_chunked_prefill_respects_budget():
     s, w = make(budget=4), FakeWorker()
     s.add_request("a", list(range(3, 13)), greedy(2), [EOS])  # 10 tokens -> chunks 4, 4, 2
-    so1 = s.schedule(0)
+    so1 = s.schedule(0).output
     assert so1.num_scheduled_tokens == {"a/0": 4}
-    assert s.update(0, so1, w.execute(so1)) == []
-    so2 = s.schedule(0)
+    assert s.update(0, so1, w.execute(so1)).outputs == []
+    so2 = s.schedule(0).output
     assert so2.num_scheduled_tokens == {"a/0": 4}
     assert so2.cached_seqs[0].num_computed_tokens == 4
-    assert s.update(0, so2, w.execute(so2)) == []
-    so3 = s.schedule(0)
+    assert s.update(0, so2, w.execute(so2)).outputs == []
+    so3 = s.schedule(0).output
     assert so3.num_scheduled_tokens == {"a/0": 2}
-    out = s.update(0, so3, w.execute(so3))
+    out = s.update(0, so3, w.execute(so3)).outputs
     assert out[0].new_token_ids == (110,)
 
 
 def test_no_chunking_waits_for_budget():
     s = make(budget=4, chunked=False)
     s.add_request("a", list(range(3, 13)), greedy(2), [EOS])
-    assert s.schedule(0).num_scheduled_tokens == {}
+    assert s.schedule(0).output.num_scheduled_tokens == {}
 
 
 def test_running_first_then_admission_fcfs_and_max_seqs():
     s, w = make(max_seqs=2), FakeWorker()
     for rid in "abc":
         s.add_request(rid, [1, 2, 3], greedy(3), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert list(so.num_scheduled_tokens) == ["a/0", "b/0"]
     s.update(0, so, w.execute(so))
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.num_scheduled_tokens == {"a/0": 1, "b/0": 1}
     s.update(0, so, w.execute(so))  # a planned step is in flight until its answer is applied
     outs, _ = run(s, w)
@@ -141,10 +141,10 @@ def test_prefix_cache_hit_reports_cached_tokens():
     s.add_request("a", prompt, greedy(1), [EOS])
     run(s, w)
     s.add_request("b", prompt, greedy(1), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.new_seqs[0].num_computed_tokens == 8
     assert so.num_scheduled_tokens == {"b/0": 1}
-    outs = s.update(0, so, w.execute(so))
+    outs = s.update(0, so, w.execute(so)).outputs
     assert outs[0].num_cached_tokens == 8 and outs[0].finish_reason is FinishReason.LENGTH
 
 
@@ -158,14 +158,14 @@ def test_reset_prefix_cache_refuses_while_busy_then_forgets_every_hash():
     )
     prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
     s.add_request("a", prompt, greedy(1), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.new_seqs[0].block_ids == [0, 1, 2]
     assert not s.reset_prefix_cache()  # "a" holds 3 blocks on worker 0
     s.update(0, so, w.execute(so))
     run(s, w)  # tells the worker "a" finished
     assert s.reset_prefix_cache()
     s.add_request("b", prompt, greedy(1), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.new_seqs[0].num_computed_tokens == 0  # computed again: no hit
     assert so.num_scheduled_tokens == {"b/0": 9}
     s.update(0, so, w.execute(so))
@@ -178,14 +178,14 @@ def test_abort_in_every_state_returns_blocks():
     s, w = make(budget=4), FakeWorker()
     s.add_request("run", [1] * 8, greedy(5), [EOS])
     s.add_request("wait", [1] * 8, greedy(5), [EOS])
-    so = s.schedule(0)  # 'run' gets a prefill chunk, 'wait' waits
+    so = s.schedule(0).output  # 'run' gets a prefill chunk, 'wait' waits
     outs = s.abort_request("wait")
     assert outs[0].finish_reason is FinishReason.ABORT
     s.update(0, so, w.execute(so))
     assert s.abort_request("run")[0].finish_reason is FinishReason.ABORT
     assert s.abort_request("run") == []
     assert s.abort_request("unknown") == []
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.finished_seq_ids == ["run/0"]
     s.check_integrity()
     assert s.workers[0].kv.num_free_blocks == 16
@@ -210,17 +210,17 @@ def test_n_choices_fork_from_one_prefill_and_share_blocks():
     seqs = s.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, n=3, seed=1), [EOS])
     assert [q.seq_id for q in seqs] == ["a/0", "a/1", "a/2"]
     kv = s.workers[0].kv
-    so = s.schedule(0)  # one prefill for the whole request
+    so = s.schedule(0).output  # one prefill for the whole request
     assert so.num_scheduled_tokens == {"a/0": 6}
     assert so.new_seqs[0].block_ids == [0, 1]
     assert s.stats().num_waiting == 2  # the pending choices
-    outs = s.update(0, so, w.execute(so))
+    outs = s.update(0, so, w.execute(so)).outputs
     assert [(o.choice_index, o.new_token_ids) for o in outs] == [(0, (106,))]
     # Forked at 5 tokens: both blocks shared by the three choices.
     assert [kv.get_block_ids(f"a/{c}") for c in range(3)] == [[0, 1]] * 3
     assert (kv.get_ref_count(0), kv.get_ref_count(1)) == (3, 3)
     assert s.stats().workers[0].num_used_blocks == 2
-    so = s.schedule(0)
+    so = s.schedule(0).output
     # Choice 0 appends its first output, choices 1 and 2 recompute the last prompt token:
     # the shared partial block 1 is copied for every writer but the last one.
     assert so.num_scheduled_tokens == {"a/0": 1, "a/1": 1, "a/2": 1}
@@ -235,15 +235,15 @@ def test_n_choices_fork_from_one_prefill_and_share_blocks():
     ]
     assert [n.token_ids for n in so.new_seqs] == [[1, 2, 3, 4, 5, 6]] * 2
     assert [kv.get_ref_count(b) for b in range(4)] == [3, 1, 1, 1]
-    outs = s.update(0, so, w.execute(so))
+    outs = s.update(0, so, w.execute(so)).outputs
     assert [(o.choice_index, o.new_token_ids) for o in outs] == [
         (0, (107,)),
         (1, (106,)),
         (2, (106,)),
     ]
     s.check_integrity()
-    so = s.schedule(0)
-    outs = s.update(0, so, w.execute(so))
+    so = s.schedule(0).output
+    outs = s.update(0, so, w.execute(so)).outputs
     # Choice 0 finished first and freed only its private block 2.
     assert [(o.choice_index, o.finish_reason) for o in outs] == [
         (0, FinishReason.LENGTH),
@@ -262,14 +262,14 @@ def test_fork_at_block_boundary_and_one_token_prompt():
     s, w = make(), FakeWorker()
     s.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
     s.add_request("b", [7], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert [n.block_ids for n in so.new_seqs] == [[0, 1], [2]]
     s.update(0, so, w.execute(so))
     kv = s.workers[0].kv
     # a: forked at 4 tokens = exactly block 0; b: a 1-token prompt shares nothing.
     assert kv.get_block_ids("a/1") == [0] and kv.get_ref_count(0) == 2
     assert not kv.has_seq("b/1")
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.blocks_to_copy == []
     assert {n.seq_id: (n.block_ids, n.num_computed_tokens) for n in so.new_seqs} == {
         "a/1": ([0, 3], 4),
@@ -283,17 +283,17 @@ def test_fork_at_block_boundary_and_one_token_prompt():
 def test_abort_before_fork_hands_the_prefill_to_the_next_choice():
     s, w = make(budget=4), FakeWorker()
     s.add_request("a", list(range(1, 9)), SamplingParams(max_tokens=2, n=3, seed=1), [EOS])
-    so = s.schedule(0)  # first chunk of choice 0's prompt
+    so = s.schedule(0).output  # first chunk of choice 0's prompt
     assert so.num_scheduled_tokens == {"a/0": 4}
     s.update(0, so, w.execute(so))
     outs = s.abort_request("a", choice_index=0)
     assert [(o.choice_index, o.finish_reason) for o in outs] == [(0, FinishReason.ABORT)]
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.finished_seq_ids == ["a/0"]
     # Choice 1 now prefills; the block choice 0 computed is a prefix-cache hit.
     assert so.num_scheduled_tokens == {"a/1": 4}
     assert so.new_seqs[0].num_computed_tokens == 4
-    outs = s.update(0, so, w.execute(so))
+    outs = s.update(0, so, w.execute(so)).outputs
     more, _ = run(s, w)
     outs += more
     assert sorted(o.choice_index for o in outs if o.finish_reason) == [1, 2]
@@ -327,7 +327,7 @@ def test_n8_long_prompt_peak_blocks_are_shared_prompt_plus_two_tail_blocks_each(
     s.add_request("a", [7] * 300, SamplingParams(max_tokens=16, n=8, seed=0), [EOS])
     peak = 0
     while s.has_work(0):
-        so = s.schedule(0)
+        so = s.schedule(0).output
         peak = max(peak, kv.used(), s.stats().workers[0].num_used_blocks)
         s.update(0, so, w.execute(so))
         s.check_integrity()
@@ -354,7 +354,7 @@ def test_cache_salt_isolates_prefix_blocks():
     hits = {}
     for rid, salt in (("b", "bob"), ("c", None), ("d", "alice")):
         s.add_request(rid, prompt, greedy(1, cache_salt=salt), [EOS])
-        so = s.schedule(0)
+        so = s.schedule(0).output
         hits[rid] = so.new_seqs[0].num_computed_tokens
         s.update(0, so, w.execute(so))
     assert hits == {"b": 0, "c": 0, "d": 8}
@@ -380,10 +380,10 @@ def test_logprobs_flow_into_deltas_with_cumulative_sum():
     s.add_request("b", [1, 3], greedy(2), [EOS])
     got = []
     for step, (ta, tb) in enumerate([(7, 8), (9, 10)]):
-        so = s.schedule(0)
+        so = s.schedule(0).output
         lp = SampleLogprobs(ta, -0.5 * (step + 1), ((ta, -0.5 * (step + 1)),))
         ro = RunnerOutput(so.step_id, {"a/0": ta, "b/0": tb}, logprobs={"a/0": lp})
-        got.append({o.request_id: o for o in s.update(0, so, ro)})
+        got.append({o.request_id: o for o in s.update(0, so, ro).outputs})
     assert [g["a"].cumulative_logprob for g in got] == [-0.5, -1.5]
     assert [g["a"].logprobs[0].logprob for g in got] == [-0.5, -1.0]
     assert got[1]["b"].logprobs == () and got[1]["b"].cumulative_logprob is None

@@ -43,9 +43,9 @@ def make(num_blocks=16, block_size=4, budget=64, caching=True, admission="projec
 
 
 def step(s: Scheduler, w: ScriptedWorker, clock: Clock, dt: float = 0.0):
-    so = s.schedule(0)
+    so = s.schedule(0).output
     clock.now += dt
-    out = s.update(0, so, w.execute(so))
+    out = s.update(0, so, w.execute(so)).outputs
     s.check_integrity()
     return so, out
 

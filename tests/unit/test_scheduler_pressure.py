@@ -42,8 +42,8 @@ def run(s, w, max_steps=2000):
     for _ in range(max_steps):
         if not s.has_work(0):
             break
-        so = s.schedule(0)
-        outs.extend(s.update(0, so, w.execute(so)))
+        so = s.schedule(0).output
+        outs.extend(s.update(0, so, w.execute(so)).outputs)
         s.check_integrity()
     assert not s.has_work(0), "did not finish within the step bound"
     toks: dict[str, list[int]] = {}
@@ -97,7 +97,7 @@ def test_projected_admission_waits_instead_of_preempting():
     s, w = make(4), ScriptedWorker()
     s.add_request("a", [1] * 6, greedy(6))
     s.add_request("b", [3] * 6, greedy(6))
-    so = s.schedule(0)
+    so = s.schedule(0).output
     # a's peak is 6 + 5 = 11 slots = 3 blocks, so b (3 blocks at its peak) waits.
     assert list(so.num_scheduled_tokens) == ["a/0"]
     s.update(0, so, w.execute(so))
@@ -170,10 +170,10 @@ def _three(victim, policy="fcfs", c_priority=0):
     s.add_request("b", [5, 6], greedy(3), arrival_s=2.0)
     s.add_request("c", list(range(10, 19)), greedy(3, priority=c_priority), arrival_s=3.0)
     w = ScriptedWorker()
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert so.num_scheduled_tokens == {"a/0": 4, "b/0": 2, "c/0": 9}
     s.update(0, so, w.execute(so))
-    so = s.schedule(0)
+    so = s.schedule(0).output
     return s, w, so
 
 
@@ -218,7 +218,7 @@ def _drive(s, seed, overlap):
             live[f"r{i}"] = rng.randint(1, max_tokens) if rng.random() < 0.3 else None
         nxt = None
         if s.has_work(0):
-            so = s.schedule(0)
+            so = s.schedule(0).output
             if not so.is_empty:
                 nxt = (so, w.execute(so))
         if not overlap or inflight is None:
@@ -228,7 +228,7 @@ def _drive(s, seed, overlap):
                 inflight = nxt
                 continue
             inflight = nxt
-        outs = s.update(0, *inflight)
+        outs = s.update(0, *inflight).outputs
         inflight = nxt if overlap else None
         for o in outs:
             if o.finish_reason is not None:

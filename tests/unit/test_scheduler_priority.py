@@ -35,9 +35,9 @@ def run(s, w, max_steps=500):
     for _ in range(max_steps):
         if not s.has_work(0):
             break
-        so = s.schedule(0)
+        so = s.schedule(0).output
         admitted.extend(n.seq_id for n in so.new_seqs)
-        outs.extend(s.update(0, so, w.execute(so)))
+        outs.extend(s.update(0, so, w.execute(so)).outputs)
         s.check_integrity()
     assert not s.has_work(0), "did not finish within the step bound"
     return outs, admitted
@@ -66,7 +66,7 @@ def test_victim_is_least_urgent_even_when_admitted_first():
     # "high" grows into a third block, "low" is the one preempted.
     s, w = make(num_blocks=4, policy="priority", admission="fits-now"), ScriptedWorker()
     s.add_request("low", [1, 2, 3, 4, 5, 6, 7], greedy(6, priority=1), arrival_s=1.0)
-    so = s.schedule(0)
+    so = s.schedule(0).output
     s.update(0, so, w.execute(so))
     s.add_request("high", [9, 8, 7, 6, 5, 4, 3], greedy(6, priority=0), arrival_s=2.0)
     outs, _ = run(s, w)
@@ -98,7 +98,7 @@ def test_preempted_older_sequence_is_not_preempted_again_by_younger():
     # sits behind it in the batch), it must still win the pool against "young".
     s, w = make(num_blocks=10, budget=8, policy="priority"), ScriptedWorker()
     s.add_request("old", list(range(1, 31)), greedy(8), arrival_s=1.0)
-    so = s.schedule(0)
+    so = s.schedule(0).output
     s.update(0, so, w.execute(so))
     s.add_request("young", list(range(31, 61)), greedy(8), arrival_s=2.0)
     outs, _ = run(s, w, max_steps=200)

@@ -38,7 +38,7 @@ def run(s: Scheduler, w: ScriptedWorker, max_steps: int = 500) -> list[int]:
     for _ in range(max_steps):
         if not s.has_work(0):
             break
-        so = s.schedule(0)
+        so = s.schedule(0).output
         s.update(0, so, w.execute(so))
         s.check_integrity()
         running.append(len(s.workers[0].running))
@@ -54,7 +54,7 @@ def add_six(s: Scheduler) -> None:
 def test_none_admits_by_current_need():
     s = make("none")
     add_six(s)
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert len(so.num_scheduled_tokens) == 6
     assert s.workers[0].kv.num_free_blocks == 16 - 6 * 2  # 2 blocks per 5-token prompt
 
@@ -62,7 +62,7 @@ def test_none_admits_by_current_need():
 def test_max_tokens_admits_only_whole_reservations():
     s, w = make("max_tokens"), ScriptedWorker()
     add_six(s)
-    so = s.schedule(0)
+    so = s.schedule(0).output
     # 16 // 3 = 5 reservations fit; the sixth waits although 6 free blocks remain.
     assert list(so.num_scheduled_tokens) == [f"r{i}/0" for i in range(5)]
     assert s.workers[0].kv.num_free_blocks == 16 - 5 * 2  # blocks are taken as they grow
@@ -78,11 +78,11 @@ def test_reservation_counts_blocks_running_sequences_have_not_taken_yet():
     # 8 blocks: a 4-token prompt with max_tokens 12 reserves 4 blocks but holds 1 at first.
     s, w = make("max_tokens", num_blocks=8), ScriptedWorker()
     s.add_request("a", [7] * 4, greedy(12), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     s.update(0, so, w.execute(so))
     assert len(s.workers[0].kv.get_block_ids("a/0")) == 1
     s.add_request("b", [8] * 4, greedy(16), [EOS])  # reserves 5 blocks: 4 + 5 > 8
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert list(so.num_scheduled_tokens) == ["a/0"]
     assert s.workers[0].kv.num_free_blocks == 6  # ...although 6 blocks are free now
     s.update(0, so, w.execute(so))
@@ -96,7 +96,7 @@ def test_max_model_len_reserves_the_longest_sequence():
     s, w = make("max_model_len", max_model_len=32), ScriptedWorker()
     for i in range(4):
         s.add_request(f"r{i}", [5] * 3, greedy(2), [EOS])
-    so = s.schedule(0)
+    so = s.schedule(0).output
     assert list(so.num_scheduled_tokens) == ["r0/0", "r1/0"]
     s.update(0, so, w.execute(so))
     assert max(run(s, w)) == 2

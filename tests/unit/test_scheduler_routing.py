@@ -44,14 +44,14 @@ def step_round(s, fakes, order=(0, 1), on_schedule=None):
     planned = []
     for wid in order:
         if s.has_work(wid):
-            so = s.schedule(wid)
+            so = s.schedule(wid).output
             s.check_integrity()
             if on_schedule is not None:
                 on_schedule(s, wid)
             admitted[wid] = [n.seq_id for n in so.new_seqs]
             planned.append((wid, so))
     for wid, so in planned:
-        outs.extend(s.update(wid, so, fakes[wid].execute(so)))
+        outs.extend(s.update(wid, so, fakes[wid].execute(so)).outputs)
         s.check_integrity()
     return outs, admitted
 
@@ -138,7 +138,7 @@ def test_idle_worker_steals_uncached_work():
     for rid in "cdefg":  # round-robin: c, e, g on worker 0; d, f on worker 1
         s.add_request(rid, [ord(rid), 2, 3], greedy(3))
     assert [q.request_id for q in s.workers[0].waiting] == ["c", "e", "g"]
-    so1 = s.schedule(1)  # admits d, f (load 2), then steals c from worker 0 (load 4:
+    so1 = s.schedule(1).output  # admits d, f (load 2), then steals c from worker 0 (load 4:
     # running a, queued c, e, g; no prefix of c there; 2 + 1 <= 4 - 1); then 3 + 1 > 3 - 1
     assert so1.num_scheduled_tokens == {"d/0": 3, "f/0": 3, "c/0": 3}
     assert s.sequences["c/0"].worker_id == 1
@@ -156,7 +156,7 @@ def test_stealing_keeps_a_split_burst_split():
     s.schedule(1)
     for i in range(8):  # the burst arrives while both step: 4 queued on each
         s.add_request(f"u{i}", [10 * i + 1, 2, 3], greedy(50))
-    so0 = s.schedule(0)  # before its update: its batch is still {w}
+    so0 = s.schedule(0).output  # before its update: its batch is still {w}
     admitted = sorted(n.seq_id for n in so0.new_seqs)
     assert len(admitted) == 4  # its own 4, nothing stolen: loads stay 5 / 5
     assert all(s.sequences[sid].worker_id == 0 for sid in admitted)
@@ -169,8 +169,8 @@ def test_idle_worker_leaves_cached_work_that_fits():
     s.add_request("first", SYSTEM + [1], greedy(1))
     run_all(s, fakes)
     s.add_request("r", SYSTEM + [2], greedy(1))
-    assert s.schedule(1).is_empty  # r's 20 blocks are cached on worker 0, which has room
-    assert s.schedule(0).num_scheduled_tokens == {"r/0": 1}
+    assert s.schedule(1).output.is_empty  # r's 20 blocks are cached on worker 0, which has room
+    assert s.schedule(0).output.num_scheduled_tokens == {"r/0": 1}
 
 
 def test_no_worker_idles_while_work_waits():

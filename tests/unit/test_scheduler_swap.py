@@ -16,12 +16,19 @@ import asyncio
 import random
 
 import pytest
+from helpers import swaps_of
 
 from pagedserve.scheduler import swapping
 from pagedserve.scheduler.actor import SchedulerActor
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import IntegrityError
-from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
+from pagedserve.scheduler.outputs import (
+    RunnerOutput,
+    SchedulerOutput,
+    SwapPlan,
+    SwapResult,
+    SwapTransfer,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.scheduler.swap import HostBlockPool, SwapSpec, SwapStats
@@ -49,21 +56,22 @@ class FakeKVWorker:
 
     def _swap(self, so: SchedulerOutput) -> dict[str, SwapResult]:
         res = {}
-        n = len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)
+        plan = swaps_of(so)
+        n = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         if self.store_dies_after is not None and n:
             self.store_dies_after -= n
             if self.store_dies_after < 0:  # dead before this step: its blocks are gone
                 self.host.clear()
                 self.fail_swap |= {"out", "in", "free"}
                 self.store_dies_after = None
-        for t in so.blocks_to_swap_out:
+        for t in plan.blocks_to_swap_out:
             if "out" in self.fail_swap:
                 res[t.transfer_id] = SwapResult(False, error="store down")
                 continue
             for b, h in zip(t.block_ids, t.host_block_ids, strict=True):
                 self.host[h] = list(self.pool[b])
             res[t.transfer_id] = SwapResult(True, len(t.block_ids) * 100, 0.001)
-        for t in so.blocks_to_swap_in:
+        for t in plan.blocks_to_swap_in:
             if "in" in self.fail_swap:
                 res[t.transfer_id] = SwapResult(False, error="checksum")
                 for sid in t.seq_ids:
@@ -76,19 +84,24 @@ class FakeKVWorker:
             for h in t.host_blocks_to_free:
                 self.host.pop(h, None)
             res[t.transfer_id] = SwapResult(True, len(set(t.host_block_ids)) * 100, 0.001)
-        if so.host_blocks_to_free and "free" in self.fail_swap:
-            res[so.free_transfer_id] = SwapResult(False, error="store down")
-        elif so.host_blocks_to_free:
-            for h in so.host_blocks_to_free:
+        if plan.host_blocks_to_free and "free" in self.fail_swap:
+            res[plan.free_transfer_id] = SwapResult(False, error="store down")
+        elif plan.host_blocks_to_free:
+            for h in plan.host_blocks_to_free:
                 self.host.pop(h, None)
-            res[so.free_transfer_id] = SwapResult(True)
+            res[plan.free_transfer_id] = SwapResult(True)
         return res
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for sid in so.finished_seq_ids:
             self.seqs.pop(sid, None)
         swaps = self._swap(so)
-        failed = {s for t in so.blocks_to_swap_in if not swaps[t.transfer_id].ok for s in t.seq_ids}
+        failed = {
+            s
+            for t in swaps_of(so).blocks_to_swap_in
+            if not swaps[t.transfer_id].ok
+            for s in t.seq_ids
+        }
         for new in so.new_seqs:
             if new.seq_id in failed:
                 continue
@@ -141,10 +154,10 @@ def run(sched: Scheduler, fakes: list[FakeKVWorker], max_rounds: int = 2000):
         if not live:
             break
         for wid in live:
-            so = sched.schedule(wid)
+            so = sched.schedule(wid).output
             if so.is_empty:
                 continue
-            for o in sched.update(wid, so, fakes[wid].execute(so)):
+            for o in sched.update(wid, so, fakes[wid].execute(so)).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
             sched.check_integrity()
     assert not any(sched.has_work(i) for i in range(len(fakes))), "stalled"
@@ -191,8 +204,8 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
     fake = FakeKVWorker(12, host)
 
     def step(wid: int = 0):
-        so = sched.schedule(wid)
-        for t in so.blocks_to_swap_out:
+        so = sched.schedule(wid).output
+        for t in swaps_of(so).blocks_to_swap_out:
             groups.append(len(t.seq_ids))
         return so
 
@@ -204,9 +217,9 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
         so = step()
         if so.is_empty:
             continue
-        for o in sched.update(0, so, fake.execute(so)):
+        for o in sched.update(0, so, fake.execute(so)).outputs:
             tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-        for t in so.blocks_to_swap_in:
+        for t in swaps_of(so).blocks_to_swap_in:
             kv = sched.workers[0].kv
             tables = [kv.get_block_ids(s) for s in t.seq_ids if kv.has_seq(s)]
             shared.append(sum(map(len, tables)) - len({b for x in tables for b in x}))
@@ -250,11 +263,11 @@ def test_abort_while_swapped_frees_host_blocks() -> None:
     sched.add_request("a", [1] * 10, GREEDY)
     sched.add_request("b", [2] * 10, GREEDY)
     for _ in range(50):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         sched.update(0, so, fake.execute(so))
         if sched.swap_stats().num_swap_outs:
             break
-    (victim,) = [sid for sid, g in sched._groups.items() if not g.pending]
+    (victim,) = [sid for sid, g in sched._swaps.groups.items() if not g.pending]
     assert host  # its blocks are in the store
     sched.abort_request(victim.split("/")[0])
     assert sched.has_work(0)
@@ -273,18 +286,18 @@ def test_a_pending_swap_out_is_not_stolen_and_migrates_once_done() -> None:
         sched._enqueue(sched.workers[0], seq)
     so = None
     for _ in range(50):
-        so = sched.schedule(0)
-        if so.blocks_to_swap_out:
+        so = sched.schedule(0).output
+        if swaps_of(so).blocks_to_swap_out:
             break
         sched.update(0, so, fakes[0].execute(so))
-    assert so is not None and so.blocks_to_swap_out
+    assert so is not None and swaps_of(so).blocks_to_swap_out
     # Worker 1 is idle while worker 0's swap-out is in flight: it may not take the group.
-    idle = sched.schedule(1)
-    assert not idle.blocks_to_swap_in and not idle.num_scheduled_tokens
+    idle = sched.schedule(1).output
+    assert not swaps_of(idle).blocks_to_swap_in and not idle.num_scheduled_tokens
     sched.update(0, so, fakes[0].execute(so))
     # Done: worker 1 steals the swapped sequence and swaps it in.
-    took = sched.schedule(1)
-    assert took.blocks_to_swap_in
+    took = sched.schedule(1).output
+    assert swaps_of(took).blocks_to_swap_in
     sched.update(1, took, fakes[1].execute(took))
     run(sched, fakes)
     assert sched.swap_stats().num_swap_ins >= 1
@@ -337,7 +350,7 @@ def run_overlapped(sched: Scheduler, fakes: list[FakeKVWorker], on_plan=None, ma
             cur = inflight[wid]
             nxt = None
             if (cur is None or sched.can_plan_past(cur[0])) and sched.has_work(wid):
-                so = sched.schedule(wid)
+                so = sched.schedule(wid).output
                 if not so.is_empty:
                     nxt = (so, fake.execute(so))
                     ahead += cur is not None
@@ -352,7 +365,7 @@ def run_overlapped(sched: Scheduler, fakes: list[FakeKVWorker], on_plan=None, ma
                 progressed |= nxt is not None
                 continue
             progressed = True
-            for o in sched.update(wid, cur[0], cur[1]):
+            for o in sched.update(wid, cur[0], cur[1]).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
             sched.check_integrity()
         if not progressed:
@@ -368,7 +381,7 @@ def _victims_in_flight(counter: list[int]):
     def hook(sched, wid, so, cur):
         if cur is None:
             return
-        for t in so.blocks_to_swap_out:
+        for t in swaps_of(so).blocks_to_swap_out:
             counter[0] += sum(1 for sid in t.seq_ids if sid in cur.num_scheduled_tokens)
 
     return hook
@@ -431,7 +444,7 @@ def test_overlapped_victim_with_its_prefill_in_flight_keeps_it() -> None:
     outs: list[tuple[int, list[str], int]] = []
 
     def record(s, wid, so, cur):
-        for t in so.blocks_to_swap_out:
+        for t in swaps_of(so).blocks_to_swap_out:
             outs.append((so.step_id, t.seq_ids, len(t.block_ids)))
 
     tokens, _ = run_overlapped(sched, [FakeKVWorker(6, host)], record)
@@ -454,7 +467,7 @@ def test_overlapped_n_choices_swap_as_one_group() -> None:
     groups: list[int] = []
 
     def record(s, wid, so, cur):
-        groups.extend(len(t.seq_ids) for t in so.blocks_to_swap_out)
+        groups.extend(len(t.seq_ids) for t in swaps_of(so).blocks_to_swap_out)
 
     tokens, _ = run_overlapped(sched, [FakeKVWorker(12, host)], record)
     assert tokens == ref
@@ -509,7 +522,7 @@ def test_overlapped_worker_death_with_two_steps_in_flight() -> None:
     died: list[int] = []
 
     def kill(s, wid, so, cur):
-        if wid == 0 and cur is not None and so.blocks_to_swap_out and not died:
+        if wid == 0 and cur is not None and swaps_of(so).blocks_to_swap_out and not died:
             died.append(so.step_id)
             assert s.mark_worker_dead(0) == []
 
@@ -536,12 +549,12 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     tokens: dict[tuple[str, int], list[int]] = {}
     inflight = None
     for _ in range(500):
-        so = sched.schedule(0)
+        so = sched.schedule(0).output
         ans = fake.execute(so)
-        if inflight is not None and so.blocks_to_swap_out:
+        if inflight is not None and swaps_of(so).blocks_to_swap_out:
             break
         if inflight is not None:
-            for o in sched.update(0, *inflight):
+            for o in sched.update(0, *inflight).outputs:
                 tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
         inflight = (so, ans)
     else:
@@ -549,7 +562,7 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     failed_so = inflight[0]
     aborted = {o.request_id for o in sched.fail_step(0, failed_so)}
     assert aborted
-    for o in sched.update(0, so, ans):
+    for o in sched.update(0, so, ans).outputs:
         tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
     sw = sched.swap_stats()
     assert sw.num_swap_outs == 1 and sw.num_swap_failures == 0
@@ -641,10 +654,16 @@ def test_can_plan_past_only_blocks_after_a_swap_in() -> None:
     sched = make(10)
     assert sched.can_plan_past(SchedulerOutput(step_id=0))
     out = SwapTransfer("out-1", [1], [0], ["a/0"])
-    assert sched.can_plan_past(SchedulerOutput(step_id=1, blocks_to_swap_out=[out]))
-    assert sched.can_plan_past(SchedulerOutput(step_id=2, host_blocks_to_free=[3]))
+    assert sched.can_plan_past(
+        SchedulerOutput(step_id=1, swap_plan=SwapPlan(blocks_to_swap_out=[out]))
+    )
+    assert sched.can_plan_past(
+        SchedulerOutput(step_id=2, swap_plan=SwapPlan(host_blocks_to_free=[3]))
+    )
     into = SwapTransfer("in-2", [1], [0], ["a/0"], [0])
-    assert not sched.can_plan_past(SchedulerOutput(step_id=3, blocks_to_swap_in=[into]))
+    assert not sched.can_plan_past(
+        SchedulerOutput(step_id=3, swap_plan=SwapPlan(blocks_to_swap_in=[into]))
+    )
 
 
 class _Remote:
@@ -678,7 +697,7 @@ class SwapHandle:
             self.after_swap_in.append(so.step_id)
         self.sent += 1
         self.max_in_flight = max(self.max_in_flight, self.sent - self.answered)
-        if so.blocks_to_swap_in:
+        if swaps_of(so).blocks_to_swap_in:
             self._swap_in_step = so.step_id
         return self._run(so)
 
@@ -712,7 +731,7 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
         await actor.ready()
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
         for _ in range(200):  # the last answer's host frees go out with one more step
-            if not actor._scheduler.has_work(0) and not actor._scheduler._inflight.get(0):
+            if not actor._scheduler.has_work(0) and not actor._scheduler._swaps._inflight.get(0):
                 break
             await asyncio.sleep(0.01)
         await actor.check_integrity()

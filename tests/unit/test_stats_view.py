@@ -57,7 +57,7 @@ def _preempted_scheduler() -> Scheduler:
     for _ in range(100):
         if not s.has_work(1):
             break
-        so = s.schedule(1)
+        so = s.schedule(1).output
         s.update(1, so, w.execute(so))
     return s
 
