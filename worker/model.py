@@ -249,9 +249,10 @@ class LayerForward:
     validated kernel API (:mod:`pagedserve.kernels`: torch, Triton or the C attention
     kernel, per the layers' attention backend), then :meth:`LlamaForCausalLM.compute_logits`.
 
-    Works for any device and dtype. The step's indices are validated once
-    (:func:`pagedserve.kernels.check_indices`) and the result handed to every layer's
-    kernel calls.
+    Works for any device and dtype. The step's positions and attention indices are
+    validated once (:func:`pagedserve.kernels.check_positions`,
+    :func:`pagedserve.kernels.check_indices`; on CUDA each reads its result back, a sync at
+    the start of the step) and the result handed to every layer's kernel calls.
     """
 
     name: str = "layers"
@@ -265,6 +266,7 @@ class LayerForward:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
+        kernels.check_positions(positions, model.rotary_emb.max_positions, hidden.shape[0])
         checked = None
         if kv_caches:
             num_blocks, block_size = kv_caches[0][0].shape[:2]

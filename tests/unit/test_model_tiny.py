@@ -291,3 +291,54 @@ def test_all_layers_in_one_call_equal_the_per_layer_path_bit_for_bit(
     assert torch.equal(fused_logits, layer_logits)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, layer_caches))
     assert not torch.equal(fused_caches[0], before[0])  # the step's K rows were stored
+
+
+def _bad_step(kind: str, meta, positions: torch.Tensor):
+    """The step's metadata and positions with one index pointing outside its buffer."""
+    import dataclasses
+
+    if kind == "cu_seqlens_q":  # claims a query row past the batch
+        cu = meta.cu_seqlens_q.clone()
+        cu[-1] += 1
+        return dataclasses.replace(meta, cu_seqlens_q=cu), positions
+    if kind == "block_tables":
+        tables = meta.block_tables.clone()
+        tables[1, 0] = NUM_BLOCKS
+        return dataclasses.replace(meta, block_tables=tables), positions
+    if kind == "slot_mapping":
+        slots = meta.slot_mapping.clone()
+        slots[3] = NUM_BLOCKS * BLOCK_SIZE
+        return dataclasses.replace(meta, slot_mapping=slots), positions
+    bad = positions.clone()
+    bad[0] = 10_000  # beyond the rotary table
+    return meta, bad
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("cu_seqlens_q", r"cu_seqlens_q\[2\] = 22 != the 21 query rows"),
+        ("block_tables", rf"block_tables\[1, 0\] = {NUM_BLOCKS} is outside"),
+        ("slot_mapping", rf"slot_mapping\[3\] = {NUM_BLOCKS * BLOCK_SIZE} is beyond"),
+        ("positions", r"positions\[0\] = 10000 is outside"),
+    ],
+)
+def test_every_forward_rejects_indices_outside_the_buffers(
+    tiny_llama_dir: Path, forward: str, kind: str, message: str
+) -> None:
+    worker = make_worker(tiny_llama_dir)
+    use_forward(worker, forward)
+    runner = worker.runner
+    long = SequenceState("a", list(PROMPTS[4]), len(PROMPTS[4]), list(range(30)), 0, GREEDY, 0, 0)
+    short = SequenceState("b", list(PROMPTS[0]), len(PROMPTS[0]), [60, 59, 58], 0, GREEDY, 0, 0)
+    short.num_computed_tokens = 8
+    inputs = prepare_inputs([(long, 20), (short, 1)], BLOCK_SIZE, NUM_BLOCKS, runner.device)
+    meta, positions = _bad_step(kind, inputs.attn_metadata, inputs.positions)
+    before = [c.clone() for c in runner.kv_pool.key_caches]
+    with pytest.raises(ValueError, match=message), torch.inference_mode():
+        runner.model(
+            inputs.input_ids, positions, runner.kv_pool.layer_caches(), meta, torch.arange(21)
+        )
+    # Rejected before any kernel ran: the cache is untouched.
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_pool.key_caches))
