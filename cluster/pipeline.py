@@ -29,6 +29,7 @@ import ray
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.cluster.flights import MAX_REQUEST_ID_CHARS, Flight, FlightTable
 from pagedserve.cluster.output_router import OutputRouter
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
     InvalidRequest,
@@ -36,7 +37,7 @@ from pagedserve.scheduler.errors import (
     ServingError,
 )
 from pagedserve.scheduler.outputs import SampleLogprobs
-from pagedserve.scheduler.request import FinishReason, SequenceOutput
+from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -624,12 +625,14 @@ class RequestPipeline:
         """Send the request to the scheduler (subscribing first when needed)."""
         await self.router.ensure()
         await self.scheduler.add_request.remote(
-            req.request_id,
-            list(req.prompt_token_ids),
-            req.sampling,
-            list(self.info.eos_token_ids),
-            self.router.subscriber,
-            tag,
+            EngineRequest(
+                request_id=req.request_id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=req.sampling,
+                eos_token_ids=self.info.eos_token_ids,
+                subscriber=self.router.subscriber,
+                tag=tag,
+            )
         )
 
     async def _abort_when_added(self, ack: asyncio.Future[Any] | None, request_id: str) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
+from pagedserve.scheduler.engine_messages import SequenceOutput
 from pagedserve.scheduler.metrics import SchedulerMetrics
-from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 from pagedserve.scheduler.routing import Router
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.worker_state import WorkerState
@@ -85,7 +86,7 @@ class ForkingMixin:
     def _add_beam_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: tuple[int, ...],
         sampling: SamplingParams,
         eos: frozenset[int],
         max_total: int,

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
     DuplicateRequest,
@@ -72,9 +73,8 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
 )
 from pagedserve.scheduler.preemption import choose_victim
-from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 from pagedserve.scheduler.routing import Router
-from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.swap import SwapSpec
 from pagedserve.scheduler.swapping import SwapMixin
 from pagedserve.scheduler.worker_state import (
@@ -161,29 +161,24 @@ class Scheduler(SwapMixin):
         )
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos_token_ids: Iterable[int] = (),
-        arrival_s: float | None = None,
-    ) -> list[Sequence]:
-        """Queue a request: one sequence per choice (``sampling.n``); choice 0 is queued,
-        the others wait to fork from it (see the module docstring).
+    def add_request(self, request: EngineRequest) -> list[Sequence]:
+        """Queue a request: one sequence per choice (``request.sampling.n``); choice 0 is
+        queued, the others wait to fork from it (see the module docstring). An
+        ``arrival_s`` of None is stamped now (``time.monotonic``).
 
         Raises:
             DuplicateRequest: the request id is in flight.
-            InvalidRequest: empty prompt, or prompt + max_tokens longer than
-                ``max_model_len``.
+            InvalidRequest: prompt + max_tokens longer than ``max_model_len`` (an empty
+                prompt cannot be an :class:`EngineRequest`).
             RequestRejected: one choice at its longest needs more slots than the largest
                 live worker pool holds (it could never finish, even alone).
             ClusterUnavailable: no worker is alive.
         """
+        request_id = request.request_id
+        prompt_token_ids = request.prompt_token_ids
+        sampling = request.sampling
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty")
         prompt_len = len(prompt_token_ids)
         if prompt_len + sampling.max_tokens > self.max_model_len:
             raise InvalidRequest(
@@ -202,8 +197,8 @@ class Scheduler(SwapMixin):
                 f"a sequence of this request needs up to {max_total} KV slots but a worker "
                 f"holds only {capacity}"
             )
-        arrival = time.monotonic() if arrival_s is None else arrival_s
-        eos = frozenset(eos_token_ids)
+        arrival = time.monotonic() if request.arrival_s is None else request.arrival_s
+        eos = frozenset(request.eos_token_ids)
         if sampling.use_beam_search:
             # NOTE: beams step together (a beam that reported waits for its siblings while
             # holding its blocks), so all K must fit at once, not just one at a time.

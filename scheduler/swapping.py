@@ -56,11 +56,12 @@ from __future__ import annotations
 import time
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import SequenceOutput
 from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.forking import ForkingMixin
 from pagedserve.scheduler.metrics import SchedulerMetrics
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
-from pagedserve.scheduler.request import Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.request import Sequence, SequenceStatus
 from pagedserve.scheduler.swap import (
     CostModel,
     HostBlockPool,

@@ -22,6 +22,7 @@ from pagedserve.cluster.pipeline import (
 )
 from pagedserve.scheduler.actor import SchedulerActor
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import ClusterUnavailable, DuplicateRequest
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.scheduler import WorkerSpec
@@ -62,7 +63,7 @@ class Worker:
 
 
 class RefStream:
-    """Looks like Ray's ObjectRefGenerator over the actor's ``generate``: items are
+    """Looks like Ray's ObjectRefGenerator over the actor's ``subscribe``: items are
     awaitables; the call reaches the actor only after ``transit_s`` (in flight)."""
 
     def __init__(self, agen: Any, transit_s: float) -> None:
@@ -84,13 +85,12 @@ class RefStream:
 
 
 class SchedulerHandle:
-    """Looks like the SchedulerActor's Ray handle; ``generate`` and ``add_request`` calls
-    spend ``transit_s`` in transit, so an abort sent meanwhile reaches the actor first."""
+    """Looks like the SchedulerActor's Ray handle; ``add_request`` calls spend
+    ``transit_s`` in transit, so an abort sent meanwhile reaches the actor first."""
 
     def __init__(self, actor: SchedulerActor, transit_s: float = 0.0) -> None:
         self.actor = actor
         self.transit_s = transit_s
-        self.generate = Remote(lambda *a: RefStream(actor.generate(*a), self.transit_s))
         self.subscribe = Remote(lambda *a: RefStream(actor.subscribe(*a), 0.0))
         self.add_request = Remote(lambda *a: asyncio.ensure_future(self._in_transit(a)))
         self.abort = Remote(lambda *a: asyncio.ensure_future(actor.abort(*a)))
@@ -373,12 +373,16 @@ def test_one_output_stream_per_frontend_tags_and_orphans():
         from pagedserve.scheduler.sampling_params import SamplingParams
 
         sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+
+        def request(request_id: str, prompt: list[int], tag: int) -> EngineRequest:
+            return EngineRequest(request_id, prompt, sp, (2,), subscriber="fe-1", tag=tag)
+
         with pytest.raises(ClusterUnavailable, match="no output stream"):
-            await actor.add_request("a", [5, 6, 7], sp, [2], "fe-1", 1)
+            await actor.add_request(request("a", [5, 6, 7], 1))
         stream = actor.subscribe("fe-1")
         assert await stream.__anext__() == []
-        await actor.add_request("a", [5, 6, 7], sp, [2], "fe-1", 7)
-        await actor.add_request("b", [5, 6], sp, [2], "fe-1", 8)
+        await actor.add_request(request("a", [5, 6, 7], 7))
+        await actor.add_request(request("b", [5, 6], 8))
         seen: dict[int, int] = {}
         while len(seen) < 2 or min(seen.values()) < 3:
             for tag, out in await stream.__anext__():
@@ -387,7 +391,7 @@ def test_one_output_stream_per_frontend_tags_and_orphans():
         assert len(actor._scheduler.requests) == 2
         await stream.aclose()  # the frontend went away mid-generation
         await idle(actor)
-        assert actor._subscribed == {} and "fe-1" not in actor._subscribers
+        assert actor._routes == {} and "fe-1" not in actor._subscribers
         await actor.shutdown()
 
     run(scenario())

@@ -15,6 +15,7 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
@@ -50,7 +51,7 @@ def _preempted_scheduler() -> Scheduler:
     s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 4, 4)])
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for rid in ("x", "a", "y", "b"):
-        s.add_request(rid, [1] * 6 if rid in "ab" else [7], sp)
+        s.add_request(EngineRequest(rid, [1] * 6 if rid in "ab" else [7], sp))
     for rid in ("x", "y"):
         s.abort_request(rid)
     w = ScriptedWorker()
