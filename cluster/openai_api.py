@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: ``/v1/models`` (and ``/v1/models/{model}``),
 ``/v1/completions``, ``/v1/chat/completions``.
 
-A thin transport over :class:`~pagedserve.cluster.pipeline.RequestPipeline` (the request
+A thin transport over :meth:`~pagedserve.cluster.pipeline.RequestPipeline.run` (the request
 path gRPC uses too): parse the JSON body (:mod:`pagedserve.cluster.openai_protocol`), hand
 the prompt(s) and sampling fields to the pipeline, render its deltas as OpenAI's response
 objects, or as Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]``) with
@@ -19,10 +19,12 @@ An unknown route (404) or method (405) gets the same error shape
 Errors after a stream has started are sent as one ``data: {"error": ...}`` event before the
 stream ends (the status line is already sent).
 
-Each prompt of a request runs as its own pipeline stream in its own task; when the client
-disconnects, the response task is cancelled (streaming), or the wait for the whole response
-is (non-streaming: the handler watches for the disconnect), which cancels those tasks, and
-each aborts its request (the scheduler frees its blocks).
+Each prompt of a request runs as its own pipeline stream (all of them admitted and prepared
+before any is generated), read by its own task; when the client disconnects, the response
+task is cancelled (streaming), or the wait for the whole response is (non-streaming: the
+handler watches for the disconnect), which cancels those tasks and leaves each stream's
+``run`` block, aborting its request (the scheduler frees its blocks). HTTP has no abort
+call: a client aborts by disconnecting, as with vLLM.
 """
 
 from __future__ import annotations
@@ -50,12 +52,9 @@ from pagedserve.cluster.openai_protocol import (
     completion_inputs,
     sampling_request,
 )
-from pagedserve.cluster.pipeline import (
-    ChoiceDelta,
-    PreparedRequest,
-    RequestPipeline,
-    unicode_problem,
-)
+from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, RequestStream
+from pagedserve.cluster.request_prep import GenerateInput, SamplingRequest, unicode_problem
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import (
     InvalidRequest,
     ModelNotFound,
@@ -338,19 +337,7 @@ class OpenAIServer:
                 inputs = completion_inputs(body)
             sampling = sampling_request(body)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            prepared = [
-                await asyncio.to_thread(
-                    self.pipeline.prepare,
-                    inp,
-                    sampling,
-                    request_id if len(inputs) == 1 else f"{request_id}-{i}",
-                )
-                for i, inp in enumerate(inputs)
-            ]
-            stream = self._merged(prepared)
-            # Wait for the first delta so that errors raised when the scheduler admits the
-            # request (e.g. no live worker) still get their own HTTP status.
-            first = await anext(stream)
+            prepared, stream, first = await self._start(inputs, sampling, request_id)
         except BodyTooLarge as exc:
             return JSONResponse(
                 error_body(str(exc), "invalid_request_error", None, "payload_too_large"),
@@ -381,13 +368,44 @@ class OpenAIServer:
             gone.cancel()
             await stream.aclose()  # on any early exit: cancel the streams, free the blocks
 
+    async def _start(
+        self, inputs: list[GenerateInput], sampling: SamplingRequest, request_id: str
+    ) -> tuple[
+        list[EngineRequest], AsyncGenerator[tuple[int, ChoiceDelta], None], tuple[int, ChoiceDelta]
+    ]:
+        """Run every prompt through :meth:`RequestPipeline.run` (prompt ``i`` of several as
+        ``{request_id}-{i}``); returns the prepared requests, the merged deltas
+        (:meth:`_merged`, which ends every run) and the first delta.
+
+        The first delta is awaited here so that errors raised when the scheduler admits
+        the request (e.g. no live worker) still get their own HTTP status. On any error
+        every run already started is ended (aborted, its id released) before it is raised.
+        """
+        runs = contextlib.AsyncExitStack()
+        try:
+            streams = [
+                await runs.enter_async_context(
+                    self.pipeline.run(
+                        inp, sampling, request_id if len(inputs) == 1 else f"{request_id}-{i}"
+                    )
+                )
+                for i, inp in enumerate(inputs)
+            ]
+            merged = self._merged(streams, runs)
+            first = await anext(merged)
+        except BaseException:
+            await runs.aclose()
+            raise
+        return [s.request for s in streams], merged, first
+
     async def _merged(
-        self, prepared: list[PreparedRequest]
+        self, streams: list[RequestStream], runs: contextlib.AsyncExitStack
     ) -> AsyncGenerator[tuple[int, ChoiceDelta], None]:
         """Deltas of every prompt's stream as ``(prompt index, delta)``, as they come.
 
-        Each stream runs in its own task; closing this generator (or cancelling its
-        consumer) cancels them, and each cancelled stream aborts its request.
+        Each stream is read by its own task; closing this generator (or cancelling its
+        consumer) cancels them and then closes ``runs`` (the streams' ``run`` blocks),
+        which aborts every unfinished request.
         """
         # NOTE: bounded, so a client that stops reading holds the deltas in the pipeline,
         # whose own bound (max_stream_buffer) then aborts the request.
@@ -395,15 +413,15 @@ class OpenAIServer:
             maxsize=MERGE_QUEUE_SIZE
         )
 
-        async def pump(i: int, req: PreparedRequest) -> None:
+        async def pump(i: int, stream: RequestStream) -> None:
             try:
-                async for delta in self.pipeline.generate(req):
+                async for delta in stream:
                     await queue.put((i, delta))
                 await queue.put((i, None))
             except Exception as exc:
                 await queue.put((i, exc))
 
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(prepared)]
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -418,6 +436,7 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await runs.aclose()
 
 
 class _Renderer:
@@ -428,7 +447,7 @@ class _Renderer:
         server: OpenAIServer,
         body: CompletionRequest | ChatCompletionRequest,
         request_id: str,
-        prepared: list[PreparedRequest],
+        prepared: list[EngineRequest],
         chat: bool,
         fields: frozenset[str] = frozenset(),
     ) -> None:

@@ -13,7 +13,8 @@ from pagedserve.cluster.cli import main
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
