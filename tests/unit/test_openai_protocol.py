@@ -56,16 +56,24 @@ def _pipeline(max_model_len=100, slots=64, block_size=16) -> RequestPipeline:
 
 def test_unset_max_tokens_is_the_rest_of_the_context():
     p = _pipeline(max_model_len=100, slots=64)  # context = min(100, 64) = 64
-    assert p.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens == 54
     assert (
-        p.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest(max_tokens=7)).sampling.max_tokens
+        p.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens
+        == 54
+    )
+    assert (
+        p.preparer.prepare(
+            GenerateInput(text="x" * 10), SamplingRequest(max_tokens=7)
+        ).sampling.max_tokens
         == 7
     )
     # beam search: 4 blocks of 16 split over 2 beams -> 32 slots each
     req = SamplingRequest(beam_width=2)
     assert p.preparer.prepare(GenerateInput(text="x" * 10), req).sampling.max_tokens == 22
     big = _pipeline(max_model_len=40, slots=640)
-    assert big.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens == 30
+    assert (
+        big.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens
+        == 30
+    )
     with pytest.raises(InvalidRequest, match="no room"):
         p.preparer.prepare(GenerateInput(text="x" * 64), SamplingRequest())
     with pytest.raises(RequestRejected):
