@@ -134,7 +134,7 @@ class Flight:
     Attributes:
         request_id: the id (the client's, or one the server made up).
         aborted: an Abort (or a shutdown) asked for it to end; checked at every stage.
-        submitted: the scheduler's ``generate`` was called.
+        submitted: the request was sent to the scheduler (``add_request``).
         error: set when the request must end with this error (the scheduler died).
         outputs: the queue its consumer reads (the error is put there too).
         added: the scheduler acknowledged ``add_request`` (from then on its own abort

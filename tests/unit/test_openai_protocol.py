@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.launcher import build_http_app
-from pagedserve.cluster.openai_api import HTTP_STATUS, error_json, parse_body
+from pagedserve.cluster.openai_api import parse_body
 from pagedserve.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,6 +22,7 @@ from pagedserve.cluster.openai_protocol import (
     completion_inputs,
     sampling_request,
 )
+from pagedserve.cluster.openai_render import HTTP_STATUS, error_json
 from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, Usage
 from pagedserve.cluster.request_prep import GenerateInput, ModelInfo, SamplingRequest
 from pagedserve.scheduler.engine_messages import EngineRequest
