@@ -137,7 +137,7 @@ def test_async_client_streams_concurrently_on_one_channel(address, hf):
     assert deltas[-1].finish_reason is not None and deltas[-1].usage is not None
     assert st["workers"][0]["num_blocks"] == NUM_BLOCKS
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.details()
-    assert aborted is False
+    assert aborted is True  # never seen: its Generate may be on the way (remembered)
     with Client(address) as c:
         assert (
             c.generate(token_ids=ids[1], max_tokens=12, temperature=0, ignore_eos=True)
