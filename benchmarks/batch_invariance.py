@@ -30,6 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.batch_invariant import invariant_linear
@@ -74,7 +75,7 @@ def engine(model_dir: str, requests, num_blocks: int, batch_invariant: bool,
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     for rid, ids, sampling in requests:
-        sched.add_request(rid, ids, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(rid, ids, sampling, info.eos_token_ids))
     out: dict = {}
     tokens = 0
     start = time.perf_counter()

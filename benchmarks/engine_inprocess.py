@@ -19,6 +19,7 @@ from serving import PROMPTS
 from transformers import AutoTokenizer
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -53,7 +54,7 @@ def main() -> None:
         chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
         text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        sched.add_request(f"r{i}", ids, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", ids, sampling, info.eos_token_ids))
     start = time.perf_counter()
     tokens = steps = 0
     execute_s = 0.0

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
-from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.engine_messages import SequenceOutput
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -7,6 +7,7 @@ queues the sequences they return.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Sequence as Sequence_
 
 from pagedserve.scheduler.errors import ClusterUnavailable, InvalidRequest, RequestRejected
 from pagedserve.scheduler.request import Sequence, SequenceStatus
@@ -15,7 +16,7 @@ from pagedserve.scheduler.worker_state import WorkerState
 
 
 def check_request(
-    prompt_token_ids: list[int],
+    prompt_token_ids: Sequence_[int],
     sampling: SamplingParams,
     workers: Iterable[WorkerState],
     max_model_len: int,
@@ -67,7 +68,7 @@ def check_request(
 
 def new_sequences(
     request_id: str,
-    prompt_token_ids: list[int],
+    prompt_token_ids: Sequence_[int],
     sampling: SamplingParams,
     eos_token_ids: frozenset[int],
     max_total: int,

@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.admission_policy import AdmissionPolicy
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import DuplicateRequest, IntegrityError
 from pagedserve.scheduler.forking import BeamStep, ForkManager
 from pagedserve.scheduler.intake import check_request, new_sequences
@@ -79,9 +80,8 @@ from pagedserve.scheduler.outputs import (
     SwapTransfer,
 )
 from pagedserve.scheduler.preemption import choose_victim
-from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 from pagedserve.scheduler.routing import Router
-from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.swap import SwapSpec, SwapStats
 from pagedserve.scheduler.swapping import SwapManager, SwapResolution
 from pagedserve.scheduler.worker_state import (
@@ -170,33 +170,35 @@ class Scheduler:
         self._queue_rank = None if fcfs else self._rank  # queues in rank order (priority)
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos_token_ids: Iterable[int] = (),
-        arrival_s: float | None = None,
-    ) -> list[Sequence]:
-        """Queue a request: one sequence per choice (``sampling.n``); choice 0 is queued,
-        the others wait to fork from it (see the module docstring).
+    def add_request(self, request: EngineRequest) -> list[Sequence]:
+        """Queue a request: one sequence per choice (``request.sampling.n``); choice 0 is
+        queued, the others wait to fork from it (see the module docstring). An
+        ``arrival_s`` of None is stamped now (``time.monotonic``).
 
         Raises:
             DuplicateRequest: the request id is in flight.
-            InvalidRequest: empty prompt, or prompt + max_tokens longer than
-                ``max_model_len``.
+            InvalidRequest: prompt + max_tokens longer than ``max_model_len`` (an empty
+                prompt cannot be an :class:`EngineRequest`).
             RequestRejected: one choice at its longest needs more slots than the largest
                 live worker pool holds (it could never finish, even alone).
             ClusterUnavailable: no worker is alive.
         """
+        request_id = request.request_id
+        prompt_token_ids = request.prompt_token_ids
+        sampling = request.sampling
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
         max_total = check_request(
             prompt_token_ids, sampling, self.workers.values(), self.max_model_len
         )
-        arrival = time.monotonic() if arrival_s is None else arrival_s
+        arrival = time.monotonic() if request.arrival_s is None else request.arrival_s
         seqs = new_sequences(
-            request_id, prompt_token_ids, sampling, frozenset(eos_token_ids), max_total, arrival
+            request_id,
+            prompt_token_ids,
+            sampling,
+            frozenset(request.eos_token_ids),
+            max_total,
+            arrival,
         )
         if sampling.use_beam_search:
             self._forks.add(request_id, seqs[0])

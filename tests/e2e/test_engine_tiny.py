@@ -15,6 +15,7 @@ import pytest
 from helpers import FakeScheduler, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -51,7 +52,7 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
     if sampling is None:
         sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, info.eos_token_ids))
     tokens: dict[tuple[str, int], list[int]] = {}
     cached: dict[str, int] = {}
     for _ in range(2000):
@@ -108,7 +109,7 @@ def test_prefix_cache_hit_gives_cold_prefill_tokens(tiny_llama_dir: Path, expect
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     results = {}
     for rid, prompt in (("a", PROMPTS[1]), ("b", PROMPTS[1]), ("c", PROMPTS[3])):
-        sched.add_request(rid, prompt, greedy, info.eos_token_ids)
+        sched.add_request(EngineRequest(rid, prompt, greedy, info.eos_token_ids))
         toks: list[int] = []
         while sched.has_work(0):
             so = sched.schedule(0).output

@@ -19,6 +19,7 @@ import pytest
 from helpers import FakeScheduler, hf_greedy, swaps_of
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
@@ -177,7 +178,7 @@ def assert_all_free(sched: Scheduler, st: HostBlockStore | None = None) -> None:
 
 def add_all(sched: Scheduler, prompts, sampling=GREEDY) -> None:
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling, (2,))
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, (2,)))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
@@ -218,7 +219,7 @@ def test_migration_to_the_other_worker_equals_hf(tiny_llama_dir: Path, expected,
     workers = make_workers(tiny_llama_dir, 2, 14, address)
     sched = make_scheduler(workers, "swap", 64)
     for i, p in enumerate(PROMPTS):
-        seq = sched.add_request(f"r{i}", p, GREEDY, (2,))[0]
+        seq = sched.add_request(EngineRequest(f"r{i}", p, GREEDY, (2,)))[0]
         if seq.queued_on != 0:  # everything starts on worker 0
             sched.workers[seq.queued_on].waiting.remove(seq)
             sched._enqueue(sched.workers[0], seq)
@@ -418,8 +419,8 @@ def test_beam_requests_swap_as_groups_and_equal_hf(
         beam_groups.extend(len(t.seq_ids) for t in swaps_of(so).blocks_to_swap_out)
 
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling, (2,))
-    sched.add_request("greedy", PROMPTS[4], GREEDY, (2,))
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, (2,)))
+    sched.add_request(EngineRequest("greedy", PROMPTS[4], GREEDY, (2,)))
     outputs: list = []
     tokens = drive(sched, workers, record, overlap=overlap, sink=outputs)
     assert tokens[("greedy", 0)] == expected[4]

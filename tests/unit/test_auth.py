@@ -31,7 +31,8 @@ from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig, ModelConfig, ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.http_server import HttpServer
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.cluster.wire import find_bad_field
 from pagedserve.v1 import generate_pb2 as pb
 

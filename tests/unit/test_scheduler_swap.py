@@ -16,11 +16,12 @@ import asyncio
 import random
 
 import pytest
-from helpers import swaps_of
+from helpers import ActorStreams, swaps_of
 
 from pagedserve.scheduler import swapping
 from pagedserve.scheduler.actor import SchedulerActor
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.outputs import (
     RunnerOutput,
@@ -167,7 +168,7 @@ def run(sched: Scheduler, fakes: list[FakeKVWorker], max_rounds: int = 2000):
 def reference(prompts, sampling=GREEDY):
     sched = make(256, mode="recompute")
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling))
     return run(sched, [FakeKVWorker(256, {})])
 
 
@@ -184,7 +185,7 @@ def test_forced_swap_keeps_every_token_and_frees_everything() -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     assert run(sched, [FakeKVWorker(10, host)]) == ref
     sw = sched.swap_stats()
     assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
@@ -199,7 +200,7 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
     host: dict[int, list] = {}
     sched = make(12, budget=16)
     for i, p in enumerate(PROMPTS[:3]):
-        sched.add_request(f"r{i}", p, sampling)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling))
     groups: list[int] = []
     fake = FakeKVWorker(12, host)
 
@@ -235,7 +236,7 @@ def test_host_pool_full_falls_back_to_recompute() -> None:
     host: dict[int, list] = {}
     sched = make(10, host_blocks=1)  # only a victim of one block fits
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     assert run(sched, [FakeKVWorker(10, host)]) == ref
     assert sched.swap_stats().preemptions_by_mode["recompute"] > 0
     all_free(sched, host)
@@ -247,7 +248,7 @@ def test_failed_transfers_recompute(failing: str) -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     fake = FakeKVWorker(10, host, {failing})
     assert run(sched, [fake]) == ref
     sw = sched.swap_stats()
@@ -260,8 +261,8 @@ def test_abort_while_swapped_frees_host_blocks() -> None:
     host: dict[int, list] = {}
     sched = make(6)
     fake = FakeKVWorker(6, host)
-    sched.add_request("a", [1] * 10, GREEDY)
-    sched.add_request("b", [2] * 10, GREEDY)
+    sched.add_request(EngineRequest("a", [1] * 10, GREEDY))
+    sched.add_request(EngineRequest("b", [2] * 10, GREEDY))
     for _ in range(50):
         so = sched.schedule(0).output
         sched.update(0, so, fake.execute(so))
@@ -281,7 +282,7 @@ def test_a_pending_swap_out_is_not_stolen_and_migrates_once_done() -> None:
     sched = make(6, workers=2, prefix=False)  # no cached prefix keeps it on worker 0
     fakes = [FakeKVWorker(6, host), FakeKVWorker(6, host)]
     for rid, p in (("a", [1] * 10), ("b", [2] * 10)):
-        seq = sched.add_request(rid, p, GREEDY)[0]
+        seq = sched.add_request(EngineRequest(rid, p, GREEDY))[0]
         sched.workers[seq.queued_on].waiting.remove(seq)
         sched._enqueue(sched.workers[0], seq)
     so = None
@@ -308,7 +309,7 @@ def test_auto_mode_compares_swap_and_recompute_costs() -> None:
     for bandwidth, mode in ((1e12, "swap"), (1.0, "recompute")):
         sched = make(10, mode="auto", bandwidth=bandwidth, prefill=1e-3)
         for i, p in enumerate(PROMPTS):
-            sched.add_request(f"r{i}", p, GREEDY)
+            sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
         host: dict[int, list] = {}
         run(sched, [FakeKVWorker(10, host)])
         by_mode = sched.swap_stats().preemptions_by_mode
@@ -410,7 +411,7 @@ def test_overlapped_forced_swap_keeps_every_token_and_frees_everything() -> None
     sched = make(10)
     assert sched.config.async_scheduling
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     victims = [0]
     late = count_late_answers(sched)
     tokens, ahead = run_overlapped(sched, [FakeKVWorker(10, host)], _victims_in_flight(victims))
@@ -439,7 +440,7 @@ def test_overlapped_victim_with_its_prefill_in_flight_keeps_it() -> None:
     host: dict[int, list] = {}
     sched = make(6, budget=32)
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     late = count_late_answers(sched)
     outs: list[tuple[int, list[str], int]] = []
 
@@ -463,7 +464,7 @@ def test_overlapped_n_choices_swap_as_one_group() -> None:
     host: dict[int, list] = {}
     sched = make(12, budget=16)
     for i, p in enumerate(PROMPTS[:3]):
-        sched.add_request(f"r{i}", p, sampling)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling))
     groups: list[int] = []
 
     def record(s, wid, so, cur):
@@ -484,7 +485,7 @@ def test_overlapped_failed_transfers_recompute(failing: str) -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     tokens, _ = run_overlapped(sched, [FakeKVWorker(10, host, {failing})])
     assert tokens == ref
     sw = sched.swap_stats()
@@ -498,7 +499,7 @@ def test_overlapped_store_dies_mid_run_recomputes() -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     fake = FakeKVWorker(10, host, store_dies_after=3)
     tokens, _ = run_overlapped(sched, [fake])
     assert tokens == ref
@@ -516,7 +517,7 @@ def test_overlapped_worker_death_with_two_steps_in_flight() -> None:
     host: dict[int, list] = {}
     sched = make(10, workers=2, prefix=False)
     for i, p in enumerate(PROMPTS):  # everything starts on worker 0
-        seq = sched.add_request(f"r{i}", p, GREEDY)[0]
+        seq = sched.add_request(EngineRequest(f"r{i}", p, GREEDY))[0]
         sched.workers[seq.queued_on].waiting.remove(seq)
         sched._enqueue(sched.workers[0], seq)
     died: list[int] = []
@@ -544,7 +545,7 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     fake = FakeKVWorker(10, host)
     tokens: dict[tuple[str, int], list[int]] = {}
     inflight = None
@@ -620,12 +621,12 @@ def _random_swap_run(seed: int) -> tuple[SwapStats, int]:
     ]
     ref_sched = make(256, mode="recompute")
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        ref_sched.add_request(f"r{i}", p, sp)
+        ref_sched.add_request(EngineRequest(f"r{i}", p, sp))
     ref = run(ref_sched, [FakeKVWorker(256, {})])
     host: dict[int, list] = {}
     sched = make(12, workers=2, budget=rng.choice([4, 8, 16]))
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        sched.add_request(f"r{i}", p, sp)
+        sched.add_request(EngineRequest(f"r{i}", p, sp))
     aborted: set[str] = set()
 
     def maybe_abort(s, wid, so, cur):
@@ -721,9 +722,11 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
     actor = SchedulerActor(config, [handle], [WorkerSpec(0, 10, BS)], 0.05, swap=spec)
     assert actor._step_loop_fn() == actor._overlapped_step_loop
 
+    streams = ActorStreams(actor)
+
     async def one(i: int, prompt: list[int]) -> list[int]:
         toks: list[int] = []
-        async for batch in actor.generate(f"r{i}", prompt, GREEDY, []):
+        async for batch in streams.generate(f"r{i}", prompt, GREEDY):
             toks.extend(t for o in batch for t in o.new_token_ids)
         return toks
 
