@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.batch_invariant import invariant_linear
@@ -76,7 +77,7 @@ def engine(model_dir: str, requests, num_blocks: int, batch_invariant: bool,
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     for rid, ids, sampling in requests:
-        sched.add_request(rid, ids, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(rid, ids, sampling, info.eos_token_ids))
     out: dict = {}
     tokens = 0
 

@@ -42,6 +42,7 @@ from serving import make_workload
 
 from pagedserve.scheduler.config import ADMISSION_RESERVES, SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -77,7 +78,7 @@ def run_one(
     for r in reqs:
         cap = min(max_tokens, info.max_model_len - len(r["prompt_ids"]))
         s = sampling if cap == max_tokens else SamplingParams(max_tokens=cap, temperature=0.0)
-        sched.add_request(r["id"], r["prompt_ids"], s, info.eos_token_ids)
+        sched.add_request(EngineRequest(r["id"], r["prompt_ids"], s, info.eos_token_ids))
     running, held, reserved, util, dts = [], [], [], [], []
     tokens = 0
     lengths: dict[str, int] = {}

@@ -39,6 +39,7 @@ from torch.nn import functional as F
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -126,7 +127,9 @@ class DecodeEngine:
                                   temperature=0)  # fmt: skip
         for i in range(batch):
             prompt = [rng.randrange(3, info.vocab_size) for _ in range(prompt_len)]
-            self.sched.add_request(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids)
+            self.sched.add_request(
+                EngineRequest(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids)
+            )
         while any(s.num_computed_tokens == 0 for s in self.sched.sequences.values()):
             self.step()  # prefill
 

@@ -248,6 +248,7 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
     from torch.profiler import ProfilerActivity, profile
 
     from pagedserve.scheduler.config import SchedulerConfig
+    from pagedserve.scheduler.engine_messages import EngineRequest
     from pagedserve.scheduler.sampling_params import SamplingParams
     from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
@@ -268,7 +269,7 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
         sampling = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
         for i in range(batch):
             prompt = torch.randint(3, info.vocab_size, (prompt_len,), generator=gen).tolist()
-            sched.add_request(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids)
+            sched.add_request(EngineRequest(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids))
 
         def step(sched: Scheduler = sched) -> int:
             so = sched.schedule(0).output

@@ -25,6 +25,7 @@ from typing import Any
 from pressure import make_workload
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -68,7 +69,7 @@ def simulate(reqs: list[dict[str, Any]], concurrency: int, args: Any, **cfg: Any
         while len(live) < concurrency and todo:
             r = todo.pop()
             sp = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
-            s.add_request(r["id"], r["prompt_ids"], sp)
+            s.add_request(EngineRequest(r["id"], r["prompt_ids"], sp))
             live[r["id"]] = r["cancel_after"]
             arrived[r["id"]] = step
         nxt = None

@@ -54,6 +54,7 @@ import pagedserve.worker.model as model_mod
 import pagedserve.worker.model_runner as runner_mod
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
         chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
         text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        sched.add_request(f"r{i}", ids, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", ids, sampling, info.eos_token_ids))
         detoks[f"r{i}"] = IncrementalDetokenizer(tok.backend_tokenizer)
     steps: list[dict[str, float]] = []
     texts: dict[str, list[int]] = defaultdict(list)

@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.gc_tuning import tune_gc
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ def build(n: int, prompt_len: int, steps: int, queued: bool) -> Scheduler:
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(n):
         prompt = [(i * 31 + j) % 30000 + 3 for j in range(prompt_len)]
-        s.add_request(f"r{i}", prompt, sampling, [2])
+        s.add_request(EngineRequest(f"r{i}", prompt, sampling, [2]))
     so = s.schedule(0).output  # every prefill in one step
     s.update(0, so, fake_execute(so))
     if len(s.workers[0].running) != n:
@@ -80,7 +81,7 @@ def build(n: int, prompt_len: int, steps: int, queued: bool) -> Scheduler:
     if queued:
         for i in range(n):
             prompt = [(i * 17 + j) % 30000 + 5 for j in range(prompt_len)]
-            s.add_request(f"q{i}", prompt, sampling, [2])
+            s.add_request(EngineRequest(f"q{i}", prompt, sampling, [2]))
     return s
 
 

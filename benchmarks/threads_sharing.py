@@ -30,6 +30,7 @@ from pressure import busy_core
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -51,7 +52,7 @@ def run(worker: Worker, args: Any) -> float:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     for i in range(args.num_requests):
         prompt = [rng.randint(100, 30000) for _ in range(args.prompt_len)]
-        sched.add_request(f"r{i}", prompt, sp, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", prompt, sp, info.eos_token_ids))
     tokens = 0
 
     def count(outputs: list) -> None:

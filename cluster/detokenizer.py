@@ -15,7 +15,8 @@ from typing import Any
 
 from tokenizers.decoders import DecodeStream
 
-from pagedserve.scheduler.request import FinishReason, SequenceOutput
+from pagedserve.scheduler.engine_messages import SequenceOutput
+from pagedserve.scheduler.request import FinishReason
 
 
 @dataclass(frozen=True)

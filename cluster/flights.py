@@ -12,6 +12,14 @@ cancels and reuses the id at once is not refused; a new request whose id is stil
 flight waits up to ``id_reuse_wait_s`` for it to end (its cancel may still be on the way)
 before it is refused with ALREADY_EXISTS.
 
+Two RPCs are not ordered, even on one channel: an ``Abort`` sent right after its
+``Generate`` can reach the server first and find nothing in flight. So an id aborted while
+not in flight is remembered for a bounded time (:attr:`FlightConfig.abort_memory_s`, at
+most :attr:`FlightConfig.max_remembered_ids` ids, the oldest forgotten first): a request
+with that id admitted within that time starts aborted, and ends at once with ABORT
+without reaching the scheduler. Released ids are remembered the same way, so an Abort
+can tell "finished already" (answered False) from "not seen yet" (answered True).
+
 The table also says whether new requests are admitted at all: not while draining (a
 graceful shutdown, :meth:`FlightTable.begin_drain`) and not while the scheduler actor is
 down (:func:`watch_scheduler`); both are refused at once with UNAVAILABLE.
@@ -23,6 +31,9 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +51,82 @@ log = logging.getLogger(__name__)
 MAX_REQUEST_ID_CHARS = 256
 
 
+@dataclass(frozen=True)
+class FlightConfig:
+    """How the frontend tracks request ids.
+
+    Attributes:
+        id_reuse_wait_s: how long a request whose id is in flight waits for it to end
+            before it is refused with ALREADY_EXISTS (seconds).
+        abort_memory_s: how long an id aborted while not in flight (its Generate still on
+            the way) is remembered, and how long a released id is (seconds); > 0.
+        max_remembered_ids: most ids remembered of each kind (the oldest are forgotten
+            first); >= 1.
+
+    Raises:
+        ValueError: a value out of range, naming the field.
+    """
+
+    id_reuse_wait_s: float = 1.0
+    abort_memory_s: float = 5.0
+    max_remembered_ids: int = 4096
+
+    def __post_init__(self) -> None:
+        if not self.id_reuse_wait_s >= 0:
+            raise ValueError(f"id_reuse_wait_s must be >= 0, got {self.id_reuse_wait_s!r}")
+        if not self.abort_memory_s > 0:
+            raise ValueError(f"abort_memory_s must be > 0, got {self.abort_memory_s!r}")
+        if self.max_remembered_ids < 1:
+            raise ValueError(f"max_remembered_ids must be >= 1, got {self.max_remembered_ids!r}")
+
+
+class RecentIds:
+    """Ids remembered for ``ttl_s`` seconds, at most ``max_ids`` of them (FIFO eviction).
+
+    Args:
+        ttl_s: how long an id is remembered after :meth:`add` (seconds).
+        max_ids: most ids held; adding one more forgets the oldest.
+        clock: seconds, monotonic (``time.monotonic``).
+    """
+
+    def __init__(
+        self, ttl_s: float, max_ids: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ttl_s = ttl_s
+        self.max_ids = max_ids
+        self._clock = clock
+        self._expiry: OrderedDict[str, float] = OrderedDict()  # oldest first
+
+    def __len__(self) -> int:
+        self._expire()
+        return len(self._expiry)
+
+    def __contains__(self, request_id: object) -> bool:
+        self._expire()
+        return request_id in self._expiry
+
+    def add(self, request_id: str) -> None:
+        """Remember ``request_id`` for ``ttl_s`` from now (again, if it was already)."""
+        self._expiry.pop(request_id, None)
+        self._expiry[request_id] = self._clock() + self.ttl_s
+        while len(self._expiry) > self.max_ids:
+            self._expiry.popitem(last=False)
+        self._expire()
+
+    def pop(self, request_id: str) -> bool:
+        """Forget ``request_id``; True when it was remembered (and not expired)."""
+        self._expire()
+        return self._expiry.pop(request_id, None) is not None
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._expiry:
+            oldest, expiry = next(iter(self._expiry.items()))
+            if expiry > now:
+                return
+            del self._expiry[oldest]
+
+
 @dataclass(eq=False)
 class Flight:
     """One request id in flight in the frontend.
@@ -47,7 +134,7 @@ class Flight:
     Attributes:
         request_id: the id (the client's, or one the server made up).
         aborted: an Abort (or a shutdown) asked for it to end; checked at every stage.
-        submitted: the scheduler's ``generate`` was called.
+        submitted: the request was sent to the scheduler (``add_request``).
         error: set when the request must end with this error (the scheduler died).
         outputs: the queue its consumer reads (the error is put there too).
         added: the scheduler acknowledged ``add_request`` (from then on its own abort
@@ -65,16 +152,22 @@ class Flight:
 
 
 class FlightTable:
-    """The request ids in flight, the drain switch and the scheduler's liveness.
+    """The request ids in flight, the ids aborted before they arrived, the drain switch
+    and the scheduler's liveness.
 
     Args:
-        id_reuse_wait_s: how long a request whose id is in flight waits for it to end
-            before it is refused (seconds).
+        config: id reuse wait and the memory of aborted and released ids (None: the
+            defaults).
+        clock: seconds, monotonic (the memory's clock).
     """
 
-    def __init__(self, id_reuse_wait_s: float = 1.0) -> None:
-        self.id_reuse_wait_s = id_reuse_wait_s
+    def __init__(
+        self, config: FlightConfig | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config = config or FlightConfig()
         self._flights: dict[str, Flight] = {}
+        self._aborted_early = RecentIds(config.abort_memory_s, config.max_remembered_ids, clock)
+        self._released = RecentIds(config.abort_memory_s, config.max_remembered_ids, clock)
         self.draining = False
         self.scheduler_up = True
 
@@ -96,7 +189,8 @@ class FlightTable:
             raise ClusterUnavailable("the scheduler is unavailable (restarting or gone)")
 
     async def admit(self, request_id: str) -> Flight:
-        """Register ``request_id`` as in flight.
+        """Register ``request_id`` as in flight. The flight starts aborted when an Abort of
+        the id came first (within ``abort_memory_s``).
 
         Raises:
             ClusterUnavailable: draining, or the scheduler actor is down.
@@ -112,11 +206,11 @@ class FlightTable:
             # NOTE: a client that cancels a stream and reuses its id at once can get here
             # before its cancel reached the old stream: give the old one a moment to end.
             try:
-                await asyncio.wait_for(old.released.wait(), self.id_reuse_wait_s)
+                await asyncio.wait_for(old.released.wait(), self.config.id_reuse_wait_s)
             except TimeoutError:
                 raise DuplicateRequest(f"request_id {request_id!r} is in flight") from None
             self._check_admitting()
-        flight = Flight(request_id)
+        flight = Flight(request_id, aborted=self._aborted_early.pop(request_id))
         self._flights[request_id] = flight
         return flight
 
@@ -124,16 +218,25 @@ class FlightTable:
         """Free the flight's id (idempotent; a newer flight with the same id is kept)."""
         if self._flights.get(flight.request_id) is flight:
             del self._flights[flight.request_id]
+            self._released.add(flight.request_id)
         flight.released.set()
 
     def mark_aborted(self, request_id: str) -> Flight | None:
-        """Mark the flight aborted; returns it, or None when the id is not in flight or
-        was aborted already."""
+        """Mark the flight aborted; returns it, or None when the id was aborted already
+        or is not in flight. An id not in flight is remembered (``abort_memory_s``): a
+        request admitted with it in that time starts aborted."""
         flight = self._flights.get(request_id)
-        if flight is None or flight.aborted:
+        if flight is None:
+            self._aborted_early.add(request_id)
+            return None
+        if flight.aborted:
             return None
         flight.aborted = True
         return flight
+
+    def recently_released(self, request_id: str) -> bool:
+        """True when a flight with this id ended within ``abort_memory_s``."""
+        return request_id in self._released
 
     def fail_all(self, error: ServingError) -> None:
         """End every request in flight with ``error`` (their consumers get it next)."""

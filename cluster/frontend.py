@@ -1,11 +1,13 @@
 """The gRPC transport: protobuf in and out of the shared request path.
 
 Runs in the driver process on a ``grpc.aio`` server next to the standard health service
-(``grpc.health.v1.Health``) and server reflection. Validation, tokenization, chat
-templating, detokenization, stop strings and the scheduler call live in
-:mod:`pagedserve.cluster.pipeline` (shared with the OpenAI-compatible HTTP API); this
-module only converts messages. A client that disconnects or calls ``Abort`` gets its
-request aborted and its KV blocks freed.
+(``grpc.health.v1.Health``) and server reflection. Admission, validation, tokenization,
+chat templating, detokenization, stop strings and the scheduler call live behind
+:meth:`pagedserve.cluster.pipeline.RequestPipeline.run` (shared with the OpenAI-compatible
+HTTP API); this module only converts messages. A client that disconnects or calls
+``Abort`` gets its request aborted and its KV blocks freed; an ``Abort`` that overtakes
+its ``Generate`` ends that request at once when it arrives (see
+:mod:`pagedserve.cluster.flights`).
 
 Status codes come from :mod:`pagedserve.scheduler.errors` (one lookup, ``err.status``):
 malformed requests -> INVALID_ARGUMENT; a request larger than any worker's KV pool ->
@@ -28,13 +30,8 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.cluster.auth import ApiKeyInterceptor, grpc_server_credentials
 from pagedserve.cluster.config import ServerConfig
-from pagedserve.cluster.pipeline import (
-    ChoiceDelta,
-    GenerateInput,
-    ModelInfo,
-    RequestPipeline,
-    SamplingRequest,
-)
+from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline
+from pagedserve.cluster.request_prep import GenerateInput, ModelInfo, SamplingRequest
 from pagedserve.cluster.wire import MalformedRequest, safe_parser
 from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
 from pagedserve.v1 import generate_pb2 as pb
@@ -118,33 +115,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         await context.abort(grpc.StatusCode[err.status], str(err))
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        flight = None
-
         if isinstance(request, MalformedRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            # The id is in flight from now on, so an Abort during tokenization finds it.
-            if request.request_id:
-                flight = await self.pipeline.admit(request.request_id)
-            prepared = await asyncio.to_thread(
-                self.pipeline.prepare,
-                input_from_proto(request),
-                sampling_from_proto(request.sampling),
-                request.request_id,
-            )
-            stream = self.pipeline.generate(prepared, flight)
-            try:
+            prompt, sampling = input_from_proto(request), sampling_from_proto(request.sampling)
+            # A cancelled call leaves the block: the request is aborted there.
+            async with self.pipeline.run(prompt, sampling, request.request_id) as stream:
+                request_id = stream.request.request_id
                 async for delta in stream:
-                    yield self._to_proto(prepared.request_id, delta, request.return_token_ids)
-            finally:
-                await stream.aclose()  # a cancelled call aborts the request here
+                    yield self._to_proto(request_id, delta, request.return_token_ids)
         except ServingError as exc:
             if exc.status == "INTERNAL":
                 log.error("request failed: %s", exc)
             await self._abort_with(context, exc)
-        finally:
-            if flight is not None:
-                self.pipeline.release(flight)  # when it never reached generate()
 
     async def _set_serving(self, serving: bool) -> None:
         if self.health is None:

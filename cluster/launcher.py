@@ -28,7 +28,8 @@ from pagedserve.cluster.host_store import HostStoreActor, StoreKeys, cluster_sto
 from pagedserve.cluster.http_server import HttpServer, create_app
 from pagedserve.cluster.metrics import MetricsExporter
 from pagedserve.cluster.openai_api import OpenAIServer
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.scheduler.scheduler import WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
 

@@ -6,8 +6,8 @@ the state now (queues, KV usage per worker), counters and histograms for what ha
 the scheduler started. Every value is the scheduler's own count; the exporter computes
 nothing but the cumulative bucket counts Prometheus expects.
 
-Names follow vLLM's meanings with a ``pagedserve:`` prefix (README "Monitoring" maps each to
-vLLM's name); every series carries ``model_name``, per-worker gauges also ``worker`` (one
+Names follow vLLM's meanings with a ``pagedserve:`` prefix (docs/operations.md,
+"Monitoring", maps each to vLLM's name); every series carries ``model_name``, per-worker gauges also ``worker`` (one
 series per worker). Each exporter owns its :class:`CollectorRegistry`: prometheus-client's
 global default registry is never used.
 """
@@ -64,7 +64,7 @@ def _histogram(
 
 
 def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
-    """The metric families of one snapshot (see the README's metrics table)."""
+    """The metric families of one snapshot (see the metrics table in docs/operations.md)."""
     st = snap.stats
     m = ["model_name"]
     mw = ["model_name", "worker"]

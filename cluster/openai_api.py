@@ -1,28 +1,31 @@
 """The OpenAI-compatible HTTP API: ``/v1/models`` (and ``/v1/models/{model}``),
 ``/v1/completions``, ``/v1/chat/completions``.
 
-A thin transport over :class:`~pagedserve.cluster.pipeline.RequestPipeline` (the request
+A thin transport over :meth:`~pagedserve.cluster.pipeline.RequestPipeline.run` (the request
 path gRPC uses too): parse the JSON body (:mod:`pagedserve.cluster.openai_protocol`), hand
 the prompt(s) and sampling fields to the pipeline, render its deltas as OpenAI's response
 objects, or as Server-Sent Events (``data: {chunk}`` lines, then ``data: [DONE]``) with
 ``"stream": true``.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the HTTP
-status looked up from the error's gRPC status name (:data:`HTTP_STATUS`): the same error
-classes that give gRPC statuses, and ``param`` naming the request's field (see
-:func:`error_json`). A body over the size limit is 400 (code ``payload_too_large``); one that
-is not JSON, nested too deeply for the parser, or holding text that is not valid Unicode (a
-lone UTF-16 surrogate escape such as ``"\\ud800"``) is 400 too. A request too large for
-any KV pool (RESOURCE_EXHAUSTED) is 400, as it can never succeed (429 would invite retries).
+status looked up from the error's gRPC status name (:mod:`pagedserve.cluster.openai_render`
+renders errors and responses): the same error classes that give gRPC statuses, and
+``param`` naming the request's field. A body over the size limit is 400 (code
+``payload_too_large``); one that is not JSON, nested too deeply for the parser, or holding
+text that is not valid Unicode (a lone UTF-16 surrogate escape such as ``"\\ud800"``) is 400
+too. A request too large for any KV pool (RESOURCE_EXHAUSTED) is 400, as it can never
+succeed (429 would invite retries).
 An unknown route (404) or method (405) gets the same error shape
 (:meth:`OpenAIServer.exception_handlers`, installed by the app's builder).
 Errors after a stream has started are sent as one ``data: {"error": ...}`` event before the
 stream ends (the status line is already sent).
 
-Each prompt of a request runs as its own pipeline stream in its own task; when the client
-disconnects, the response task is cancelled (streaming), or the wait for the whole response
-is (non-streaming: the handler watches for the disconnect), which cancels those tasks, and
-each aborts its request (the scheduler frees its blocks).
+Each prompt of a request runs as its own pipeline stream (all of them admitted and prepared
+before any is generated), read by its own task; when the client disconnects, the response
+task is cancelled (streaming), or the wait for the whole response is (non-streaming: the
+handler watches for the disconnect), which cancels those tasks and leaves each stream's
+``run`` block, aborting its request (the scheduler frees its blocks). HTTP has no abort
+call: a client aborts by disconnecting, as with vLLM.
 """
 
 from __future__ import annotations
@@ -33,8 +36,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
 from typing import Any, TypeVar, cast
 
@@ -50,30 +52,20 @@ from pagedserve.cluster.openai_protocol import (
     completion_inputs,
     sampling_request,
 )
-from pagedserve.cluster.pipeline import (
-    ChoiceDelta,
-    PreparedRequest,
-    RequestPipeline,
-    unicode_problem,
+from pagedserve.cluster.openai_render import (
+    ResponseRenderer,
+    error_body,
+    error_response,
 )
+from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, RequestStream
+from pagedserve.cluster.request_prep import GenerateInput, SamplingRequest, unicode_problem
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import (
     InvalidRequest,
     ModelNotFound,
-    RequestRejected,
     ServingError,
 )
-from pagedserve.scheduler.outputs import SampleLogprobs
 
-# gRPC status name (pagedserve.scheduler.errors) -> (HTTP status, OpenAI error type).
-HTTP_STATUS: dict[str, tuple[int, str]] = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "RESOURCE_EXHAUSTED": (400, "invalid_request_error"),
-    "NOT_FOUND": (404, "invalid_request_error"),
-    "ALREADY_EXISTS": (409, "invalid_request_error"),
-    "UNAVAILABLE": (503, "service_unavailable_error"),
-    "INTERNAL": (500, "server_error"),
-}
-SSE_DONE = "data: [DONE]\n\n"
 MERGE_QUEUE_SIZE = 16  # deltas of a request's prompts waiting for the response writer
 CLIENT_CLOSED = 499  # the status logged for a request whose client went away (nginx's)
 M = TypeVar("M", bound=BaseModel)
@@ -83,47 +75,6 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 class BodyTooLarge(Exception):
     """The request body exceeds the server's limit (HTTP 400, code ``payload_too_large``)."""
-
-
-def error_body(message: str, err_type: str, param: str | None, code: str | None) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def error_json(
-    exc: ServingError,
-    fields: frozenset[str] = frozenset(),
-    rename: Callable[[str], str] | None = None,
-) -> tuple[int, dict]:
-    """(HTTP status, OpenAI error object) of a :class:`ServingError`: one lookup by its
-    status.
-
-    ``param`` is the error's own, else (a refusal of the request: INVALID_ARGUMENT or
-    RESOURCE_EXHAUSTED) the message's first word, a trailing ":" dropped, when it is one
-    of ``fields``: the shared validation names the field first ("temperature must be ...",
-    "max_tokens: ..."). ``rename`` turns the pipeline's field names (gRPC's: ``text``,
-    ``chat``, ``beam_width``, ...) into the request's (``prompt``, ``messages``, ``n``).
-    """
-    status, err_type = HTTP_STATUS.get(exc.status, HTTP_STATUS["INTERNAL"])
-    param = getattr(exc, "param", None)
-    if param is not None:
-        param = rename(param) if rename is not None else param
-    elif isinstance(exc, InvalidRequest | RequestRejected):
-        first = str(exc).split(" ", 1)[0].removesuffix(":")
-        first = rename(first) if rename is not None else first
-        param = first if first in fields else None
-    code = "model_not_found" if isinstance(exc, ModelNotFound) else exc.status.lower()
-    return status, error_body(str(exc), err_type, param, code)
-
-
-def error_response(
-    exc: ServingError,
-    fields: frozenset[str] = frozenset(),
-    rename: Callable[[str], str] | None = None,
-) -> JSONResponse:
-    """The JSON error response of a :class:`ServingError` (see :func:`error_json`)."""
-    status, body = error_json(exc, fields, rename)
-    return JSONResponse(body, status_code=status)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> Response:
@@ -150,7 +101,7 @@ async def http_error_handler(request: Request, exc: Exception) -> Response:
 
 def find_lone_surrogate(data: Any) -> InvalidRequest | None:
     """The error of the first string (or key) of a decoded JSON document that is not valid
-    Unicode (a lone surrogate, see :func:`~pagedserve.cluster.pipeline.unicode_problem`),
+    Unicode (a lone surrogate, see :func:`~pagedserve.cluster.request_prep.unicode_problem`),
     naming its top-level field as ``param`` and its path in the message; None when all
     are valid. Iterative, so any nesting depth is fine."""
     stack: list[tuple[str | None, str, Any]] = [(None, "", data)]
@@ -242,17 +193,6 @@ def parse_body(data: dict[str, Any], model: type[M]) -> M:
         raise InvalidRequest(f"{loc}: {msg}", loc or None) from None
 
 
-@dataclass
-class _Choice:
-    """A finished choice being collected for a non-streaming response."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[SampleLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-
 class OpenAIServer:
     """The routes of the OpenAI-compatible API over one :class:`RequestPipeline`.
 
@@ -338,19 +278,7 @@ class OpenAIServer:
                 inputs = completion_inputs(body)
             sampling = sampling_request(body)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            prepared = [
-                await asyncio.to_thread(
-                    self.pipeline.prepare,
-                    inp,
-                    sampling,
-                    request_id if len(inputs) == 1 else f"{request_id}-{i}",
-                )
-                for i, inp in enumerate(inputs)
-            ]
-            stream = self._merged(prepared)
-            # Wait for the first delta so that errors raised when the scheduler admits the
-            # request (e.g. no live worker) still get their own HTTP status.
-            first = await anext(stream)
+            prepared, stream, first = await self._start(inputs, sampling, request_id)
         except BodyTooLarge as exc:
             return JSONResponse(
                 error_body(str(exc), "invalid_request_error", None, "payload_too_large"),
@@ -358,7 +286,7 @@ class OpenAIServer:
             )
         except ServingError as exc:
             return error_response(exc, fields, rename)
-        render = _Renderer(self, body, request_id, prepared, chat, fields)
+        render = ResponseRenderer(self.pipeline.tokenizer, body, request_id, prepared, chat, fields)
         if body.stream:
             return StreamingResponse(
                 render.sse(first, stream),
@@ -381,13 +309,44 @@ class OpenAIServer:
             gone.cancel()
             await stream.aclose()  # on any early exit: cancel the streams, free the blocks
 
+    async def _start(
+        self, inputs: list[GenerateInput], sampling: SamplingRequest, request_id: str
+    ) -> tuple[
+        list[EngineRequest], AsyncGenerator[tuple[int, ChoiceDelta], None], tuple[int, ChoiceDelta]
+    ]:
+        """Run every prompt through :meth:`RequestPipeline.run` (prompt ``i`` of several as
+        ``{request_id}-{i}``); returns the prepared requests, the merged deltas
+        (:meth:`_merged`, which ends every run) and the first delta.
+
+        The first delta is awaited here so that errors raised when the scheduler admits
+        the request (e.g. no live worker) still get their own HTTP status. On any error
+        every run already started is ended (aborted, its id released) before it is raised.
+        """
+        runs = contextlib.AsyncExitStack()
+        try:
+            streams = [
+                await runs.enter_async_context(
+                    self.pipeline.run(
+                        inp, sampling, request_id if len(inputs) == 1 else f"{request_id}-{i}"
+                    )
+                )
+                for i, inp in enumerate(inputs)
+            ]
+            merged = self._merged(streams, runs)
+            first = await anext(merged)
+        except BaseException:
+            await runs.aclose()
+            raise
+        return [s.request for s in streams], merged, first
+
     async def _merged(
-        self, prepared: list[PreparedRequest]
+        self, streams: list[RequestStream], runs: contextlib.AsyncExitStack
     ) -> AsyncGenerator[tuple[int, ChoiceDelta], None]:
         """Deltas of every prompt's stream as ``(prompt index, delta)``, as they come.
 
-        Each stream runs in its own task; closing this generator (or cancelling its
-        consumer) cancels them, and each cancelled stream aborts its request.
+        Each stream is read by its own task; closing this generator (or cancelling its
+        consumer) cancels them and then closes ``runs`` (the streams' ``run`` blocks),
+        which aborts every unfinished request.
         """
         # NOTE: bounded, so a client that stops reading holds the deltas in the pipeline,
         # whose own bound (max_stream_buffer) then aborts the request.
@@ -395,15 +354,15 @@ class OpenAIServer:
             maxsize=MERGE_QUEUE_SIZE
         )
 
-        async def pump(i: int, req: PreparedRequest) -> None:
+        async def pump(i: int, stream: RequestStream) -> None:
             try:
-                async for delta in self.pipeline.generate(req):
+                async for delta in stream:
                     await queue.put((i, delta))
                 await queue.put((i, None))
             except Exception as exc:
                 await queue.put((i, exc))
 
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(prepared)]
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -418,210 +377,4 @@ class OpenAIServer:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _Renderer:
-    """Turns a request's deltas into OpenAI response objects or SSE chunks."""
-
-    def __init__(
-        self,
-        server: OpenAIServer,
-        body: CompletionRequest | ChatCompletionRequest,
-        request_id: str,
-        prepared: list[PreparedRequest],
-        chat: bool,
-        fields: frozenset[str] = frozenset(),
-    ) -> None:
-        self.body = body
-        self.fields = fields
-        self.request_id = request_id
-        self.prepared = prepared
-        self.chat = chat
-        self.model = body.model
-        self.created = int(time.time())
-        self.tokenizer = server.pipeline.tokenizer
-        self.n = prepared[0].sampling.n
-        self.usage: dict[int, Any] = {}  # choice index -> its Usage
-        self.streamed: dict[int, int] = {}  # choice index -> tokens streamed so far
-        self.text_offset: dict[int, int] = {}
-
-    def _index(self, prompt_index: int, delta: ChoiceDelta) -> int:
-        return prompt_index * self.n + delta.index
-
-    def _token_str(self, token_id: int) -> str:
-        if self.body.return_tokens_as_token_ids:
-            return f"token_id:{token_id}"
-        return str(self.tokenizer.decode([token_id]))
-
-    def _logprobs(
-        self, index: int, items: list[SampleLogprobs] | tuple[SampleLogprobs, ...]
-    ) -> Any:
-        if self.body.logprobs is None or self.body.logprobs is False:
-            return None
-        if self.chat:
-            content = []
-            for lp in items:
-                tok = self._token_str(lp.token_id)
-                top = [
-                    {"token": (s := self._token_str(t)), "logprob": v, "bytes": list(s.encode())}
-                    for t, v in lp.top
-                ]
-                content.append(
-                    {
-                        "token": tok,
-                        "logprob": lp.logprob,
-                        "bytes": list(tok.encode()),
-                        "top_logprobs": top,
-                    }
-                )
-            return {"content": content, "refusal": None}
-        tokens = [self._token_str(lp.token_id) for lp in items]
-        offsets = []
-        offset = self.text_offset.get(index, 0)
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        self.text_offset[index] = offset
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in items],
-            "top_logprobs": [{self._token_str(t): v for t, v in lp.top} for lp in items],
-            "text_offset": offsets,
-        }
-
-    def _usage(self) -> dict[str, Any]:
-        prompt = cached = completion = 0
-        for p, req in enumerate(self.prepared):
-            ours = [self.usage[i] for i in range(p * self.n, (p + 1) * self.n) if i in self.usage]
-            prompt += len(req.prompt_token_ids)
-            cached += max((u.cached_tokens for u in ours), default=0)
-            completion += sum(u.completion_tokens for u in ours)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached},
-        }
-
-    def _note(self, index: int, delta: ChoiceDelta) -> None:
-        if delta.usage is not None:
-            self.usage[index] = delta.usage
-
-    # ------------------------------------------------------------------ non-streaming
-    async def collect(
-        self, first: tuple[int, ChoiceDelta], rest: AsyncIterator[tuple[int, ChoiceDelta]]
-    ) -> dict[str, Any]:
-        """The whole response object, once every choice has finished."""
-        choices: dict[int, _Choice] = {}
-
-        def add(p: int, delta: ChoiceDelta) -> None:
-            index = self._index(p, delta)
-            c = choices.setdefault(index, _Choice())
-            c.text += delta.text
-            c.token_ids.extend(delta.token_ids)
-            c.logprobs.extend(delta.logprobs)
-            if delta.finish_reason is not None:
-                c.finish_reason = delta.finish_reason.name.lower()
-                c.stop_reason = delta.stop_reason
-            self._note(index, delta)
-
-        add(*first)
-        async for p, delta in rest:
-            add(p, delta)
-        out = []
-        for index in sorted(choices):
-            c = choices[index]
-            item: dict[str, Any] = {"index": index}
-            if self.chat:
-                item["message"] = {"role": "assistant", "content": c.text}
-            else:
-                item["text"] = c.text
-            item["logprobs"] = self._logprobs(index, c.logprobs)
-            item["finish_reason"] = c.finish_reason
-            item["stop_reason"] = c.stop_reason
-            if self.body.return_token_ids:
-                item["token_ids"] = c.token_ids
-                item["prompt_token_ids"] = list(self.prepared[index // self.n].prompt_token_ids)
-            out.append(item)
-        return {
-            "id": self.request_id,
-            "object": "chat.completion" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": out,
-            "usage": self._usage(),
-        }
-
-    # ------------------------------------------------------------------ streaming
-    def _chunk(self, choices: list[dict[str, Any]], usage: Any = None) -> str:
-        chunk: dict[str, Any] = {
-            "id": self.request_id,
-            "object": "chat.completion.chunk" if self.chat else "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        options = self.body.stream_options
-        if options is not None and options.include_usage:
-            if usage is None and options.continuous_usage_stats and choices:
-                usage = self._choice_usage(choices[0]["index"])
-            chunk["usage"] = usage
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    def _choice_usage(self, index: int) -> dict[str, Any]:
-        """vLLM's continuous usage of one choice: its prompt, its tokens streamed so far."""
-        prompt = len(self.prepared[index // self.n].prompt_token_ids)
-        completion = self.streamed.get(index, 0)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def _stream_choice(self, p: int, delta: ChoiceDelta) -> dict[str, Any] | None:
-        index = self._index(p, delta)
-        self._note(index, delta)
-        self.streamed[index] = self.streamed.get(index, 0) + len(delta.token_ids)
-        wants_ids = bool(self.body.return_token_ids and delta.token_ids)
-        if not (delta.text or delta.finish_reason or delta.logprobs or wants_ids):
-            return None  # text held back (a stop string may follow): nothing to say yet
-        item: dict[str, Any] = {"index": index}
-        if self.chat:
-            item["delta"] = {"content": delta.text} if delta.text else {}
-        else:
-            item["text"] = delta.text
-        item["logprobs"] = self._logprobs(index, delta.logprobs)
-        item["finish_reason"] = (
-            None if delta.finish_reason is None else delta.finish_reason.name.lower()
-        )
-        item["stop_reason"] = delta.stop_reason
-        if self.body.return_token_ids:
-            item["token_ids"] = list(delta.token_ids)
-        return item
-
-    async def sse(
-        self, first: tuple[int, ChoiceDelta], rest: AsyncGenerator[tuple[int, ChoiceDelta], None]
-    ) -> AsyncIterator[str]:
-        """Server-Sent Events: one chunk per delta, a usage chunk if asked, ``[DONE]``."""
-        try:
-            if self.chat:
-                for index in range(len(self.prepared) * self.n):
-                    role = {"role": "assistant", "content": ""}
-                    yield self._chunk(
-                        [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]
-                    )
-            item = self._stream_choice(*first)
-            if item is not None:
-                yield self._chunk([item])
-            async for p, delta in rest:
-                item = self._stream_choice(p, delta)
-                if item is not None:
-                    yield self._chunk([item])
-            if self.body.stream_options is not None and self.body.stream_options.include_usage:
-                yield self._chunk([], self._usage())
-        except ServingError as exc:
-            body = error_json(exc, self.fields, self.body.http_param)[1]
-            yield f"data: {json.dumps(body)}\n\n"
-        finally:
-            await rest.aclose()
-        yield SSE_DONE
+            await runs.aclose()

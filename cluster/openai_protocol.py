@@ -7,7 +7,7 @@ number, ``"yes"`` not a boolean (an integer is a number). Known fields this serv
 honour raise :class:`InvalidRequest` naming the field (``param``), so a client never
 silently gets something else than it asked for. :func:`completion_inputs` /
 :func:`chat_input` and :func:`sampling_request` produce the transport-neutral
-:class:`GenerateInput` / :class:`SamplingRequest` of :mod:`pagedserve.cluster.pipeline`;
+:class:`GenerateInput` / :class:`SamplingRequest` of :mod:`pagedserve.cluster.request_prep`;
 range checks stay there (one copy for both transports).
 """
 
@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pagedserve.cluster.pipeline import CHAT_ROLES, GenerateInput, SamplingRequest
+from pagedserve.cluster.request_prep import CHAT_ROLES, GenerateInput, SamplingRequest
 from pagedserve.scheduler.errors import InvalidRequest
 from pagedserve.scheduler.sampling_params import MAX_BEAM_WIDTH
 

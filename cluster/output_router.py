@@ -22,8 +22,8 @@ from typing import Any
 
 import ray
 
+from pagedserve.scheduler.engine_messages import SequenceOutput
 from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
-from pagedserve.scheduler.request import SequenceOutput
 
 log = logging.getLogger(__name__)
 

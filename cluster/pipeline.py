@@ -1,151 +1,54 @@
 """The one request path behind every transport (gRPC, the OpenAI-compatible HTTP API).
 
 A transport turns its wire format into a :class:`GenerateInput` (the prompt) and a
-:class:`SamplingRequest` (every sampling field, ``None`` = unset) and hands them to
-:class:`RequestPipeline`, which does everything else once: validation, tokenization, chat
-templating, the default ``max_tokens``, the KV-capacity check, the scheduler call,
-incremental detokenization, stop strings, and aborting the request (freeing its blocks)
-when the consumer goes away. It yields transport-neutral :class:`ChoiceDelta` items; the
-transports only render them (protobuf messages, or OpenAI JSON / Server-Sent Events).
+:class:`SamplingRequest` (every sampling field, ``None`` = unset) and calls
+:meth:`RequestPipeline.run`, its only entry, which does everything else in one place:
 
-Errors are :class:`~pagedserve.scheduler.errors.ServingError` subclasses; each transport
-maps ``err.status`` to its own status with one lookup. Anything else escaping the scheduler
-becomes a plain ``ServingError`` (status INTERNAL) naming the cause.
+1. admission (:mod:`pagedserve.cluster.flights`): the id is registered as in flight before
+   anything else, so an Abort at any later stage finds it; refused while draining or while
+   the scheduler is down; a request whose Abort came first starts aborted;
+2. preparation on a thread (:mod:`pagedserve.cluster.request_prep`): validation,
+   tokenization, chat templating, the default ``max_tokens``, the KV-capacity check;
+3. generation: the :class:`EngineRequest` to the scheduler, its outputs back through the
+   frontend's one output stream (:mod:`pagedserve.cluster.output_router`), incremental
+   detokenization and stop strings, as transport-neutral :class:`ChoiceDelta` items;
+4. release: when the transport leaves the ``async with`` (finished, cancelled, failed),
+   an unfinished request is aborted (its blocks freed) before its id is free again.
+
+The transports only render the deltas (protobuf messages, or OpenAI JSON / Server-Sent
+Events). Errors are :class:`~pagedserve.scheduler.errors.ServingError` subclasses; each
+transport maps ``err.status`` to its own status with one lookup. Anything else escaping the
+scheduler becomes a plain ``ServingError`` (status INTERNAL) naming the cause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
-import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
-from pagedserve.cluster.flights import MAX_REQUEST_ID_CHARS, Flight, FlightTable
+from pagedserve.cluster.flights import Flight, FlightConfig, FlightTable
 from pagedserve.cluster.output_router import OutputRouter
-from pagedserve.scheduler.errors import (
-    ClusterUnavailable,
-    InvalidRequest,
-    RequestRejected,
-    ServingError,
+from pagedserve.cluster.request_prep import (
+    GenerateInput,
+    ModelInfo,
+    RequestPreparer,
+    SamplingRequest,
 )
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
+from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
 from pagedserve.scheduler.outputs import SampleLogprobs
-from pagedserve.scheduler.request import FinishReason, SequenceOutput
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.request import FinishReason
 
 log = logging.getLogger(__name__)
-
-MAX_N = 64
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024
-MAX_STOP_TOKEN_IDS = 256
-MAX_CHAT_MESSAGES = 1024
-CHAT_ROLES = ("system", "user", "assistant", "tool")
-
-
-def unicode_problem(text: str) -> str | None:
-    """Why ``text`` is not valid Unicode text, or None when it is.
-
-    A lone UTF-16 surrogate (what JSON's ``"\\ud800"`` escape decodes to when no low
-    surrogate follows) is a ``str`` character with no UTF-8 form: it cannot be tokenized,
-    hashed or sent back, so a request holding one is refused.
-    """
-    if text.isascii():
-        return None
-    try:
-        text.encode()
-    except UnicodeEncodeError as exc:
-        return f"a lone UTF-16 surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}"
-    return None
-
-
-def check_unicode(text: str, field: str) -> None:
-    """Raise InvalidRequest naming ``field`` when ``text`` is not valid Unicode text
-    (see :func:`unicode_problem`)."""
-    problem = unicode_problem(text)
-    if problem is not None:
-        raise InvalidRequest(f"{field}: the text is not valid Unicode: {problem}", field)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the frontend must know about the served model and the cluster's pools.
-
-    Attributes:
-        name: model path or name (reported by GetStats).
-        max_model_len: longest sequence, tokens.
-        vocab_size: valid token ids are [0, vocab_size).
-        eos_token_ids: ids ending a choice unless ignore_eos.
-        max_kv_slots: the largest worker pool, in token slots (num_blocks * block_size).
-        block_size: tokens per KV block (of the largest pool).
-    """
-
-    name: str
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_kv_slots: int
-    block_size: int = 16
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """The prompt of one request: exactly one of ``text``, ``token_ids``, ``messages``.
-
-    Attributes:
-        text: raw prompt, tokenized as is (BOS added if the tokenizer does).
-        token_ids: pre-tokenized prompt.
-        messages: chat messages ``(role, content)``, rendered with the model's chat
-            template plus the generation prompt.
-    """
-
-    text: str | None = None
-    token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
-
-
-@dataclass(frozen=True)
-class SamplingRequest:
-    """Sampling fields as a client sent them; ``None`` = unset (the server default).
-
-    Field meanings and ranges are those of :class:`SamplingParams`, except ``max_tokens``:
-    unset means the rest of the context (see :meth:`RequestPipeline.resolve_max_tokens`).
-    """
-
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    n: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool | None = None
-    logprobs: int | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    min_tokens: int | None = None
-    include_stop_str_in_output: bool | None = None
-    cache_salt: str | None = None
-    beam_width: int | None = None
-    length_penalty: float | None = None
-    priority: int | None = None
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A validated, tokenized request, ready for :meth:`RequestPipeline.generate`."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    sampling: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -199,8 +102,24 @@ class ClientTooSlow(ServingError):
     status = "RESOURCE_EXHAUSTED"
 
 
+@dataclass(frozen=True)
+class RequestStream:
+    """One request inside :meth:`RequestPipeline.run`: iterate it for its deltas.
+
+    Attributes:
+        request: the prepared request (its id, prompt token ids, resolved sampling).
+        deltas: the choices' deltas as the scheduler sends them (see :meth:`RequestPipeline.run`).
+    """
+
+    request: EngineRequest
+    deltas: AsyncGenerator[ChoiceDelta, None]
+
+    def __aiter__(self) -> AsyncIterator[ChoiceDelta]:
+        return self.deltas
+
+
 class RequestPipeline:
-    """Validation, tokenization, scheduler call and detokenization shared by all transports.
+    """Admission, preparation, the scheduler call and detokenization for all transports.
 
     Args:
         scheduler: the SchedulerActor handle.
@@ -210,8 +129,8 @@ class RequestPipeline:
             has not taken them; past it the request is aborted (:class:`ClientTooSlow`).
         scheduler_timeout_s: how long a request waits for the scheduler to accept it
             before it fails with UNAVAILABLE (seconds).
-        id_reuse_wait_s: how long a request whose id is in flight waits for it to end
-            (see :mod:`pagedserve.cluster.flights`), seconds.
+        flight_config: id reuse wait and the memory of early aborts (None: the defaults)
+            (:class:`~pagedserve.cluster.flights.FlightConfig`).
     """
 
     def __init__(
@@ -221,7 +140,7 @@ class RequestPipeline:
         info: ModelInfo,
         max_buffered_outputs: int = 4096,
         scheduler_timeout_s: float = 10.0,
-        id_reuse_wait_s: float = 1.0,
+        flight_config: FlightConfig | None = None,
     ) -> None:
         if max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs must be >= 1, got {max_buffered_outputs}")
@@ -230,255 +149,72 @@ class RequestPipeline:
         self.info = info
         self.max_buffered_outputs = max_buffered_outputs
         self.scheduler_timeout_s = scheduler_timeout_s
-        self.flights = FlightTable(id_reuse_wait_s)
+        self.preparer = RequestPreparer(tokenizer, info)
+        self.flights = FlightTable(flight_config or FlightConfig())
         self.router = OutputRouter(scheduler, max_buffered_outputs)
         self._background: set[asyncio.Future[None]] = set()  # aborts still on their way
-        # No token covers more UTF-8 bytes than the longest vocabulary entry's spelling
-        # (byte-level or "▁"/"<0x..>" spellings only overestimate), so a text longer than
-        # this many bytes cannot fit in max_model_len and is refused before tokenizing.
-        longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=64)
-        self._max_text_bytes = max(1, longest) * info.max_model_len
 
-    # ------------------------------------------------------------------ validation
-    def prepare(
-        self, prompt: GenerateInput, req: SamplingRequest, request_id: str = ""
-    ) -> PreparedRequest:
-        """Check and tokenize a request (blocking: run it on a thread).
+    @contextlib.asynccontextmanager
+    async def run(
+        self, prompt: GenerateInput, sampling: SamplingRequest, request_id: str = ""
+    ) -> AsyncIterator[RequestStream]:
+        """Admit and prepare a request; the :class:`RequestStream` yielded streams it.
 
-        Raises:
-            InvalidRequest: a bad field (the message names it), an empty or too long prompt.
-        """
-        self._check_sampling_fields(req)
-        self._check_unicode(prompt, req)
-        # Validate every field now (cheap) with a provisional max_tokens; the default is
-        # resolved once the prompt length is known.
-        provisional = self._sampling(
-            req, req.max_tokens if req.max_tokens is not None else self.info.max_model_len
-        )
-        ids = self._prompt_ids(prompt)
-        if not ids:
-            field = "text" if prompt.text is not None else "token_ids"
-            field = "chat" if prompt.messages is not None else field
-            raise InvalidRequest(f"{field}: the prompt tokenized to zero tokens")
-        max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, provisional.beam_width)
-        try:
-            sampling = dataclasses.replace(provisional, max_tokens=max_tokens)
-        except ValueError as exc:  # e.g. min_tokens above the default max_tokens
-            raise InvalidRequest(str(exc)) from exc
-        for t in sampling.stop_token_ids:
-            if t >= self.info.vocab_size:
-                raise InvalidRequest(
-                    f"stop_token_ids: token id {t} is out of range [0, {self.info.vocab_size})",
-                    "stop_token_ids",
-                )
-        request_id = request_id or uuid.uuid4().hex
-        if len(request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
-        return PreparedRequest(request_id, tuple(ids), sampling)
-
-    def resolve_max_tokens(
-        self, prompt_len: int, max_tokens: int | None, beam_width: int = 1
-    ) -> int:
-        """``max_tokens`` as given, or the rest of the context when unset.
-
-        The context of one sequence is ``max_model_len`` capped by what the largest worker
-        pool can hold (for beam search: what ``beam_width`` beams can hold at once), so an
-        unset ``max_tokens`` never makes a request unservable.
+        Entering admits the id (a new random one when empty) and prepares the request on a
+        thread; iterating the stream sends it to the scheduler and yields its choices'
+        deltas. Every choice ends with one delta carrying ``finish_reason`` and ``usage``
+        (ABORT, with no tokens, for a request aborted before it reached the scheduler,
+        an Abort that arrived before the request included). Leaving the block early
+        (cancellation, an error, a client that went away) aborts the request and frees its
+        blocks before its id can be used again. A consumer that falls more than
+        ``max_buffered_outputs`` outputs behind has its request aborted and gets
+        :class:`ClientTooSlow`.
 
         Raises:
-            InvalidRequest: prompt + max_tokens exceeds max_model_len, or the prompt leaves
-                no room for one output token.
-            RequestRejected: one sequence needs more KV slots than the largest pool holds.
+            On entering: ClusterUnavailable (draining, or the scheduler is down),
+            DuplicateRequest (the id stays in flight for ``id_reuse_wait_s``), and
+            InvalidRequest / RequestRejected from
+            :meth:`~pagedserve.cluster.request_prep.RequestPreparer.prepare`.
+            While iterating: ClientTooSlow (RESOURCE_EXHAUSTED); the scheduler's own
+            errors (see pagedserve.scheduler.errors); ClusterUnavailable when the
+            scheduler actor is gone or does not accept the request within
+            ``scheduler_timeout_s``; a plain ServingError (INTERNAL) for anything
+            unexpected.
         """
-        info = self.info
-        if max_tokens is None:
-            per_beam_blocks = info.max_kv_slots // info.block_size // max(1, beam_width)
-            context = min(info.max_model_len, per_beam_blocks * info.block_size)
-            if prompt_len >= context:
-                raise InvalidRequest(
-                    f"the prompt ({prompt_len} tokens) leaves no room for output (max_tokens "
-                    "unset): the context "
-                    f"holds {context} tokens (max_model_len {info.max_model_len})"
-                )
-            return context - prompt_len
-        if prompt_len + max_tokens > info.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds "
-                f"max_model_len ({info.max_model_len})"
-            )
-        needed = prompt_len + max_tokens  # per choice: choices can take turns
-        if needed > info.max_kv_slots:
-            raise RequestRejected(
-                f"max_tokens: a sequence of this request (prompt {prompt_len} + max_tokens "
-                f"{max_tokens}) needs up to {needed} KV slots; the largest worker pool holds "
-                f"{info.max_kv_slots}"
-            )
-        return max_tokens
-
-    @staticmethod
-    def _check_sampling_fields(req: SamplingRequest) -> None:
-        for name in (
-            "temperature",
-            "top_p",
-            "repetition_penalty",
-            "presence_penalty",
-            "frequency_penalty",
-            "length_penalty",
-        ):
-            value = getattr(req, name)
-            if value is not None and not math.isfinite(value):
-                raise InvalidRequest(f"{name} must be a finite number")
-        if len(req.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
-        if any(len(s) > MAX_STOP_CHARS for s in req.stop):
-            raise InvalidRequest(f"stop strings must be at most {MAX_STOP_CHARS} characters")
-        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest(
-                f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} are allowed, got "
-                f"{len(req.stop_token_ids)}",
-                "stop_token_ids",
-            )
-        if req.n is not None and req.n > MAX_N:
-            raise InvalidRequest(f"n must be <= {MAX_N}, got {req.n}")
-
-    @staticmethod
-    def _check_unicode(prompt: GenerateInput, req: SamplingRequest) -> None:
-        """Every text field of a request is valid Unicode (gRPC's strings always are;
-        JSON's may hold lone surrogates), named as the pipeline names it."""
-        if prompt.text is not None:
-            check_unicode(prompt.text, "text")
-        for role, content in prompt.messages or ():
-            check_unicode(role, "chat")
-            check_unicode(content, "chat")
-        for s in req.stop:
-            if isinstance(s, str):
-                check_unicode(s, "stop")
-        if isinstance(req.cache_salt, str):
-            check_unicode(req.cache_salt, "cache_salt")
-
-    def _sampling(self, req: SamplingRequest, max_tokens: int) -> SamplingParams:
-        if max_tokens > self.info.max_model_len:
-            raise InvalidRequest(
-                f"max_tokens ({max_tokens}) exceeds max_model_len ({self.info.max_model_len})"
-            )
-
-        def opt(value: Any, default: Any) -> Any:
-            return default if value is None else value
-
-        beam_width = opt(req.beam_width, 1)
-        top_k = opt(req.top_k, 0)
+        flight = await self.flights.admit(request_id or uuid.uuid4().hex)
         try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=float(opt(req.temperature, 1.0)),
-                top_p=float(opt(req.top_p, 1.0)),
-                top_k=0 if top_k == -1 else top_k,
-                seed=req.seed,
-                n=opt(req.n, beam_width if beam_width > 1 else 1),
-                stop=tuple(req.stop),
-                stop_token_ids=tuple(int(t) for t in req.stop_token_ids),
-                ignore_eos=opt(req.ignore_eos, False),
-                logprobs=req.logprobs,
-                repetition_penalty=float(opt(req.repetition_penalty, 1.0)),
-                presence_penalty=float(opt(req.presence_penalty, 0.0)),
-                frequency_penalty=float(opt(req.frequency_penalty, 0.0)),
-                min_tokens=opt(req.min_tokens, 0),
-                include_stop_str_in_output=opt(req.include_stop_str_in_output, False),
-                cache_salt=req.cache_salt,
-                beam_width=beam_width,
-                length_penalty=float(opt(req.length_penalty, 1.0)),
-                priority=opt(req.priority, 0),
+            request = await asyncio.to_thread(
+                self.preparer.prepare, prompt, sampling, flight.request_id
             )
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from exc
-
-    def _check_text_size(self, text: str, field: str = "text") -> None:
-        if len(text) > self._max_text_bytes or len(text.encode()) > self._max_text_bytes:
-            raise InvalidRequest(
-                f"the prompt text ({len(text.encode())} bytes) cannot fit in max_model_len "
-                f"({self.info.max_model_len} tokens)",
-                field,
-            )
-
-    def _prompt_ids(self, prompt: GenerateInput) -> list[int]:
-        if prompt.text is not None:
-            if not prompt.text:
-                raise InvalidRequest("the prompt text is empty", "text")
-            self._check_text_size(prompt.text, "text")
-            return list(self.tokenizer(prompt.text)["input_ids"])
-        if prompt.token_ids is not None:
-            ids = list(prompt.token_ids)
-            bad = [t for t in ids if not 0 <= t < self.info.vocab_size]
-            if bad:
-                raise InvalidRequest(
-                    f"token_ids: token id {bad[0]} is out of range [0, {self.info.vocab_size})"
-                )
-            return ids
-        if prompt.messages is not None:
-            return self._chat_ids(prompt.messages)
-        raise InvalidRequest("request has no input (set text, token_ids or chat)")
-
-    def _chat_ids(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
-        if not messages:
-            raise InvalidRequest("the chat has no messages", "chat")
-        if len(messages) > MAX_CHAT_MESSAGES:
-            raise InvalidRequest(
-                f"chat: at most {MAX_CHAT_MESSAGES} messages are allowed, got {len(messages)}",
-                "messages",
-            )
-        if len(messages) > self.info.max_model_len:
-            raise InvalidRequest(
-                f"{len(messages)} chat messages cannot fit in max_model_len "
-                f"({self.info.max_model_len} tokens)",
-                "chat",
-            )
-        for role, _ in messages:
-            if role not in CHAT_ROLES:
-                raise InvalidRequest(
-                    f"unknown chat role {role!r} (use one of {CHAT_ROLES})", "chat"
-                )
-        self._check_text_size("".join(content for _, content in messages), "chat")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages],
-                tokenize=False,
-                add_generation_prompt=True,
-            )
-        except Exception as exc:  # template errors (e.g. role order) are the client's
-            raise InvalidRequest(f"chat template failed: {exc}") from exc
-        self._check_text_size(text, "chat")
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    # ------------------------------------------------------------------ generation
-    async def admit(self, request_id: str) -> Flight:
-        """Register a request id as in flight before anything else happens to the request
-        (see :mod:`pagedserve.cluster.flights`); pass the flight to :meth:`generate`.
-
-        Raises:
-            ClusterUnavailable: draining, or the scheduler actor is down.
-            InvalidRequest: an empty or too long id.
-            DuplicateRequest: the id stays in flight for ``id_reuse_wait_s``.
-        """
-        return await self.flights.admit(request_id)
-
-    def release(self, flight: Flight) -> None:
-        """Free a flight that never reached :meth:`generate` (idempotent)."""
-        self.flights.release(flight)
+            deltas = self._generate(request, flight)
+            try:
+                yield RequestStream(request, deltas)
+            finally:
+                await deltas.aclose()  # an unfinished request is aborted here
+        finally:
+            self.flights.release(flight)
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a request at whatever stage it is (tokenizing, in transit to the
-        scheduler, queued, running). Its stream ends with ABORT on every choice.
+        """Abort a request at whatever stage it is (not arrived yet, tokenizing, in transit
+        to the scheduler, queued, running). Its stream ends with ABORT on every choice.
 
-        Returns True when the request was in flight (not finished) and not aborted before.
+        An id not in flight is remembered for ``flight_config.abort_memory_s``: a request
+        with it arriving in that time (its Generate overtaken by this Abort) ends at once
+        with ABORT.
+
+        Returns True when the request was in flight (not finished) and not aborted
+        before, or when no request with the id was seen within ``abort_memory_s`` (it may
+        still be on its way); False when it had finished or was aborted already.
 
         Raises:
             ClusterUnavailable: the scheduler actor is unreachable.
         """
+        in_flight = request_id in self.flights
         flight = self.flights.mark_aborted(request_id)
         if flight is None:
-            return False
+            return not in_flight and not self.flights.recently_released(request_id)
         if flight.added:
-            # NOTE: before the scheduler acknowledged the request, generate() aborts it
+            # NOTE: before the scheduler acknowledged the request, _generate() aborts it
             # itself once the acknowledgement arrives (an abort sent now could overtake it).
             try:
                 return bool(
@@ -497,36 +233,13 @@ class RequestPipeline:
         results = await asyncio.gather(*(self.abort(i) for i in ids), return_exceptions=True)
         return sum(1 for r in results if r is True)
 
-    async def generate(
-        self, req: PreparedRequest, flight: Flight | None = None
-    ) -> AsyncIterator[ChoiceDelta]:
-        """Run a prepared request; yield its choices' deltas as the scheduler sends them.
-
-        Every choice ends with one delta carrying ``finish_reason`` and ``usage`` (ABORT,
-        with no tokens, for a request aborted before it reached the scheduler). When the
-        consumer stops iterating (``aclose``, cancellation: a client that went away) or an
-        error ends the stream early, the request is aborted and its blocks freed before
-        its id can be used again. A consumer that falls more than
-        ``max_buffered_outputs`` outputs behind has its request aborted and gets
-        :class:`ClientTooSlow`.
-
-        Args:
-            req: the prepared request.
-            flight: its flight from :meth:`admit` (registered here when None); this call
-                releases it.
-
-        Raises:
-            DuplicateRequest: the request id is in flight.
-            ClientTooSlow: the consumer fell too far behind (RESOURCE_EXHAUSTED).
-            ServingError: the scheduler's own errors (see pagedserve.scheduler.errors);
-                ClusterUnavailable when the scheduler actor is gone or does not accept
-                the request within ``scheduler_timeout_s``; a plain ServingError
-                (INTERNAL) for anything unexpected.
-        """
+    # ------------------------------------------------------------------ generation
+    async def _generate(
+        self, req: EngineRequest, flight: Flight
+    ) -> AsyncGenerator[ChoiceDelta, None]:
+        """The deltas of a prepared request (see :meth:`run`); releases ``flight``."""
         sampling = req.sampling
         request_id = req.request_id
-        if flight is None:
-            flight = await self.flights.admit(request_id)
         detoks = [
             IncrementalDetokenizer(
                 self.tokenizer.backend_tokenizer,
@@ -540,7 +253,7 @@ class RequestPipeline:
         ack_timed_out = scheduler_gone = False
         tag: int | None = None
         try:
-            if flight.aborted:  # aborted while it was being validated and tokenized
+            if flight.aborted:  # while tokenizing, or by an Abort that arrived first
                 usage = Usage(len(req.prompt_token_ids), 0, 0)
                 for i in range(sampling.n):
                     done[i] = True
@@ -576,7 +289,7 @@ class RequestPipeline:
                 out: SequenceOutput = item
                 if done[out.choice_index]:
                     continue
-                delta = self._delta(out, detoks[out.choice_index], sampling)
+                delta = self._delta(out, detoks[out.choice_index])
                 if delta.finish_reason is not None:
                     done[out.choice_index] = True
                     if out.finish_reason is None:  # a stop string ended the choice
@@ -620,17 +333,12 @@ class RequestPipeline:
                 return
             await asyncio.wait({ack}, timeout=min(left, 0.05))
 
-    async def _add(self, req: PreparedRequest, tag: int) -> None:
-        """Send the request to the scheduler (subscribing first when needed)."""
+    async def _add(self, req: EngineRequest, tag: int) -> None:
+        """Send the request to the scheduler, on this frontend's output stream (subscribing
+        first when needed)."""
         await self.router.ensure()
-        await self.scheduler.add_request.remote(
-            req.request_id,
-            list(req.prompt_token_ids),
-            req.sampling,
-            list(self.info.eos_token_ids),
-            self.router.subscriber,
-            tag,
-        )
+        routed = dataclasses.replace(req, subscriber=self.router.subscriber, tag=tag)
+        await self.scheduler.add_request.remote(routed)
 
     async def _abort_when_added(self, ack: asyncio.Future[Any] | None, request_id: str) -> None:
         """Abort a request once the scheduler has it (never before: the abort could
@@ -677,9 +385,7 @@ class RequestPipeline:
         return ServingError(f"generation failed: {cause!r}")
 
     @staticmethod
-    def _delta(
-        out: SequenceOutput, detok: IncrementalDetokenizer, sampling: SamplingParams
-    ) -> ChoiceDelta:
+    def _delta(out: SequenceOutput, detok: IncrementalDetokenizer) -> ChoiceDelta:
         text = detok.step_output(out)
         reason = text.finish_reason
         usage = None

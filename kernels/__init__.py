@@ -31,7 +31,10 @@ Shared layouts:
 * Grouped-query attention: ``num_heads`` is a multiple of ``num_kv_heads`` and query head
   ``h`` attends with KV head ``h // (num_heads // num_kv_heads)``.
 
-Argument errors (rank, shape, dtype, device) raise :class:`ValueError` naming the argument.
+Argument errors (rank, shape, dtype, device, and index values that would reach outside a
+buffer: slots, block-table entries, ``cu_seqlens_q``, rotary positions) raise
+:class:`ValueError` naming the argument; :func:`check_indices` validates a whole step's
+indices once and its :class:`CheckedIndices` lets the per-layer calls skip repeating that.
 
 The entry points live in :mod:`pagedserve.kernels.ops` (argument checks in the private
 ``_checks`` module) and are re-exported here.
@@ -41,6 +44,9 @@ from __future__ import annotations
 
 from pagedserve.kernels import reference as reference  # submodule, re-exported
 from pagedserve.kernels.ops import (
+    CheckedIndices,
+    check_indices,
+    check_positions,
     copy_blocks,
     gather_blocks,
     paged_decode_attention,
@@ -53,7 +59,10 @@ from pagedserve.kernels.ops import (
 from pagedserve.kernels.workspace import DecodeWorkspace
 
 __all__ = [
+    "CheckedIndices",
     "DecodeWorkspace",
+    "check_indices",
+    "check_positions",
     "copy_blocks",
     "gather_blocks",
     "paged_decode_attention",

@@ -1,13 +1,24 @@
-"""Argument validation for the public kernel API in :mod:`pagedserve.kernels.ops`.
+"""Argument validation for every caller of the paged KV-cache kernels.
 
-Every check raises :class:`ValueError` naming the offending argument. The ``check_<op>``
-functions validate all arguments of one public operation (in a fixed order, so the same
-bad call always reports the same argument) before a backend is chosen.
+Every check raises :class:`ValueError` naming the offending argument (and, for index
+values, the bad entry and its value); none is an ``assert``, so ``python -O`` keeps them.
+The ``check_<op>`` functions validate all arguments of one public operation of
+:mod:`pagedserve.kernels.ops` (in a fixed order, so the same bad call always reports the
+same argument) before a backend is chosen. The index-value checks
+(:func:`check_slot_values`, :func:`check_table_values`, :func:`check_query_starts`,
+:func:`check_positions`) are what keeps the C kernels (:mod:`pagedserve.kernels.cpu_native`,
+which index without bounds checks) inside their buffers; :func:`check_indices` runs them
+once for a whole model step and returns a :class:`CheckedIndices` that the per-layer calls
+pass back to skip repeating them.
+
+The value checks are vectorised torch reductions over the small index tensors, each read
+back to the host once (one device sync per check on CUDA).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -97,8 +108,250 @@ def check_layers(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torc
             )
 
 
-def check_block_ids(name: str, ids: torch.Tensor, rank: int) -> None:
+def check_block_ids(name: str, ids: torch.Tensor, rank: int, num_blocks: int) -> None:
+    """``ids``: int32/int64 of ``rank`` dimensions, every entry in ``[0, num_blocks)``."""
     check_index(name, ids, rank)
+    if ids.numel() == 0:
+        return
+    low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
+    if low < 0 or high >= num_blocks:
+        flat = ids.reshape(-1)
+        i = int(((flat < 0) | (flat >= num_blocks)).nonzero()[0])
+        raise ValueError(
+            f"{name}[{i}] = {int(flat[i])} is outside the cache's blocks [0, {num_blocks})"
+        )
+
+
+# ------------------------------------------------------------------ index values
+def check_slot_values(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every slot of the 1-D ``slot_mapping`` is ``< num_slots`` (``num_blocks *
+    block_size``); negative slots are padding (not stored) and allowed.
+
+    Raises:
+        ValueError: naming the first slot at the maximum and its value.
+    """
+    if slot_mapping.numel() == 0:
+        return
+    high = int(slot_mapping.max())
+    if high >= num_slots:
+        i = int(slot_mapping.argmax())
+        raise ValueError(
+            f"slot_mapping[{i}] = {high} is beyond the cache's {num_slots} slots "
+            "(num_blocks * block_size)"
+        )
+
+
+def check_positions(positions: torch.Tensor, max_positions: int, num_tokens: int) -> None:
+    """``positions`` is int32/int64 ``[num_tokens]`` with every entry in ``[0,
+    max_positions)`` (the rotary table's rows, which the fused CPU kernels read without
+    checks).
+
+    Raises:
+        ValueError: a bad rank, dtype or length, or naming the first bad position and its
+            value.
+    """
+    check_index("positions", positions, 1)
+    if positions.shape[0] != num_tokens:
+        raise ValueError(f"positions has {positions.shape[0]} entries for {num_tokens} tokens")
+    if num_tokens == 0:
+        return
+    low, high = (int(v) for v in torch.stack(torch.aminmax(positions)).tolist())
+    if low < 0 or high >= max_positions:
+        i = int(((positions < 0) | (positions >= max_positions)).nonzero()[0])
+        raise ValueError(f"positions[{i}] = {int(positions[i])} is outside [0, {max_positions})")
+
+
+def check_table_values(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
+) -> None:
+    """The block table entries that attention reads are ids of the cache.
+
+    Sequence ``s`` reads ``block_tables[s, j // block_size]`` for every key ``j <
+    seq_lens[s]``: those entries must be in ``[0, num_blocks)`` (the rest of the row is
+    padding and is not checked), and the row must be wide enough.
+
+    Args:
+        block_tables: int32/int64 ``[num_seqs, max_blocks]``.
+        seq_lens: int32/int64 ``[num_seqs]``, keys of each sequence.
+        num_blocks, block_size: the cache's geometry.
+
+    Raises:
+        ValueError: a negative ``seq_lens`` entry, a sequence needing more blocks than the
+            table has columns, or a used entry outside ``[0, num_blocks)`` (named as
+            ``block_tables[s, j]`` with its value).
+    """
+    if seq_lens.numel() == 0:
+        return
+    lens = seq_lens.to(torch.int64)
+    low, high = (int(v) for v in torch.stack(torch.aminmax(lens)).tolist())
+    if low < 0:
+        i = int((lens < 0).nonzero()[0])
+        raise ValueError(f"seq_lens[{i}] = {int(lens[i])} is negative")
+    width = block_tables.shape[1]
+    most = -(-high // block_size)
+    if most > width:
+        i = int(lens.argmax())
+        raise ValueError(
+            f"seq_lens[{i}] = {high} needs {most} blocks of {block_size} but block_tables "
+            f"has {width} columns"
+        )
+    if most == 0:
+        return
+    needed = (lens + (block_size - 1)) // block_size
+    used = torch.arange(most, device=lens.device)[None, :] < needed[:, None]
+    ids = torch.where(used, block_tables[:, :most], 0)
+    low, high = (int(v) for v in torch.stack(torch.aminmax(ids)).tolist())
+    if low < 0 or high >= num_blocks:
+        s, j = (int(v) for v in ((ids < 0) | (ids >= num_blocks)).nonzero()[0])
+        raise ValueError(
+            f"block_tables[{s}, {j}] = {int(ids[s, j])} is outside the cache's blocks "
+            f"[0, {num_blocks}) (seq_lens[{s}] = {int(lens[s])} reads {int(needed[s])} blocks)"
+        )
+
+
+def check_query_starts(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_rows: int) -> None:
+    """``cu_seqlens_q`` splits the ``num_rows`` query rows into the sequences' chunks.
+
+    It must start at 0, never decrease, end at ``num_rows``, and give each sequence a chunk
+    no longer than its ``seq_lens`` entry (the chunk is the last keys of the sequence).
+
+    Args:
+        cu_seqlens_q: int32/int64 ``[num_seqs + 1]``.
+        seq_lens: int32/int64 ``[num_seqs]``.
+        num_rows: query rows of the call (``query.shape[0]``).
+
+    Raises:
+        ValueError: naming the bad entry and its value.
+    """
+    cu = cu_seqlens_q.to(torch.int64)
+    if cu.shape[0] == 1:
+        first = last = int(cu[0])
+        shortest = excess = 0
+    else:
+        q_lens = cu[1:] - cu[:-1]
+        stats = torch.stack(
+            (cu[0], cu[-1], q_lens.min(), (q_lens - seq_lens.to(torch.int64)).max())
+        )
+        first, last, shortest, excess = (int(v) for v in stats.tolist())
+    if first != 0:
+        raise ValueError(f"cu_seqlens_q[0] = {first}, must be 0")
+    if shortest < 0:
+        s = int((cu[1:] < cu[:-1]).nonzero()[0])
+        raise ValueError(
+            f"cu_seqlens_q decreases: cu_seqlens_q[{s + 1}] = {int(cu[s + 1])} < "
+            f"cu_seqlens_q[{s}] = {int(cu[s])}"
+        )
+    if last != num_rows:
+        raise ValueError(f"cu_seqlens_q[{cu.shape[0] - 1}] = {last} != the {num_rows} query rows")
+    if excess > 0:
+        lens = seq_lens.to(torch.int64)
+        s = int(((cu[1:] - cu[:-1]) > lens).nonzero()[0])
+        raise ValueError(
+            f"cu_seqlens_q gives sequence {s} a chunk of {int(cu[s + 1] - cu[s])} rows but "
+            f"seq_lens[{s}] = {int(lens[s])}"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class CheckedIndices:
+    """A step's index tensors whose values :func:`check_indices` validated.
+
+    The model passes it to the per-layer kernel calls (``checked=``) so that they skip the
+    value checks for these very tensors (compared by identity) on a cache of this
+    geometry; any other tensor or cache is checked again. Build it only with
+    :func:`check_indices`.
+
+    Attributes:
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q: the validated tensors.
+        num_blocks, block_size: the cache geometry they were checked against.
+        num_tokens: query rows of the step.
+    """
+
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    num_blocks: int
+    block_size: int
+    num_tokens: int
+
+    def fits(self, key_cache: torch.Tensor) -> bool:
+        """Whether ``key_cache`` has the geometry the indices were checked against."""
+        return (key_cache.shape[0], key_cache.shape[1]) == (self.num_blocks, self.block_size)
+
+
+def check_indices(
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    num_tokens: int,
+) -> CheckedIndices:
+    """Validate a whole step's attention indices once (ranks, dtypes, lengths, values).
+
+    Args:
+        slot_mapping: int32/int64 ``[num_tokens]``, ``< num_blocks * block_size`` or
+            negative (padding).
+        block_tables: int32/int64 ``[num_seqs, max_blocks]`` (see :func:`check_table_values`).
+        seq_lens: int32/int64 ``[num_seqs]``.
+        cu_seqlens_q: int32/int64 ``[num_seqs + 1]`` (see :func:`check_query_starts`).
+        num_blocks, block_size: the KV caches' geometry.
+        num_tokens: query rows of the step.
+
+    Returns:
+        The :class:`CheckedIndices` of these tensors.
+
+    Raises:
+        ValueError: naming the bad argument (and entry).
+    """
+    check_index("slot_mapping", slot_mapping, 1)
+    check_index("cu_seqlens_q", cu_seqlens_q, 1)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if num_seqs < 0:
+        raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries")
+    check_tables(block_tables, seq_lens, num_seqs, cu_seqlens_q.device)
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+        )
+    check_slot_values(slot_mapping, num_blocks * block_size)
+    check_query_starts(cu_seqlens_q, seq_lens, num_tokens)
+    check_table_values(block_tables, seq_lens, num_blocks, block_size)
+    return CheckedIndices(
+        slot_mapping, block_tables, seq_lens, cu_seqlens_q, num_blocks, block_size, num_tokens
+    )
+
+
+# ------------------------------------------------------------------ packed GEMM
+def check_linear_weight(weight: torch.Tensor) -> None:
+    """A weight :func:`~pagedserve.kernels.cpu_native.pack_linear_weight` can pack: 2-D
+    fp32 on CPU."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight must be a 2-D fp32 CPU tensor, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device}"
+        )
+
+
+def check_packed_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    panel_width: int,
+) -> None:
+    """Arguments of :func:`~pagedserve.kernels.cpu_native.linear_packed`: ``x`` 2-D fp32
+    ``[M, K]``, ``packed`` holding ``ceil(out_features / panel_width) * K * panel_width``
+    floats, ``bias`` contiguous ``[out_features]`` or ``None``."""
+    if x.dim() != 2 or x.dtype != torch.float32:
+        raise ValueError(f"x must be 2-D fp32 [M, K], got {x.dtype} {tuple(x.shape)}")
+    k = x.shape[1]
+    if packed.numel() != -(-out_features // panel_width) * k * panel_width:
+        raise ValueError(f"packed weight does not hold a [{out_features}, {k}] matrix")
+    if bias is not None and (bias.numel() != out_features or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{out_features}] tensor")
 
 
 def packed_shape(key_caches: Sequence[torch.Tensor], n: int) -> tuple[int, ...]:
@@ -114,8 +367,10 @@ def check_store(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    checked: CheckedIndices | None = None,
 ) -> None:
-    """Arguments of :func:`~pagedserve.kernels.store_kv_cache`."""
+    """Arguments of :func:`~pagedserve.kernels.store_kv_cache`; the slot values unless
+    ``checked`` holds this ``slot_mapping`` for this cache."""
     check_caches(key_cache, value_cache)
     check_rank("key", key, 3)
     check_rank("value", value, 3)
@@ -136,6 +391,10 @@ def check_store(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries, key has {key.shape[0]} tokens"
         )
+    if not (
+        checked is not None and checked.slot_mapping is slot_mapping and checked.fits(key_cache)
+    ):
+        check_slot_values(slot_mapping, key_cache.shape[0] * key_cache.shape[1])
 
 
 def check_decode(
@@ -144,11 +403,21 @@ def check_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
+    checked: CheckedIndices | None = None,
 ) -> None:
-    """Arguments of :func:`~pagedserve.kernels.paged_decode_attention`."""
+    """Arguments of :func:`~pagedserve.kernels.paged_decode_attention`; the block-table
+    values unless ``checked`` holds these ``block_tables`` and ``seq_lens`` for this
+    cache."""
     check_caches(key_cache, value_cache)
     check_query(query, key_cache)
     check_tables(block_tables, seq_lens, query.shape[0], key_cache.device)
+    if not (
+        checked is not None
+        and checked.block_tables is block_tables
+        and checked.seq_lens is seq_lens
+        and checked.fits(key_cache)
+    ):
+        check_table_values(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
 
 
 def check_prefill(
@@ -158,8 +427,11 @@ def check_prefill(
     block_tables: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
+    checked: CheckedIndices | None = None,
 ) -> None:
-    """Arguments of :func:`~pagedserve.kernels.paged_prefill_attention`."""
+    """Arguments of :func:`~pagedserve.kernels.paged_prefill_attention`; the values of
+    ``cu_seqlens_q`` and the block tables unless ``checked`` holds these tensors for this
+    cache and query."""
     check_caches(key_cache, value_cache)
     check_query(query, key_cache)
     check_index("cu_seqlens_q", cu_seqlens_q, 1)
@@ -168,6 +440,16 @@ def check_prefill(
     if num_seqs < 0:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries")
     check_tables(block_tables, seq_lens, num_seqs, key_cache.device)
+    if not (
+        checked is not None
+        and checked.cu_seqlens_q is cu_seqlens_q
+        and checked.block_tables is block_tables
+        and checked.seq_lens is seq_lens
+        and checked.num_tokens == query.shape[0]
+        and checked.fits(key_cache)
+    ):
+        check_query_starts(cu_seqlens_q, seq_lens, query.shape[0])
+        check_table_values(block_tables, seq_lens, key_cache.shape[0], key_cache.shape[1])
 
 
 def check_copy(
@@ -201,7 +483,7 @@ def check_gather(
 ) -> None:
     """Arguments of :func:`~pagedserve.kernels.gather_blocks`."""
     check_layers(key_caches, value_caches)
-    check_block_ids("block_ids", block_ids, 1)
+    check_block_ids("block_ids", block_ids, 1, key_caches[0].shape[0])
     check_device("block_ids", block_ids, key_caches[0].device)
     if out is not None:
         check_rank("out", out, 6)
@@ -220,7 +502,7 @@ def check_scatter(
 ) -> None:
     """Arguments of :func:`~pagedserve.kernels.scatter_blocks`."""
     check_layers(key_caches, value_caches)
-    check_block_ids("block_ids", block_ids, 1)
+    check_block_ids("block_ids", block_ids, 1, key_caches[0].shape[0])
     check_device("block_ids", block_ids, key_caches[0].device)
     check_rank("packed", packed, 6)
     expected = packed_shape(key_caches, block_ids.shape[0])

@@ -34,8 +34,10 @@ the torch reference (:mod:`pagedserve.kernels.reference`, ``worker/layers.py``).
 ``PAGEDSERVE_CPU_KERNELS=0`` to force that fallback, or ``PAGEDSERVE_CPU_GEMM=0`` to keep
 the fused kernels but run the linear layers on torch's ``F.linear`` (MKL / oneDNN).
 
-All tensors must be fp32, on CPU, and contiguous where the docstrings say so; the callers
-in :mod:`pagedserve.kernels.ops` check. The functions here validate nothing else.
+All tensors must be fp32, on CPU, and contiguous where the docstrings say so. The kernels
+index without bounds checks: every caller (:mod:`pagedserve.kernels.ops`, the model's CPU
+forward in ``worker/cpu_forward.py``) validates the indices first with the functions of
+:mod:`pagedserve.kernels._checks`, which also hold this module's own argument checks.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedserve.kernels._checks import check_linear_weight, check_packed_linear
 
 log = logging.getLogger(__name__)
 
@@ -181,32 +185,6 @@ def _lib() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError("the CPU kernels are not available (see cpu_native.load)")
     return lib
-
-
-def check_bounds(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, num_blocks: int, block_size: int
-) -> None:
-    """Reject metadata that would make :func:`paged_attention` read outside the cache.
-
-    The C kernel reads ``block_tables[s, j // block_size]`` for every key ``j <
-    seq_lens[s]`` without checks (the torch reference clamps instead).
-
-    Raises:
-        ValueError: a block table too narrow for its ``seq_lens``, or a block id outside
-            ``[0, num_blocks)`` among the entries the kernel reads.
-    """
-    if seq_lens.numel() == 0:
-        return
-    width = block_tables.shape[1]
-    needed = (seq_lens.to(torch.int64) + block_size - 1) // block_size
-    if int(needed.max()) > width:
-        raise ValueError(
-            f"block_tables has {width} columns but seq_lens needs {int(needed.max())} blocks"
-        )
-    used = torch.arange(width)[None, :] < needed[:, None]
-    ids = block_tables[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-        raise ValueError(f"block_tables holds block ids outside [0, {num_blocks})")
 
 
 def paged_attention(
@@ -342,11 +320,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a weight that is not 2-D fp32 on CPU with unit column stride.
     """
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(
-            f"weight must be a 2-D fp32 CPU tensor, got {weight.dtype} "
-            f"{tuple(weight.shape)} on {weight.device}"
-        )
+    check_linear_weight(weight)
     if weight.stride(1) != 1:
         weight = weight.contiguous()
     n, k = weight.shape
@@ -384,16 +358,10 @@ def linear_packed(
     Raises:
         ValueError: shapes that do not match the packed weight.
     """
-    if x.dim() != 2 or x.dtype != torch.float32:
-        raise ValueError(f"x must be 2-D fp32 [M, K], got {x.dtype} {tuple(x.shape)}")
+    check_packed_linear(x, packed, out_features, bias, panel_width())
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
-    width = panel_width()
-    if packed.numel() != -(-out_features // width) * k * width:
-        raise ValueError(f"packed weight does not hold a [{out_features}, {k}] matrix")
-    if bias is not None and (bias.numel() != out_features or not bias.is_contiguous()):
-        raise ValueError(f"bias must be a contiguous [{out_features}] tensor")
     out = torch.empty((m, out_features), dtype=torch.float32)
     if m:
         linear_packed_fn()(

@@ -16,9 +16,12 @@ import torch
 
 from pagedserve.kernels import cpu_native, reference
 from pagedserve.kernels._checks import (
+    CheckedIndices,
     check_copy,
     check_decode,
     check_gather,
+    check_indices,
+    check_positions,
     check_prefill,
     check_scatter,
     check_store,
@@ -26,6 +29,9 @@ from pagedserve.kernels._checks import (
 from pagedserve.kernels.workspace import DecodeWorkspace
 
 __all__ = [
+    "CheckedIndices",
+    "check_indices",
+    "check_positions",
     "copy_blocks",
     "gather_blocks",
     "paged_decode_attention",
@@ -96,6 +102,8 @@ def store_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     backend: str = "auto",
+    *,
+    checked: CheckedIndices | None = None,
 ) -> None:
     """Write new tokens' K/V into the paged cache in place (vLLM ``reshape_and_cache``).
 
@@ -104,13 +112,18 @@ def store_kv_cache(
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: int64 (int32 accepted) ``[num_tokens]``; token ``i`` goes to block
             ``slot // block_size``, row ``slot % block_size``. ``-1`` (any negative) skips
-            the token (padding). Offsets are computed in int64.
+            the token (padding); every other slot must be ``< num_blocks * block_size``.
+            Offsets are computed in int64.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
+        checked: the step's :func:`check_indices` result; when it holds this
+            ``slot_mapping`` (the same tensor) for a cache of this geometry, the slot
+            values are not checked again.
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+        ValueError: rank, shape, dtype or device mismatch, or a slot beyond the cache
+            (message names the argument and the bad entry).
     """
-    check_store(key, value, key_cache, value_cache, slot_mapping)
+    check_store(key, value, key_cache, value_cache, slot_mapping, checked)
     if resolve_backend(backend, key_cache.device) == "torch":
         reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
         return
@@ -130,6 +143,7 @@ def paged_decode_attention(
     *,
     max_seq_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
+    checked: CheckedIndices | None = None,
 ) -> torch.Tensor:
     """Single-token-per-sequence attention over a paged KV cache.
 
@@ -142,8 +156,10 @@ def paged_decode_attention(
         query: ``[num_seqs, num_heads, head_dim]``, the new token of each sequence (its K/V
             already stored in the cache).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
-        seq_lens: int32 ``[num_seqs]``, context length including the new token.
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; the entries a sequence
+            reads (its first ``ceil(seq_len / block_size)``) must be in ``[0, num_blocks)``.
+        seq_lens: int32 ``[num_seqs]``, context length including the new token (``>= 0``,
+            at most ``max_blocks_per_seq * block_size``).
         scale: softmax scale (usually ``head_dim ** -0.5``).
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         max_seq_len: optional host-side bound on ``seq_lens`` (Triton only): sizes the
@@ -152,15 +168,20 @@ def paged_decode_attention(
             sync): it must be >= every ``seq_lens`` entry, or keys past it are dropped.
         workspace: optional preallocated :class:`DecodeWorkspace` (Triton only) for the
             stage-1 scratch; used when it fits the call, else scratch is allocated.
+        checked: the step's :func:`check_indices` result; when it holds these
+            ``block_tables`` and ``seq_lens`` (the same tensors) for a cache of this
+            geometry, their values are not checked again.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (accumulated in fp32).
         A sequence with ``seq_len == 0`` gets zeros.
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+        ValueError: rank, shape, dtype or device mismatch, a negative ``seq_lens`` entry,
+            a table too narrow for its ``seq_lens`` or a block id it reads outside
+            ``[0, num_blocks)`` (message names the argument and the bad entry).
     """
-    check_decode(query, key_cache, value_cache, block_tables, seq_lens)
+    check_decode(query, key_cache, value_cache, block_tables, seq_lens, checked)
     if uses_cpu_kernels(backend, key_cache.device, key_cache.dtype):
         num_seqs = query.shape[0]
         cu = torch.arange(num_seqs + 1, dtype=torch.int32)
@@ -176,7 +197,6 @@ def paged_decode_attention(
                 )  # fmt: skip
             return out
         tables = block_tables.to(torch.int32).contiguous()
-        cpu_native.check_bounds(tables, lens, key_cache.shape[0], key_cache.shape[1])
         return cpu_native.paged_attention(
             query, key_cache, value_cache, tables, cu, lens, float(scale)
         )
@@ -209,6 +229,7 @@ def paged_prefill_attention(
     backend: str = "auto",
     *,
     max_query_len: int | None = None,
+    checked: CheckedIndices | None = None,
 ) -> torch.Tensor:
     """Causal chunked-prefill (extend) attention over a paged KV cache.
 
@@ -223,26 +244,34 @@ def paged_prefill_attention(
     Args:
         query: ``[total_query_tokens, num_heads, head_dim]``.
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``.
-        cu_seqlens_q: int32 ``[num_seqs + 1]``, prefix sums of chunk lengths, starting at 0
-            and ending at ``total_query_tokens``.
-        seq_lens: int32 ``[num_seqs]``, cached context + this chunk (``>= q_len``).
+        block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; the entries a sequence
+            reads (its first ``ceil(seq_len / block_size)``) must be in ``[0, num_blocks)``.
+        cu_seqlens_q: int32 ``[num_seqs + 1]``, prefix sums of chunk lengths: starts at 0,
+            never decreases, ends at ``total_query_tokens``.
+        seq_lens: int32 ``[num_seqs]``, cached context + this chunk (``>= q_len``, at most
+            ``max_blocks_per_seq * block_size``).
         scale: softmax scale.
         backend: ``"auto"``, ``"triton"`` or ``"torch"``.
         max_query_len: optional longest chunk length (Triton only) to size the grid
             without reading ``cu_seqlens_q`` back to the host.
+        checked: the step's :func:`check_indices` result; when it holds these
+            ``cu_seqlens_q``, ``block_tables`` and ``seq_lens`` (the same tensors) for this
+            many query rows and a cache of this geometry, their values are not checked
+            again.
 
     Returns:
         Tensor shaped like ``query``, in ``query.dtype``.
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+        ValueError: rank, shape, dtype or device mismatch; a ``cu_seqlens_q`` that does
+            not start at 0, decreases, does not end at ``total_query_tokens`` or gives a
+            chunk longer than its ``seq_lens`` entry; a block-table entry as in
+            :func:`paged_decode_attention` (message names the argument and the entry).
     """
-    check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, checked)
     if uses_cpu_kernels(backend, key_cache.device, key_cache.dtype):
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        cpu_native.check_bounds(tables, lens, key_cache.shape[0], key_cache.shape[1])
         return cpu_native.paged_attention(
             query, key_cache, value_cache, tables, cu_seqlens_q.to(torch.int32).contiguous(),
             lens, float(scale),
@@ -311,7 +340,7 @@ def gather_blocks(
 
     Args:
         key_caches, value_caches: per-layer caches as in :func:`copy_blocks`.
-        block_ids: int64 ``[n]`` physical blocks to pack, in order.
+        block_ids: int64 ``[n]`` physical blocks to pack, in order, in ``[0, num_blocks)``.
         out: optional destination of the packed shape and cache dtype, on any device
             (e.g. a pinned host buffer); the result is copied into it and returned.
         backend: accepted for a uniform signature; every backend uses torch indexing.
@@ -322,7 +351,8 @@ def gather_blocks(
         caches' device unless ``out`` is given.
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+        ValueError: rank, shape, dtype or device mismatch, or a block id outside the
+            cache (message names the argument).
     """
     check_gather(key_caches, value_caches, block_ids, out)
     resolve_backend(backend, key_caches[0].device)
@@ -340,13 +370,15 @@ def scatter_blocks(
 
     Args:
         key_caches, value_caches: per-layer caches as in :func:`copy_blocks`.
-        block_ids: int64 ``[n]`` destination blocks; ``packed[i]`` goes to ``block_ids[i]``.
+        block_ids: int64 ``[n]`` destination blocks in ``[0, num_blocks)``; ``packed[i]``
+            goes to ``block_ids[i]``.
         packed: ``[n, num_layers, 2, block_size, num_kv_heads, head_dim]`` in the cache
             dtype, on any device (copied to the caches' device first).
         backend: accepted for a uniform signature; every backend uses torch indexing.
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch (message names the argument).
+        ValueError: rank, shape, dtype or device mismatch, or a block id outside the
+            cache (message names the argument).
     """
     check_scatter(key_caches, value_caches, block_ids, packed)
     resolve_backend(backend, key_caches[0].device)

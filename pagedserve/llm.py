@@ -32,8 +32,9 @@ from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, ThreadWorker
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import InvalidRequest, ServingError
-from pagedserve.scheduler.request import FinishReason, SequenceOutput
+from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -234,7 +235,7 @@ class LLM:
         rid = str(next(self._ids))
         if sampling.seed is None and self._seed is not None:
             sampling = dataclasses.replace(sampling, seed=self._seed + int(rid))
-        self.scheduler.add_request(rid, token_ids, sampling, self.info.eos_token_ids)
+        self.scheduler.add_request(EngineRequest(rid, token_ids, sampling, self.info.eos_token_ids))
         detok = self.tokenizer.backend_tokenizer
         choices = [
             _Choice(

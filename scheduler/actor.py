@@ -1,16 +1,17 @@
 """The scheduler Ray actor: one per cluster, drives one step loop per worker.
 
 The actor is async (asyncio). A frontend opens one output stream with ``subscribe`` (a
-Ray streaming generator) and adds requests with ``add_request``: every step's outputs for
-all of that frontend's requests travel as one item of that stream, tagged, so the Ray cost
-per step does not grow with the number of requests (vLLM v1's engine core likewise sends
-one message of outputs per step). ``generate`` (one stream per request) is kept for
-direct callers. ``abort`` and ``get_stats`` are plain calls. A
-step loop per worker, :class:`~pagedserve.scheduler.engine_loop.EngineLoop`'s, plans each
-step with the :class:`Scheduler`, awaits the worker's ``execute_model`` and feeds the
-answer back; new requests join the running batch between steps (continuous batching).
-The actor adds the Ray plumbing only: the worker handles (:class:`RayWorker`), resetting
-the workers before the first step, the liveness probe and revival.
+Ray streaming generator) and adds requests with ``add_request`` (an
+:class:`~pagedserve.scheduler.engine_messages.EngineRequest` naming that stream): every
+step's outputs for all of that frontend's requests travel as one item of that stream,
+tagged, so the Ray cost per step does not grow with the number of requests (vLLM v1's
+engine core likewise sends one message of outputs per step). That stream is the only
+output path. ``abort`` and ``get_stats`` are plain calls. A step loop per worker,
+:class:`~pagedserve.scheduler.engine_loop.EngineLoop`'s, plans each step with the
+:class:`Scheduler`, awaits the worker's ``execute_model`` and feeds the answer back; new
+requests join the running batch between steps (continuous batching). The actor adds the
+Ray plumbing only: the worker handles (:class:`RayWorker`), resetting the workers before
+the first step, the liveness probe and revival.
 
 This module imports Ray but never torch: the scheduler process holds metadata only.
 """
@@ -22,6 +23,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -29,15 +31,30 @@ import ray
 from pagedserve.scheduler import gc_tuning
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, WorkerDied
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import ClusterUnavailable
 from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
-from pagedserve.scheduler.request import FinishReason, SequenceOutput
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RequestRoute:
+    """Where one request's outputs go (the actor's per-request record).
+
+    Attributes:
+        subscriber: the output stream (:meth:`SchedulerActor.subscribe`'s name).
+        tag: the number its outputs carry on that stream (:attr:`EngineRequest.tag`).
+        choices_left: choices not finished yet; the record is dropped at 0.
+    """
+
+    subscriber: str
+    tag: int
+    choices_left: int
 
 
 class RayWorker:
@@ -93,11 +110,9 @@ class SchedulerActor:
         self._scheduler = Scheduler(config, specs, swap)
         self._swap = swap
         self._workers = [ray.get_actor(w) if isinstance(w, str) else w for w in workers]
-        self._queues: dict[str, asyncio.Queue[SequenceOutput]] = {}
-        # subscribe/add_request: subscriber -> its stream's queue of (tag, output), and
-        # request id -> [subscriber, tag, choices not finished yet]
+        # subscriber -> its stream's queue of (tag, output); request id -> its route
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
-        self._subscribed: dict[str, list[Any]] = {}
+        self._routes: dict[str, RequestRoute] = {}
         self._engine = EngineLoop(
             self._scheduler,
             {wid: RayWorker(w) for wid, w in enumerate(self._workers)},
@@ -148,49 +163,6 @@ class SchedulerActor:
 
         await asyncio.gather(*(one(w) for w in self._workers))
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos_token_ids: list[int],
-    ) -> AsyncIterator[list[SequenceOutput]]:
-        """Add a request and stream its deltas, batched: the first item is an empty list
-        (the request was added), every later one a non-empty list.
-
-        The stream ends once every choice has finished. If the consumer goes away, the
-        request is aborted (its blocks are freed).
-
-        Raises:
-            ServingError: from :meth:`Scheduler.add_request` (InvalidRequest,
-                RequestRejected, DuplicateRequest, ClusterUnavailable), before any item.
-        """
-        await self.ready()
-        queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
-        self._scheduler.add_request(request_id, prompt_token_ids, sampling, eos_token_ids)
-        self._queues[request_id] = queue
-        self._wake_all()
-        remaining = sampling.n
-        try:
-            # NOTE: the first item, an empty batch, acknowledges the request: from then on
-            # an abort reaches it (Ray does not order an async actor's calls, so an abort
-            # sent earlier could have run before add_request).
-            yield []
-            while remaining > 0:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                remaining -= sum(1 for o in batch if o.finish_reason is not None)
-                yield batch
-        finally:
-            # The id may already belong to a newer request (this one finished, the
-            # client reused the id): only clean up what is still this stream's.
-            if self._queues.get(request_id) is queue:
-                del self._queues[request_id]
-                if remaining > 0:
-                    self._scheduler.abort_request(request_id)
-                    self._wake_all()
-
     async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[int, SequenceOutput]]]:
         """The output stream of every request ``subscriber`` adds with :meth:`add_request`.
 
@@ -213,39 +185,34 @@ class SchedulerActor:
         finally:
             if self._subscribers.get(subscriber) is queue:
                 del self._subscribers[subscriber]
-                orphans = [r for r, e in self._subscribed.items() if e[0] == subscriber]
+                orphans = [r for r, e in self._routes.items() if e.subscriber == subscriber]
                 for request_id in orphans:
                     self._dispatch(self._scheduler.abort_request(request_id))
-                    self._subscribed.pop(request_id, None)
+                    self._routes.pop(request_id, None)
                 if orphans:
                     self._wake_all()
 
-    async def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos_token_ids: list[int],
-        subscriber: str,
-        tag: int,
-    ) -> None:
-        """Add a request whose outputs go to ``subscriber``'s stream tagged ``tag``.
+    async def add_request(self, request: EngineRequest) -> None:
+        """Add a request whose outputs go to ``request.subscriber``'s stream, tagged
+        ``request.tag``.
 
         Returns once the request is queued (from then on an abort reaches it).
 
         Raises:
-            ClusterUnavailable: ``subscriber`` has no open stream (e.g. this actor was
+            ClusterUnavailable: the subscriber has no open stream (e.g. this actor was
                 restarted since it subscribed).
             ServingError: from :meth:`Scheduler.add_request` (InvalidRequest,
-                RequestRejected, DuplicateRequest).
+                RequestRejected, DuplicateRequest, ClusterUnavailable).
         """
         await self.ready()
-        if subscriber not in self._subscribers:
+        if request.subscriber not in self._subscribers:
             raise ClusterUnavailable(
-                f"no output stream is open for {subscriber!r} (the scheduler restarted?)"
+                f"no output stream is open for {request.subscriber!r} (the scheduler restarted?)"
             )
-        self._scheduler.add_request(request_id, prompt_token_ids, sampling, eos_token_ids)
-        self._subscribed[request_id] = [subscriber, tag, sampling.n]
+        self._scheduler.add_request(request)
+        self._routes[request.request_id] = RequestRoute(
+            request.subscriber, request.tag, request.sampling.n
+        )
         self._wake_all()
 
     async def abort(
@@ -311,20 +278,16 @@ class SchedulerActor:
 
     def _dispatch(self, outputs: list[SequenceOutput]) -> None:
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            route = self._routes.get(out.request_id)
+            if route is None:
                 continue
-            entry = self._subscribed.get(out.request_id)
-            if entry is None:
-                continue
-            stream = self._subscribers.get(entry[0])
+            stream = self._subscribers.get(route.subscriber)
             if stream is not None:
-                stream.put_nowait((entry[1], out))
+                stream.put_nowait((route.tag, out))
             if out.finish_reason is not None:
-                entry[2] -= 1
-                if entry[2] <= 0:
-                    del self._subscribed[out.request_id]
+                route.choices_left -= 1
+                if route.choices_left <= 0:
+                    del self._routes[out.request_id]
 
     async def _probe_idle_workers(self, interval_s: float = 2.0, timeout_s: float = 30.0) -> None:
         """Ping idle live workers so a worker that dies between steps is noticed, and
@@ -375,4 +338,4 @@ class SchedulerActor:
         self._wake_all()
 
 
-__all__ = ["FinishReason", "SchedulerActor"]
+__all__ = ["RequestRoute", "SchedulerActor"]

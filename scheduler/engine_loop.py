@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from pagedserve.scheduler.request import SequenceOutput
+    from pagedserve.scheduler.engine_messages import SequenceOutput
     from pagedserve.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

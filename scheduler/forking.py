@@ -1,10 +1,12 @@
-"""Parallel sampling (n > 1) and beam search: the scheduler's fork bookkeeping.
+"""Beam search requests: the fork manager's state and decisions.
 
-A mixin of :class:`pagedserve.scheduler.scheduler.Scheduler` (it works on the scheduler's
-workers, sequences and queues; the scheduler's module docstring describes both
-mechanisms). Forked sequences share blocks on the worker that holds their parent, so they
-start on that worker; a beam whose request still runs elsewhere is never stolen
-(:meth:`ForkingMixin._pinned`).
+:class:`ForkManager` owns the state of every beam-search request (its running beams,
+the candidates reported this round, the search itself; the rule is in
+:mod:`pagedserve.scheduler.beam_search`) and returns decisions; the
+:class:`pagedserve.scheduler.scheduler.Scheduler` applies them to sequences, queues and
+block pools (the scheduler's module docstring describes both parallel sampling and beam
+search). Forked beams share blocks on the worker that holds their parent, so a beam whose
+request still runs elsewhere is never stolen (:meth:`ForkManager.pinned`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.beam_search import BeamInput, BeamSearch
-from pagedserve.scheduler.metrics import SchedulerMetrics
-from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
-from pagedserve.scheduler.routing import Router
-from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.worker_state import WorkerState
+from pagedserve.scheduler.engine_messages import SequenceOutput
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass
@@ -34,74 +33,39 @@ class BeamRequest:
     num_cached_tokens: int = 0
 
 
-class ForkingMixin:
-    """Fork and beam-search bookkeeping of the :class:`Scheduler` (see the module docstring)."""
+@dataclass(frozen=True, slots=True)
+class BeamContinuation:
+    """One beam of the next round: ``parent`` itself (``child`` None) or a new beam
+    forked from it (``child``, not yet placed), extended by ``token_id``."""
 
-    workers: dict[int, WorkerState]
-    sequences: dict[str, Sequence]
-    requests: dict[str, list[Sequence]]
-    beam_requests: dict[str, BeamRequest]
-    metrics: SchedulerMetrics
-    _router: Router
-    _wake_others: bool
+    parent: Sequence
+    child: Sequence | None
+    token_id: int
+    cumulative_logprob: float
 
-    # Provided by the Scheduler.
-    def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
-        raise NotImplementedError
 
-    def _queue_of(self, seq: Sequence) -> WorkerState:
-        raise NotImplementedError
+@dataclass(frozen=True, slots=True)
+class BeamStep:
+    """A beam step's decision, for the scheduler to apply in this order: place every
+    ``child`` of ``continuations`` (before any parent appends its token), free
+    ``dropped``, append each continuation's token, then :meth:`ForkManager.set_beams`.
+    When ``done`` the search ended: finish the request (:meth:`ForkManager.finish`)."""
 
-    def _finish(self, seq: Sequence, reason: FinishReason, record: bool = True) -> None:
-        raise NotImplementedError
+    done: bool
+    continuations: list[BeamContinuation] = field(default_factory=list)
+    dropped: list[Sequence] = field(default_factory=list)
 
-    def _pinned(self, seq: Sequence) -> bool:
-        """A queued beam whose request has a beam running: it stays on its queue's worker
-        (its siblings' blocks and the beam step are there)."""
-        br = self.beam_requests.get(seq.request_id)
-        return br is not None and any(b.status is SequenceStatus.RUNNING for b in br.beams)
 
-    def _fork_children(self, ws: WorkerState, parent: Sequence) -> None:
-        """Start the pending choices of ``parent``'s request, which just computed its prompt.
+class ForkManager:
+    """The beam-search requests in flight (see the module docstring)."""
 
-        Each child shares the blocks of the prompt's first ``prompt_len - 1`` tokens and
-        recomputes the last prompt token (so it samples its own first token from its own
-        logits); it joins the running batch after its parent.
-        """
-        num_shared = parent.num_prompt_tokens - 1
-        for child in parent.fork_children:
-            if num_shared > 0:
-                ws.kv.fork(parent.seq_id, child.seq_id, num_shared)
-            # NOTE: with a 1-token prompt nothing is shared; the child's first step
-            # allocates its table like a new sequence (allocate_slots on an unknown id).
-            child.status = SequenceStatus.RUNNING
-            child.worker_id = ws.spec.worker_id
-            child.num_computed_tokens = num_shared
-            child.num_cached_tokens = parent.num_cached_tokens
-            ws.running.append(child)
-        parent.fork_children = []
+    def __init__(self) -> None:
+        self.beam_requests: dict[str, BeamRequest] = {}
 
-    # ------------------------------------------------------------------ beam search
-    def _add_beam_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos: frozenset[int],
-        max_total: int,
-        arrival: float,
-    ) -> list[Sequence]:
-        seq = Sequence(
-            seq_id=f"{request_id}/0",
-            request_id=request_id,
-            choice_index=0,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling=sampling,
-            eos_token_ids=eos,
-            max_total_tokens=max_total,
-            arrival_s=arrival,
-        )
-        live_eos = frozenset() if sampling.ignore_eos else eos
+    def add(self, request_id: str, seq: Sequence) -> None:
+        """Start a beam search whose first beam is ``seq`` (queued by the caller)."""
+        sampling = seq.sampling
+        live_eos = frozenset() if sampling.ignore_eos else seq.eos_token_ids
         search = BeamSearch(
             sampling.beam_width,
             sampling.max_tokens,
@@ -110,25 +74,30 @@ class ForkingMixin:
             len(live_eos),
         )
         self.beam_requests[request_id] = BeamRequest(search, [seq])
-        self.requests[request_id] = [seq]
-        self.sequences[seq.seq_id] = seq
-        self._enqueue(self._router.route(seq, self.workers), seq)
-        return [seq]
 
-    def _awaits_beam_step(self, seq: Sequence) -> bool:
+    def is_beam_request(self, request_id: str) -> bool:
+        return request_id in self.beam_requests
+
+    def pinned(self, seq: Sequence) -> bool:
+        """A queued beam whose request has a beam running: it stays on its queue's worker
+        (its siblings' blocks and the beam step are there)."""
+        br = self.beam_requests.get(seq.request_id)
+        return br is not None and any(b.status is SequenceStatus.RUNNING for b in br.beams)
+
+    def awaits_step(self, seq: Sequence) -> bool:
+        """Whether ``seq`` reported its candidates and waits for its sibling beams."""
         br = self.beam_requests.get(seq.request_id)
         return br is not None and seq.seq_id in br.pending
 
-    def _beam_report(
-        self, seq: Sequence, candidates: tuple[tuple[int, float], ...]
-    ) -> list[SequenceOutput]:
-        """Store one beam's candidates; run the beam step once every beam reported."""
+    def report(self, seq: Sequence, candidates: tuple[tuple[int, float], ...]) -> BeamStep | None:
+        """Store one beam's candidates; once every beam reported, run the beam step and
+        return its decision (None while beams are still to report)."""
         br = self.beam_requests[seq.request_id]
         if seq.num_preemptions == 0 and seq is br.beams[0] and not seq.output_token_ids:
             br.num_cached_tokens = seq.num_cached_tokens
         br.pending[seq.seq_id] = candidates
         if any(b.seq_id not in br.pending for b in br.beams):
-            return []
+            return None
         inputs = [
             BeamInput(b.output_token_ids, b.cumulative_logprob, br.pending[b.seq_id])
             for b in br.beams
@@ -136,31 +105,27 @@ class ForkingMixin:
         br.pending.clear()
         conts = br.search.step(inputs)
         if br.search.done:
-            return self._finish_beam_request(seq.request_id)
-        self._wake_others = True  # beams may live on other workers' running lists
+            return BeamStep(done=True)
         claimed: set[int] = set()
-        plan: list[tuple[Sequence, int, float]] = []
+        plan: list[BeamContinuation] = []
         for c in conts:
             parent = br.beams[c.parent]
+            child = None
             if c.parent in claimed:
-                # NOTE: fork before the parent appends its own token below: the child
-                # shares the parent's table as computed so far.
-                plan.append((self._fork_beam(br, parent), c.token_id, c.cumulative_logprob))
+                child = self._new_beam(br, parent)
             else:
                 claimed.add(c.parent)
-                plan.append((parent, c.token_id, c.cumulative_logprob))
-        for pos, beam in enumerate(br.beams):
-            if pos not in claimed:
-                self._drop_beam(beam)
-        for beam, token, cum in plan:
-            beam.append_token(token)
-            beam.unsent_token_ids.append(token)
-            beam.cumulative_logprob = cum
-        br.beams = [beam for beam, _, _ in plan]
-        return []
+            plan.append(BeamContinuation(parent, child, c.token_id, c.cumulative_logprob))
+        dropped = [beam for pos, beam in enumerate(br.beams) if pos not in claimed]
+        return BeamStep(False, plan, dropped)
 
-    def _fork_beam(self, br: BeamRequest, parent: Sequence) -> Sequence:
-        """A new beam with the parent's tokens, sharing its blocks when it is running."""
+    def set_beams(self, request_id: str, beams: list[Sequence]) -> None:
+        """The request's running beams after a beam step, in running order."""
+        self.beam_requests[request_id].beams = beams
+
+    @staticmethod
+    def _new_beam(br: BeamRequest, parent: Sequence) -> Sequence:
+        """A new beam with the parent's tokens (waiting, nowhere yet)."""
         child = Sequence(
             seq_id=f"{parent.request_id}/{br.next_id}",
             request_id=parent.request_id,
@@ -174,43 +139,15 @@ class ForkingMixin:
         br.next_id += 1
         for token in parent.output_token_ids:
             child.append_token(token)
-        if parent.status is SequenceStatus.RUNNING and parent.worker_id is not None:
-            ws = self.workers[parent.worker_id]
-            ws.kv.fork(parent.seq_id, child.seq_id)
-            child.status = SequenceStatus.RUNNING
-            child.worker_id = parent.worker_id
-            child.num_computed_tokens = parent.num_computed_tokens
-            ws.running.append(child)
-        else:  # the parent waits (preempted): so does the child, recomputing its tokens
-            self._enqueue(self._queue_of(parent), child, front=True)
-        self.sequences[child.seq_id] = child
-        self.requests[parent.request_id].append(child)
         return child
 
-    def _drop_beam(self, beam: Sequence) -> None:
-        """Free a pruned beam's blocks at once and forget it."""
-        self._finish(beam, FinishReason.ABORT, record=False)  # not a finished choice
-        self.requests[beam.request_id].remove(beam)
-        self.sequences.pop(beam.seq_id, None)
-
-    def _finish_beam_request(self, request_id: str) -> list[SequenceOutput]:
-        """Free every beam and emit the n best finished beams, best first."""
+    def finish(self, request_id: str, first: Sequence) -> list[SequenceOutput]:
+        """Forget a search that ended; its n best finished beams as final deltas, best
+        first (``first``: the request's first beam, for its prompt and sampling)."""
         br = self.beam_requests.pop(request_id)
-        seqs = self.requests.pop(request_id)
-        for beam in seqs:
-            if beam.status is not SequenceStatus.FINISHED:
-                self._finish(beam, FinishReason.LENGTH, record=False)
-            self.sequences.pop(beam.seq_id, None)
-        first = seqs[0]
         eos = first.eos_token_ids
         outputs = []
-        best = br.search.best(first.sampling.n)
-        self.metrics.on_beam_request_finished(
-            first,
-            [(FinishReason.STOP if h.stopped else FinishReason.LENGTH, len(h.token_ids))
-             for h in best],
-        )  # fmt: skip
-        for i, hyp in enumerate(best):
+        for i, hyp in enumerate(br.search.best(first.sampling.n)):
             last = hyp.token_ids[-1]
             stop_id = last if hyp.stopped and last in first.sampling.stop_token_ids else None
             if stop_id is not None and last in eos and not first.sampling.ignore_eos:
@@ -231,16 +168,9 @@ class ForkingMixin:
             )
         return outputs
 
-    def _abort_beam_request(self, request_id: str, reason: FinishReason) -> list[SequenceOutput]:
-        """End a beam request early: every beam freed, one empty final delta per choice."""
+    def abort(self, request_id: str, first: Sequence, reason: FinishReason) -> list[SequenceOutput]:
+        """Forget a search ended early: one empty final delta per choice."""
         br = self.beam_requests.pop(request_id)
-        seqs = self.requests.pop(request_id)
-        for beam in seqs:
-            if beam.status is not SequenceStatus.FINISHED:
-                self._finish(beam, reason, record=False)
-            self.sequences.pop(beam.seq_id, None)
-        first = seqs[0]
-        self.metrics.on_beam_request_finished(first, [(reason, 0)] * first.sampling.n)
         return [
             SequenceOutput(
                 request_id=request_id,

@@ -129,6 +129,28 @@ class SwapResult:
 
 
 @dataclass(frozen=True)
+class SwapPlan:
+    """One step's host-store transfers, in the order the worker runs them.
+
+    The scheduler sends a plan only when one of its lists is non-empty.
+
+    Attributes:
+        blocks_to_swap_out: transfers to the host store, run first (before any swap-in,
+            copy or model write: their blocks may be reused in this very step).
+        blocks_to_swap_in: transfers from the host store into freshly allocated blocks,
+            run after the swap-outs and before ``blocks_to_copy`` and the model.
+        host_blocks_to_free: host blocks to drop from the store (best effort; result
+            under the transfer id ``free_transfer_id``).
+        free_transfer_id: names the free of ``host_blocks_to_free`` in the results.
+    """
+
+    blocks_to_swap_out: list[SwapTransfer] = field(default_factory=list)
+    blocks_to_swap_in: list[SwapTransfer] = field(default_factory=list)
+    host_blocks_to_free: list[int] = field(default_factory=list)
+    free_transfer_id: str = ""
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What one worker runs in one step.
 
@@ -143,13 +165,9 @@ class SchedulerOutput:
             running.
         blocks_to_copy: (src, dst) physical block pairs to copy before running
             (copy-on-write).
-        blocks_to_swap_out: transfers to the host store, run first (before any swap-in,
-            copy or model write: their blocks may be reused in this very step).
-        blocks_to_swap_in: transfers from the host store into freshly allocated blocks,
-            run after the swap-outs and before ``blocks_to_copy`` and the model.
-        host_blocks_to_free: host blocks to drop from the store (best effort; result
-            under the transfer id ``free_transfer_id``).
-        free_transfer_id: names the free of ``host_blocks_to_free`` in the results.
+        swap_plan: the step's transfers to and from the host block store; None when the
+            step moves nothing (vLLM's ``kv_connector_metadata``: one optional field for
+            the subsystem, read only by the worker's swapper).
     """
 
     step_id: int
@@ -158,10 +176,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_seq_ids: list[str] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[SwapTransfer] = field(default_factory=list)
-    blocks_to_swap_in: list[SwapTransfer] = field(default_factory=list)
-    host_blocks_to_free: list[int] = field(default_factory=list)
-    free_transfer_id: str = ""
+    swap_plan: SwapPlan | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -170,11 +185,7 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not (
-            self.num_scheduled_tokens
-            or self.finished_seq_ids
-            or self.blocks_to_swap_out
-            or self.blocks_to_swap_in
-            or self.host_blocks_to_free
+            self.num_scheduled_tokens or self.finished_seq_ids or self.swap_plan is not None
         )
 
 
@@ -192,8 +203,8 @@ class RunnerOutput:
         beam_candidates: seq_id -> the ``(token_id, logprob)`` pairs (best first, fp32
             log-softmax of the raw logits) of a beam-search sequence whose tokens are all
             computed; such sequences sample nothing and appear only here.
-        swap_results: transfer_id -> outcome of each swap transfer of the step (and of
-            the free of ``host_blocks_to_free``).
+        swap_results: transfer_id -> outcome of each transfer of the step's
+            ``swap_plan`` (and of the free of its ``host_blocks_to_free``).
         started_s: when the worker started the step (its monotonic clock, seconds; 0.0
             when unknown): with ``execute_time_s``, the idle gap between two steps.
     """

@@ -132,39 +132,3 @@ class Sequence:
         if num_out >= sampling.max_tokens or len(self.all_token_ids) >= self.max_total_tokens:
             return FinishReason.LENGTH
         return None
-
-
-@dataclass(slots=True)
-class SequenceOutput:
-    """A delta pushed to the frontend after a step.
-
-    Built for every sequence at every step, so not frozen (a frozen dataclass's
-    ``__init__`` costs ~4x a plain one's); treat it as immutable.
-
-    Attributes:
-        request_id: the client request.
-        choice_index: which choice.
-        new_token_ids: tokens appended since the last delta.
-        finish_reason: set on the last delta of the choice.
-        num_prompt_tokens: prompt length (tokens).
-        num_output_tokens: output tokens so far.
-        num_cached_tokens: prompt tokens served from the prefix cache.
-        logprobs: log probabilities of ``new_token_ids`` (when the request asks).
-        cumulative_logprob: sum of the choice's token logprobs so far (when it asks).
-        stop_reason: on the last delta: the stop token id that ended the choice.
-        score: beam search: the beam's length-penalized score (on its only delta).
-        num_preemptions: how often the choice was preempted so far (0 for beam search).
-    """
-
-    request_id: str
-    choice_index: int
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int
-    logprobs: tuple[SampleLogprobs, ...] = ()
-    cumulative_logprob: float | None = None
-    stop_reason: int | None = None
-    score: float | None = None
-    num_preemptions: int = 0

@@ -17,9 +17,11 @@ whatever its length, and a cached prompt costs little to prefill, so a token cou
 push shared-prefix requests off the worker that caches their prefix.
 
 Work stealing keeps a worker from idling while another's queue waits: a worker whose own
-queue is empty takes a sequence queued for another, busy worker when that sequence has no cached
-prefix there (nothing is lost by moving it), or when that worker could not admit it now
-(its pool or batch is full: waiting there costs more than recomputing the prefix). Beams
+queue is empty takes a sequence queued for another, busy worker when that worker could not
+admit it now (its pool or batch is full, or its admission rule refuses it: waiting there
+costs more than recomputing the prefix), or when the sequence has no cached prefix there
+and the move evens the loads (the thief's load plus the sequence's width stays at most the
+victim's load minus it; :meth:`Router.find_stealable`). Beams
 of a beam search whose request still runs elsewhere stay where their siblings are.
 
 The prefix lookups use :meth:`KVCacheManager.get_computed_blocks` with ``count=False``: it

@@ -23,6 +23,16 @@ After the worker answers, :meth:`Scheduler.update` appends sampled tokens, check
 conditions, registers newly full blocks in the prefix cache, frees finished sequences and
 returns the deltas for the frontend.
 
+Composition (mini-sglang's managers): the swap manager (:mod:`.swapping`: host pool,
+swapped groups, transfers in flight) and the fork manager (:mod:`.forking`: beam-search
+requests) own their state and return decisions (a planned swap-out, a swap-in plan, a
+beam step, the sequences a failed transfer sends back to recompute); admission rules
+(:mod:`.admission_policy`), routing and victim choice are pure policy. The scheduler
+applies every change to sequences, queues and block pools itself. A step's staging (the
+tokens scheduled, the swap transfers) lives in :meth:`Scheduler.schedule`'s locals, and
+whether idle workers should look again is returned (``StepPlan.wake_others``,
+``StepUpdate.wake_others``), never left on the object.
+
 Parallel sampling (n > 1) shares the prompt's KV (PagedAttention paper §4.3): a request
 enters as one sequence (choice 0) that prefills the prompt; its other choices wait as
 ``PENDING_FORK`` and, when the prefill completes, fork from it at ``prompt_len - 1``
@@ -47,22 +57,18 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
+from pagedserve.scheduler.admission_policy import AdmissionPolicy
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.errors import (
-    ClusterUnavailable,
-    DuplicateRequest,
-    IntegrityError,
-    InvalidRequest,
-    RequestRejected,
-)
-from pagedserve.scheduler.forking import BeamRequest
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
+from pagedserve.scheduler.errors import DuplicateRequest, IntegrityError
+from pagedserve.scheduler.forking import BeamStep, ForkManager
+from pagedserve.scheduler.intake import check_request, new_sequences
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.metrics import MetricsSnapshot, SchedulerMetrics
 from pagedserve.scheduler.outputs import (
@@ -70,13 +76,14 @@ from pagedserve.scheduler.outputs import (
     NewSequenceData,
     RunnerOutput,
     SchedulerOutput,
+    SwapPlan,
+    SwapTransfer,
 )
 from pagedserve.scheduler.preemption import choose_victim
-from pagedserve.scheduler.request import FinishReason, Sequence, SequenceOutput, SequenceStatus
+from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 from pagedserve.scheduler.routing import Router
-from pagedserve.scheduler.sampling_params import SamplingParams
-from pagedserve.scheduler.swap import SwapSpec
-from pagedserve.scheduler.swapping import SwapMixin
+from pagedserve.scheduler.swap import SwapSpec, SwapStats
+from pagedserve.scheduler.swapping import SwapManager, SwapResolution
 from pagedserve.scheduler.worker_state import (
     SchedulerStats,
     WorkerSpec,
@@ -113,7 +120,7 @@ class StepUpdate:
     wake_others: bool
 
 
-class Scheduler(SwapMixin):
+class Scheduler:
     """Owns every sequence and every worker's block metadata; decides what runs each step.
 
     Args:
@@ -147,95 +154,57 @@ class Scheduler(SwapMixin):
         if not self.workers:
             raise ValueError("at least one worker is required")
         self._router = Router(config)
+        self._admission = AdmissionPolicy(config, self.max_model_len)
+        self._swaps = SwapManager(config, swap)
+        self._forks = ForkManager()
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
-        self.beam_requests: dict[str, BeamRequest] = {}
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
-        self._wake_others = False
-        self._init_swap(swap)
+        fcfs = config.scheduling_policy == "fcfs"
         # The batch's sort key: arrival alone under fcfs (same order as _rank, cheaper).
         self._sort_key: Callable[[Sequence], object] = (
-            operator.attrgetter("arrival_s") if config.scheduling_policy == "fcfs" else self._rank
+            operator.attrgetter("arrival_s") if fcfs else self._rank
         )
+        self._queue_rank = None if fcfs else self._rank  # queues in rank order (priority)
 
     # ------------------------------------------------------------------ requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        eos_token_ids: Iterable[int] = (),
-        arrival_s: float | None = None,
-    ) -> list[Sequence]:
-        """Queue a request: one sequence per choice (``sampling.n``); choice 0 is queued,
-        the others wait to fork from it (see the module docstring).
+    def add_request(self, request: EngineRequest) -> list[Sequence]:
+        """Queue a request: one sequence per choice (``request.sampling.n``); choice 0 is
+        queued, the others wait to fork from it (see the module docstring). An
+        ``arrival_s`` of None is stamped now (``time.monotonic``).
 
         Raises:
             DuplicateRequest: the request id is in flight.
-            InvalidRequest: empty prompt, or prompt + max_tokens longer than
-                ``max_model_len``.
+            InvalidRequest: prompt + max_tokens longer than ``max_model_len`` (an empty
+                prompt cannot be an :class:`EngineRequest`).
             RequestRejected: one choice at its longest needs more slots than the largest
                 live worker pool holds (it could never finish, even alone).
             ClusterUnavailable: no worker is alive.
         """
+        request_id = request.request_id
+        prompt_token_ids = request.prompt_token_ids
+        sampling = request.sampling
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty")
-        prompt_len = len(prompt_token_ids)
-        if prompt_len + sampling.max_tokens > self.max_model_len:
-            raise InvalidRequest(
-                f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        max_total = prompt_len + sampling.max_tokens
-        live = [w for w in self.workers.values() if w.alive]
-        if not live:
-            raise ClusterUnavailable("no worker is alive")
-        # Each choice must fit alone (after the fork, preemption lets them take turns), so
-        # the bound is per sequence, not n times it.
-        capacity = max(w.spec.num_blocks * w.spec.block_size for w in live)
-        if max_total > capacity:
-            raise RequestRejected(
-                f"a sequence of this request needs up to {max_total} KV slots but a worker "
-                f"holds only {capacity}"
-            )
-        arrival = time.monotonic() if arrival_s is None else arrival_s
-        eos = frozenset(eos_token_ids)
+        max_total = check_request(
+            prompt_token_ids, sampling, self.workers.values(), self.max_model_len
+        )
+        arrival = time.monotonic() if request.arrival_s is None else request.arrival_s
+        seqs = new_sequences(
+            request_id,
+            prompt_token_ids,
+            sampling,
+            frozenset(request.eos_token_ids),
+            max_total,
+            arrival,
+        )
         if sampling.use_beam_search:
-            # NOTE: beams step together (a beam that reported waits for its siblings while
-            # holding its blocks), so all K must fit at once, not just one at a time.
-            bs = max(w.spec.block_size for w in live)
-            need = sampling.beam_width * -(-max_total // bs)
-            if need > max(w.spec.num_blocks for w in live):
-                raise RequestRejected(
-                    f"beam search with beam_width {sampling.beam_width} needs up to {need} KV "
-                    "blocks at once, more than a worker's pool holds"
-                )
-            return self._add_beam_request(
-                request_id, prompt_token_ids, sampling, eos, max_total, arrival
-            )
-        seqs = [
-            Sequence(
-                seq_id=f"{request_id}/{i}",
-                request_id=request_id,
-                choice_index=i,
-                prompt_token_ids=list(prompt_token_ids),
-                sampling=sampling,
-                eos_token_ids=eos,
-                max_total_tokens=max_total,
-                arrival_s=arrival,
-            )
-            for i in range(sampling.n)
-        ]
+            self._forks.add(request_id, seqs[0])
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
-        for child in seqs[1:]:
-            child.status = SequenceStatus.PENDING_FORK
-        seqs[0].fork_children = seqs[1:]
         self._enqueue(self._router.route(seqs[0], self.workers), seqs[0])
         return seqs
 
@@ -254,8 +223,8 @@ class Scheduler(SwapMixin):
 
         Returns the final deltas; empty when nothing was in flight.
         """
-        if request_id in self.beam_requests:
-            return self._abort_beam_request(request_id, reason)
+        if self._forks.is_beam_request(request_id):
+            return self._end_beam_request(request_id, reason)
         outputs = []
         for seq in self.requests.get(request_id, []):
             if choice_index is not None and seq.choice_index != choice_index:
@@ -273,22 +242,19 @@ class Scheduler(SwapMixin):
         ws = self.workers[worker_id]
         if not ws.alive:
             return False
-        if ws.running or ws.pending_finished or ws.waiting or self._host_free_queue:
+        if ws.running or ws.pending_finished or ws.waiting or self._swaps.has_frees:
             return True
         return any(w.waiting for w in self.workers.values() if w.alive)
 
     def schedule(self, worker_id: int) -> StepPlan:
         """Decide one step for ``worker_id`` (see the module docstring)."""
-        out = self._schedule(worker_id)
-        wake, self._wake_others = self._wake_others, False
-        return StepPlan(out, wake)
-
-    def _schedule(self, worker_id: int) -> SchedulerOutput:
         ws = self.workers[worker_id]
         kv = ws.kv
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        self._step_scheduled = num_scheduled  # swap declines victims already scheduled
+        # The step's transfers to and from the host store (SchedulerOutput.swap_plan).
+        swap_outs: list[SwapTransfer] = []
+        swap_ins: list[SwapTransfer] = []
         # The deltas of the sequences the worker holds are built as they are scheduled
         # (all of them come from the running batch); the others are sent in full by
         # _build_output once admission is done.
@@ -326,7 +292,7 @@ class Scheduler(SwapMixin):
             num_new = known - computed
             if num_new > budget:
                 num_new = budget
-            if num_new <= 0 and (inflight or self._awaits_beam_step(seq)):
+            if num_new <= 0 and (inflight or self._forks.awaits_step(seq)):
                 idx += 1  # reported its candidates (or will): waits for its sibling beams
                 continue
             if num_new <= 0:
@@ -346,7 +312,7 @@ class Scheduler(SwapMixin):
                     if result is not None:
                         break
                     victim = self._choose_victim(ws, idx)
-                    self._preempt(ws, victim)
+                    self._preempt(ws, victim, num_scheduled, swap_outs)
                     preempted = True
                     if seq.status is not SequenceStatus.RUNNING:  # preempted itself (or group)
                         break
@@ -373,28 +339,37 @@ class Scheduler(SwapMixin):
             cached.append(CachedSequenceData(seq_id, start, new_block_ids, computed, unsent))
         num_from_running = len(num_scheduled)
 
+        # Freed blocks and requeued sequences (preemption): other workers may take them.
+        wake = preempted
         if not preempted:
-            budget = self._admit(ws, budget, num_scheduled)
+            budget = self._admit(ws, budget, num_scheduled, swap_ins)
             # NOTE: an empty queue steals one sequence at a time, each admitted at once;
             # one that does not fit stays queued here (this worker is then not idle).
             while not ws.waiting and budget > 0:
                 found = self._router.find_stealable(
-                    ws, self.workers, self._pinned, self._projection_admits
+                    ws, self.workers, self._pinned, self._admission.projection_admits
                 )
                 if found is None:
                     break
                 victim, seq = found
                 victim.waiting.remove(seq)
                 self._enqueue(ws, seq)
-                budget = self._admit(ws, budget, num_scheduled)
-            if ws.waiting and num_scheduled:
-                # What this busy worker cannot admit now may be stolen by an idle one.
-                self._wake_others = True
+                budget = self._admit(ws, budget, num_scheduled, swap_ins)
+            # What this busy worker cannot admit now may be stolen by an idle one.
+            wake = bool(ws.waiting and num_scheduled)
 
         not_resident.extend(itertools.islice(num_scheduled, num_from_running, None))
-        return self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy)
+        swap = SwapPlan(swap_outs, swap_ins) if swap_outs or swap_ins else None
+        out = self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy, swap)
+        return StepPlan(out, wake)
 
-    def _admit(self, ws: WorkerState, budget: int, num_scheduled: dict[str, int]) -> int:
+    def _admit(
+        self,
+        ws: WorkerState,
+        budget: int,
+        num_scheduled: dict[str, int],
+        swap_ins: list[SwapTransfer],
+    ) -> int:
         if not ws.waiting:
             return budget  # NOTE: every step of a busy worker: skip the O(batch) seat count
         kv = ws.kv
@@ -405,8 +380,8 @@ class Scheduler(SwapMixin):
         reserve = self.config.admission_reserve  # a reservation mode needs no projection
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
-            if self._is_swapped(seq):  # resumes with its KV from the host store
-                admitted = self._admit_swapped(ws, seq, budget, seats, num_scheduled)
+            if self._swaps.is_swapped(seq):  # resumes with its KV from the host store
+                admitted = self._swap_in(ws, seq, budget, seats, num_scheduled, swap_ins)
                 if admitted is None:
                     break
                 budget, seats = admitted
@@ -422,13 +397,13 @@ class Scheduler(SwapMixin):
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if reserve != "none" and not self._reservation_fits(ws, seq):
+            if reserve != "none" and not self._admission.reservation_fits(ws, seq):
                 break
             footprints: list[Footprint] = []
             if self.config.admission == "projected" and reserve == "none" and ws.running:
                 if projection is None:
-                    projection = self._projection(ws)
-                footprints = self._candidate_footprints(ws, seq, computed_blocks)
+                    projection = self._admission.projection(ws)
+                footprints = self._admission.candidate_footprints(ws, seq, computed_blocks)
                 if not projection.fits(footprints):
                     break
             result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
@@ -451,76 +426,6 @@ class Scheduler(SwapMixin):
             seats += width
         return budget
 
-    def _growth(self, seq: Sequence, num_tokens: int) -> int:
-        """Steps a sequence with ``num_tokens`` known tokens may still grow (its last
-        sampled token is never stored), scaled by ``admission_growth_ratio``.
-
-        NOTE: with overlapped scheduling a finished sequence's blocks are freed when its
-        last step's answer is applied, which is after the next step was planned: it holds
-        them one step longer, counted here as one more step of growth (at most one block
-        too many per sequence)."""
-        lag = 1 if self.config.async_scheduling else 0
-        remaining = seq.max_total_tokens - 1 - num_tokens
-        if remaining <= 0:
-            return lag
-        return math.ceil(remaining * self.config.admission_growth_ratio) + lag
-
-    def _projection(self, ws: WorkerState) -> GrowthProjection:
-        """The projected demand of ``ws``'s running batch (:mod:`.admission`)."""
-        kv = ws.kv
-        bs = ws.spec.block_size
-        proj = GrowthProjection(ws.spec.num_blocks, bs, ws.spec.num_blocks - kv.num_free_blocks)
-        # NOTE: O(batch) on every step that a waiting sequence is refused: _growth inlined.
-        get_usage = kv.get_usage
-        add_running = proj.add_running
-        lag = 1 if self.config.async_scheduling else 0
-        ratio = self.config.admission_growth_ratio
-        ceil = math.ceil
-        for seq in ws.running:
-            exclusive, allocated = get_usage(seq.seq_id)
-            n = len(seq.all_token_ids) + seq.num_pending_tokens
-            remaining = seq.max_total_tokens - 1 - n
-            growth = ceil(remaining * ratio) + lag if remaining > 0 else lag
-            add_running(exclusive, allocated, n, growth)
-            if seq.fork_children:
-                proj.add([self._child_footprint(seq, bs) for _ in seq.fork_children])
-        return proj
-
-    def _projection_admits(self, ws: WorkerState, seq: Sequence) -> bool:
-        """Whether ``ws``'s projected-growth rule would admit ``seq`` now (True when that
-        rule is off or nothing runs there)."""
-        if (
-            self.config.admission != "projected"
-            or self.config.admission_reserve != "none"
-            or not ws.running
-        ):
-            return True
-        computed, _ = ws.kv.get_computed_blocks(
-            seq.all_token_ids, seq.sampling.cache_salt, count=False
-        )
-        return self._projection(ws).fits(self._candidate_footprints(ws, seq, computed))
-
-    def _child_footprint(self, parent: Sequence, bs: int) -> Footprint:
-        """A choice still to fork from ``parent``: it will share the prompt's full blocks."""
-        p = parent.num_prompt_tokens
-        return Footprint(-((p - 1) // bs), p, self._growth(parent, p))
-
-    def _candidate_footprints(
-        self, ws: WorkerState, seq: Sequence, computed_blocks: list[int]
-    ) -> list[Footprint]:
-        """Footprints of a waiting sequence and the choices (or beams) that will fork from
-        it; its prefix-cache hits on blocks others hold add nothing."""
-        kv = ws.kv
-        bs = ws.spec.block_size
-        held = sum(1 for b in computed_blocks if kv.get_ref_count(b) > 0)
-        n = seq.num_tokens
-        out = [Footprint(-held, n, self._growth(seq, n))]
-        forks = len(seq.fork_children)
-        if seq.sampling.use_beam_search and not seq.output_token_ids:
-            forks += seq.sampling.beam_width - 1  # the beams fork from it after the prompt
-        out.extend(self._child_footprint(seq, bs) for _ in range(forks))
-        return out
-
     def _choose_victim(self, ws: WorkerState, idx: int) -> Sequence:
         """The sequence to preempt so that ``ws.running[idx]`` can grow (rank order kept:
         only it or sequences ranked after it)."""
@@ -530,26 +435,6 @@ class Scheduler(SwapMixin):
             ws.running[idx], ws.running[idx + 1 :], ws.kv, lambda s: self._rank(s)[0]
         )
 
-    def _reservation_fits(self, ws: WorkerState, seq: Sequence) -> bool:
-        """Whether the free pool covers ``seq``'s whole reservation (``admission_reserve``).
-
-        NOTE: the reservation is accounted, not allocated: running sequences still take
-        their blocks as they grow (block tables and copy-on-write as in paged mode), but
-        blocks they reserved and have not yet taken are never lent to a new admission, so
-        no running sequence is ever preempted. Prefix-cache hits are not credited.
-        """
-        bs = ws.spec.block_size
-        cap = ws.spec.num_blocks  # a reservation beyond the pool could never be admitted
-
-        def reserved(s: Sequence) -> int:
-            tokens = s.max_total_tokens
-            if self.config.admission_reserve == "max_model_len":
-                tokens = self.max_model_len
-            return min(-(-tokens // bs), cap)
-
-        owed = sum(reserved(s) - len(ws.kv.get_block_ids(s.seq_id)) for s in ws.running)
-        return reserved(seq) + owed <= ws.kv.num_free_blocks
-
     def _build_output(
         self,
         ws: WorkerState,
@@ -557,10 +442,12 @@ class Scheduler(SwapMixin):
         not_resident: list[str],
         cached: list[CachedSequenceData],
         blocks_to_copy: list[tuple[int, int]],
+        swap: SwapPlan | None,
     ) -> SchedulerOutput:
         """The step's message: ``cached`` (the deltas of the scheduled sequences the
         worker holds, built by :meth:`schedule`) and the others of ``num_scheduled``,
-        ``not_resident`` (in batch order), sent in full."""
+        ``not_resident`` (in batch order), sent in full; ``swap``: the step's transfers,
+        to which the host blocks waiting to be freed are added."""
         new_seqs: list[NewSequenceData] = []
         for seq_id in not_resident:
             num_new = num_scheduled[seq_id]
@@ -584,7 +471,10 @@ class Scheduler(SwapMixin):
             ws.resident.add(seq_id)
             seq.resident_since_step = ws.next_step_id
             seq.unsent_token_ids = []  # new_seqs carry every token
-        swap_outs, swap_ins, host_free, free_tid = self._drain_swaps(ws)
+        free, free_tid = self._swaps.host_frees(ws)
+        if free:
+            outs, ins = (swap.blocks_to_swap_out, swap.blocks_to_swap_in) if swap else ([], [])
+            swap = SwapPlan(outs, ins, free, free_tid)
         out = SchedulerOutput(
             step_id=ws.next_step_id,
             new_seqs=new_seqs,
@@ -592,10 +482,7 @@ class Scheduler(SwapMixin):
             num_scheduled_tokens=num_scheduled,
             finished_seq_ids=ws.pending_finished,
             blocks_to_copy=blocks_to_copy,
-            blocks_to_swap_out=swap_outs,
-            blocks_to_swap_in=swap_ins,
-            host_blocks_to_free=host_free,
-            free_transfer_id=free_tid,
+            swap_plan=swap,
         )
         ws.pending_finished = []
         ws.next_step_id += 1
@@ -607,20 +494,14 @@ class Scheduler(SwapMixin):
         """Apply a worker's answer: advance computed tokens, append samples, stop, free.
 
         Returns the deltas to stream (one per sequence that got a token or finished) and
-        whether idle workers should be woken. Sequences aborted while the step ran are
-        skipped.
+        whether idle workers should be woken (a finish, a beam step, a failed transfer).
+        Sequences aborted while the step ran are skipped.
         """
-        outputs = self._update(worker_id, sched_out, runner_out)
-        wake, self._wake_others = self._wake_others, False
-        return StepUpdate(outputs, wake or any(o.finish_reason is not None for o in outputs))
-
-    def _update(
-        self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput
-    ) -> list[SequenceOutput]:
         ws = self.workers[worker_id]
         outputs: list[SequenceOutput] = []
         finished_requests: set[str] = set()
-        self._apply_swap_results(worker_id, sched_out, runner_out)
+        resolution = self._swaps.apply_results(worker_id, sched_out, runner_out)
+        wake = self._apply_resolution(worker_id, resolution)
         self.metrics.on_step(sum(sched_out.num_scheduled_tokens.values()))
         if runner_out.started_s > 0.0:
             if ws.last_step_end_s is not None:
@@ -646,7 +527,7 @@ class Scheduler(SwapMixin):
                 or seq.worker_id != worker_id
                 or step_id < seq.resident_since_step
             ):
-                if seq is not None and seq.seq_id in self._groups:  # swapped out after it
+                if seq is not None and self._swaps.is_swapped(seq):  # swapped out after it
                     late = self._late_answer(ws, seq, step_id, num_new, runner_out)
                     if late is not None:
                         outputs.append(late)
@@ -666,7 +547,11 @@ class Scheduler(SwapMixin):
                 )
                 candidates = runner_out.beam_candidates.get(seq_id)
                 if candidates is not None:
-                    outputs.extend(self._beam_report(seq, candidates))
+                    beam_step = self._forks.report(seq, candidates)
+                    if beam_step is not None:
+                        # NOTE: beams may live on other workers' running lists or queues.
+                        wake = True
+                        outputs.extend(self._apply_beam_step(seq.request_id, beam_step))
                 continue
             token = sampled.get(seq_id)
             all_tokens = seq.all_token_ids
@@ -685,7 +570,7 @@ class Scheduler(SwapMixin):
                     seq.cumulative_logprob += lp.logprob
             cache_blocks(seq_id, all_tokens, seq.num_computed_tokens, sampling.cache_salt)
             if seq.fork_children:
-                self._fork_children(ws, seq)
+                ws.start_forks(seq)
             reason = seq.check_stop()
             if reason is not None:
                 self._finish(seq, reason)
@@ -695,7 +580,7 @@ class Scheduler(SwapMixin):
             self._forget_if_done(request_id)
         if not ws.running:
             ws.last_step_end_s = None  # the worker may idle for want of work: no gap
-        return outputs
+        return StepUpdate(outputs, wake or bool(finished_requests))
 
     @staticmethod
     def _ends_with_pending(seq: Sequence) -> bool:
@@ -726,25 +611,8 @@ class Scheduler(SwapMixin):
         return prio, seq.arrival_s
 
     def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
-        """Put a waiting sequence on ``ws``'s queue: at the back, or at the front for one
-        that ran before (preempted, or taking over from a sequence that ran). Under the
-        ``priority`` policy the queue stays in rank order: ``front`` places it before the
-        sequences of equal rank, otherwise after them."""
-        seq.queued_on = ws.spec.worker_id
-        queue = ws.waiting
-        if self.config.scheduling_policy == "priority":
-            rank = self._rank(seq)
-            pos = 0
-            for other in queue:
-                r = self._rank(other)
-                if r > rank or (front and r == rank):
-                    break
-                pos += 1
-            queue.insert(pos, seq)
-        elif front:
-            queue.appendleft(seq)
-        else:
-            queue.append(seq)
+        """Put a waiting sequence on ``ws``'s queue (see :meth:`WorkerState.enqueue`)."""
+        ws.enqueue(seq, front, self._queue_rank)
 
     def _queue_of(self, seq: Sequence) -> WorkerState:
         """The worker whose waiting queue holds ``seq``."""
@@ -752,12 +620,35 @@ class Scheduler(SwapMixin):
             raise IntegrityError(f"waiting sequence {seq.seq_id!r} is in no queue")
         return self.workers[seq.queued_on]
 
-    def _preempt(self, ws: WorkerState, seq: Sequence) -> None:
-        """Preempt by swap when the swap policy takes the victim (:mod:`swapping`), else
-        by recompute: free the blocks, drop worker state, requeue at the front."""
-        if self._try_swap_out(ws, seq):
+    def _pinned(self, seq: Sequence) -> bool:
+        """A queued sequence no other worker may steal: its swap-out is in flight, or it
+        is a beam whose request has a beam running."""
+        return self._swaps.pinned(seq) or self._forks.pinned(seq)
+
+    def _preempt(
+        self,
+        ws: WorkerState,
+        seq: Sequence,
+        scheduled: Container[str] = (),
+        swap_outs: list[SwapTransfer] | None = None,
+    ) -> None:
+        """Preempt by swap when the swap policy takes the victim (:mod:`.swapping`; only
+        in a step, whose ``swap_outs`` get the transfer), else by recompute: free the
+        blocks, drop worker state, requeue at the front."""
+        planned = None if swap_outs is None else self._swaps.plan_swap_out(ws, seq, scheduled)
+        if swap_outs is not None and planned is not None:
+            group, transfer = planned
+            swap_outs.append(transfer)
+            for s in reversed(group):  # front-inserted: the group keeps its order
+                ws.release(s)
+                s.status = SequenceStatus.WAITING
+                s.worker_id = None
+                s.num_preemptions += 1  # NOTE: num_computed_tokens is kept: the KV is saved
+                self.num_preemptions += 1
+                self.metrics.on_preempted("swap")
+                self._enqueue(ws, s, front=True)
             return
-        self._release(ws, seq)
+        ws.release(seq)
         seq.status = SequenceStatus.WAITING
         seq.worker_id = None
         seq.num_computed_tokens = 0
@@ -766,24 +657,169 @@ class Scheduler(SwapMixin):
         ws.num_preemptions += 1
         self.metrics.on_preempted("recompute")
         self._enqueue(ws, seq, front=True)
-        self._wake_others = True  # freed blocks and a requeued sequence: others may take it
 
-    @staticmethod
-    def _release(ws: WorkerState, seq: Sequence) -> None:
-        """Take a running sequence off its worker: batch, blocks, and worker state."""
-        ws.running.remove(seq)
-        seq.unsent_token_ids = []  # a resumed sequence is sent in full
-        seq.num_inflight_tokens = seq.num_pending_tokens = 0  # answers in flight are dropped
-        if ws.kv.has_seq(seq.seq_id):  # a forked 1-token-prompt choice may hold none yet
-            ws.kv.free(seq.seq_id)
-        if seq.seq_id in ws.resident:
-            ws.resident.discard(seq.seq_id)
-            ws.pending_finished.append(seq.seq_id)
+    def _swap_in(
+        self,
+        ws: WorkerState,
+        seq: Sequence,
+        budget: int,
+        seats: int,
+        num_scheduled: dict[str, int],
+        swap_ins: list[SwapTransfer],
+    ) -> tuple[int, int] | None:
+        """Admit ``seq``'s whole swapped group on ``ws`` with a swap-in (its transfer goes
+        to ``swap_ins``); returns the budget and seats left, or None (nothing admitted)
+        when it does not fit now."""
+        members = [self.sequences[sid] for sid in self._swaps.members_of(seq)]
+        plan = self._swaps.plan_swap_in(ws, seq, members, budget, seats)
+        if isinstance(plan, SwapResolution):  # dissolved: recomputed instead
+            self._apply_resolution(ws.spec.worker_id, plan)
+            return None
+        if plan is None:
+            return None
+        kv = ws.kv
+        bs = ws.spec.block_size
+        dev: list[int] = []
+        host: list[int] = []
+        for r in plan.members:
+            sid, shared = r.seq.seq_id, r.num_shared_blocks
+            if r.parent is not None:
+                kv.fork(r.parent, sid, shared * bs)
+            if r.num_tokens > shared * bs and kv.allocate_slots(sid, r.num_tokens) is None:
+                raise IntegrityError(f"swap-in of {sid!r}: counted blocks are missing")
+            if r.num_tokens:
+                ids = kv.get_block_ids(sid)
+                dev.extend(ids[shared:])
+                host.extend(r.host_table[shared : len(ids)])  # a late step that never answered
+        for r in plan.members:
+            m, n = r.seq, r.num_new
+            if n > 0:
+                res = kv.allocate_slots(m.seq_id, m.num_computed_tokens + n)
+                if res is None or res.blocks_to_copy:
+                    raise IntegrityError(f"swap-in of {m.seq_id!r}: step allocation failed")
+            self._queue_of(m).waiting.remove(m)
+            m.queued_on = None
+            m.status = SequenceStatus.RUNNING
+            m.worker_id = ws.spec.worker_id
+            ws.running.append(m)
+            self.metrics.on_scheduled(m)
+            if n > 0:
+                num_scheduled[m.seq_id] = n
+            budget -= n
+        swap_ins.append(self._swaps.commit_swap_in(ws, plan, dev, host))
+        return budget, seats + plan.width
 
+    def _apply_resolution(self, worker_id: int, res: SwapResolution) -> bool:
+        """Apply what resolving transfers of ``worker_id``'s steps decided; returns
+        whether other workers should be woken."""
+        for sid in res.recompute:
+            seq = self.sequences.get(sid)
+            if seq is not None:
+                seq.num_computed_tokens = 0
+        ws = self.workers[worker_id]
+        for sid in res.requeue:
+            seq = self.sequences.get(sid)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue
+            if seq.worker_id != worker_id:
+                continue
+            ws.release(seq)
+            seq.status = SequenceStatus.WAITING
+            seq.worker_id = None
+            seq.num_computed_tokens = 0
+            self._enqueue(ws, seq, front=True)
+        return res.wake
+
+    def _late_answer(
+        self, ws: WorkerState, seq: Sequence, step_id: int, num_new: int, runner_out: RunnerOutput
+    ) -> SequenceOutput | None:
+        """Apply step ``step_id``'s answer for ``seq``, swapped out by the step after it
+        (``SwapGroup.late``); returns its delta, or None (nothing applies, or nothing
+        was sampled). Call from update for a sequence that is no longer running."""
+        computed = seq.num_computed_tokens
+        if not self._swaps.take_late(seq.seq_id, step_id, num_new, computed + num_new):
+            return None
+        if seq.max_computed_tokens > computed:  # recomputing
+            self._count_computed(ws, seq, num_new)
+        else:
+            seq.num_computed_tokens = seq.max_computed_tokens = computed + num_new
+        token = runner_out.sampled_token_ids.get(seq.seq_id)
+        if token is None:
+            return None  # a prefill chunk
+        seq.append_token(token)
+        self.metrics.on_token(seq)
+        lp = runner_out.logprobs.get(seq.seq_id)
+        if lp is not None:
+            seq.logprobs.append(lp)
+            seq.cumulative_logprob += lp.logprob
+        reason = seq.check_stop()
+        if reason is not None:
+            self._finish(seq, reason)  # frees its host blocks with the swap-out's result
+        return self._delta(seq, (token,))
+
+    # ------------------------------------------------------------------ beam search
+    def _apply_beam_step(self, request_id: str, step: BeamStep) -> list[SequenceOutput]:
+        """Apply a beam step (see :class:`BeamStep` for the order); returns the request's
+        final deltas when the search ended, else nothing."""
+        if step.done:
+            return self._end_beam_request(request_id, None)
+        for c in step.continuations:
+            if c.child is not None:  # NOTE: forked before the parent appends its token
+                self._place_beam(c.parent, c.child)
+        for beam in step.dropped:  # freed at once, forgotten (not a finished choice)
+            self._finish(beam, FinishReason.ABORT, record=False)
+            self.requests[request_id].remove(beam)
+            self.sequences.pop(beam.seq_id, None)
+        beams = []
+        for c in step.continuations:
+            beam = c.parent if c.child is None else c.child
+            beam.append_token(c.token_id)
+            beam.unsent_token_ids.append(c.token_id)
+            beam.cumulative_logprob = c.cumulative_logprob
+            beams.append(beam)
+        self._forks.set_beams(request_id, beams)
+        return []
+
+    def _place_beam(self, parent: Sequence, child: Sequence) -> None:
+        """Register a new beam beside its parent: sharing its blocks when it runs, else
+        queued in front of it (recomputing its tokens)."""
+        if parent.status is SequenceStatus.RUNNING and parent.worker_id is not None:
+            ws = self.workers[parent.worker_id]
+            ws.kv.fork(parent.seq_id, child.seq_id)
+            child.status = SequenceStatus.RUNNING
+            child.worker_id = parent.worker_id
+            child.num_computed_tokens = parent.num_computed_tokens
+            ws.running.append(child)
+        else:
+            self._enqueue(self._queue_of(parent), child, front=True)
+        self.sequences[child.seq_id] = child
+        self.requests[parent.request_id].append(child)
+
+    def _end_beam_request(
+        self, request_id: str, reason: FinishReason | None
+    ) -> list[SequenceOutput]:
+        """Free every beam of a request; its final deltas: the n best finished beams when
+        the search ended (``reason`` None), else one empty delta per choice."""
+        seqs = self.requests.pop(request_id)
+        for beam in seqs:
+            if beam.status is not SequenceStatus.FINISHED:
+                self._finish(beam, FinishReason.LENGTH if reason is None else reason, record=False)
+            self.sequences.pop(beam.seq_id, None)
+        first = seqs[0]
+        if reason is None:
+            outputs = self._forks.finish(request_id, first)
+        else:
+            outputs = self._forks.abort(request_id, first, reason)
+        self.metrics.on_beam_request_finished(
+            first, [(o.finish_reason, o.num_output_tokens) for o in outputs if o.finish_reason]
+        )
+        return outputs
+
+    # ------------------------------------------------------------------ lifecycle
     def _finish(self, seq: Sequence, reason: FinishReason, record: bool = True) -> None:
         """End ``seq`` and free what it holds; ``record``: count it as a finished sequence
         in the metrics (False for beams, which their request records as its choices)."""
-        self._forget_swapped(seq)
+        self._swaps.forget(seq)
         if seq.fork_children:
             # Ends before its prompt was computed (abort): the next choice takes over as
             # the one that prefills, in this sequence's place in the queue.
@@ -806,11 +842,10 @@ class Scheduler(SwapMixin):
         elif seq.status is SequenceStatus.RUNNING:
             if seq.worker_id is None:
                 raise IntegrityError(f"running sequence {seq.seq_id!r} has no worker")
-            self._release(self.workers[seq.worker_id], seq)
+            self.workers[seq.worker_id].release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self._queue_of(seq).waiting.remove(seq)
             seq.queued_on = None
-            self._wake_others = True  # the queue's worker may now admit what was behind
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.worker_id = None
@@ -912,7 +947,7 @@ class Scheduler(SwapMixin):
         """
         ws = self.workers[worker_id]
         ws.alive = False
-        self._swap_step_failed(worker_id)  # its transfers in flight: recompute
+        self._apply_resolution(worker_id, self._swaps.step_failed(worker_id))  # recompute
         for seq in reversed(list(ws.running)):
             self._preempt(ws, seq)
         ws.pending_finished.clear()  # nobody to tell
@@ -952,7 +987,8 @@ class Scheduler(SwapMixin):
         deltas (reason ABORT).
         """
         outputs: list[SequenceOutput] = []
-        self._swap_step_failed(worker_id, sched_out.step_id)  # a later step's stay in flight
+        # A later step's transfers stay in flight.
+        self._apply_resolution(worker_id, self._swaps.step_failed(worker_id, sched_out.step_id))
         for request_id in {
             self.sequences[s].request_id
             for s in sched_out.num_scheduled_tokens
@@ -965,25 +1001,24 @@ class Scheduler(SwapMixin):
     def num_live_workers(self) -> int:
         return sum(1 for w in self.workers.values() if w.alive)
 
+    def can_plan_past(self, sched_out: SchedulerOutput) -> bool:
+        """Whether the worker's next step may be planned while ``sched_out`` is in flight
+        (overlapped scheduling): False when it swaps a group in, whose failure makes the
+        worker drop the group (see :mod:`.swapping`)."""
+        swap = sched_out.swap_plan
+        return swap is None or not swap.blocks_to_swap_in
+
+    def swap_stats(self) -> SwapStats:
+        """Swap counters and host pool occupancy (see :class:`SwapStats`)."""
+        return self._swaps.stats(dict(self.metrics.num_preemptions))
+
     def check_integrity(self) -> None:
-        """Check every worker's block pool (see KVCacheManager.check_integrity) and that
-        every queued and running sequence is where its state says.
+        """Check every worker's block pool and queues (:meth:`WorkerState.check_integrity`)
+        and the host pool (:meth:`SwapManager.check_integrity`).
 
         Raises:
             IntegrityError: on the first violation.
         """
-        self.check_swap_integrity()
-        for wid, ws in self.workers.items():
-            ws.kv.check_integrity()
-            for seq in ws.waiting:
-                if seq.status is not SequenceStatus.WAITING or seq.queued_on != wid:
-                    raise IntegrityError(
-                        f"{seq.seq_id!r} in worker {wid}'s queue is {seq.status.value} "
-                        f"(queued_on={seq.queued_on})"
-                    )
-            for seq in ws.running:
-                if seq.status is not SequenceStatus.RUNNING or seq.worker_id != wid:
-                    raise IntegrityError(
-                        f"{seq.seq_id!r} in worker {wid}'s batch is {seq.status.value} "
-                        f"(worker_id={seq.worker_id})"
-                    )
+        self._swaps.check_integrity(self.sequences)
+        for ws in self.workers.values():
+            ws.check_integrity()

@@ -2,7 +2,7 @@
 
 Pure Python (no torch, no gRPC): the scheduler owns *which* host block holds *which*
 sequence's KV; the host block store (:mod:`pagedserve.worker.host_store`) holds the bytes,
-and the workers move them (``SchedulerOutput.blocks_to_swap_out`` / ``blocks_to_swap_in``).
+and the workers move them (``SchedulerOutput.swap_plan``, a :class:`SwapPlan`).
 
 Cost model (``preemption_mode="auto"``): swapping a victim moves its KV bytes out and back
 in, ``2 * bytes / bandwidth`` seconds; recomputing it costs a prefill of its computed

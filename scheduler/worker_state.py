@@ -8,10 +8,12 @@ assigns every new request to one worker's queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
-from pagedserve.scheduler.request import Sequence
+from pagedserve.scheduler.request import Sequence, SequenceStatus
 from pagedserve.scheduler.swap import SwapStats
 
 
@@ -65,6 +67,85 @@ class WorkerState:
     def num_seats(self) -> int:
         """Seats of the running batch taken (running sequences and their pending forks)."""
         return len(self.running) + sum(len(s.fork_children) for s in self.running)
+
+    def enqueue(
+        self,
+        seq: Sequence,
+        front: bool = False,
+        rank: Callable[[Sequence], tuple[int, float]] | None = None,
+    ) -> None:
+        """Put a waiting sequence on this queue: at the back, or at the front for one that
+        ran before (preempted, or taking over from a sequence that ran). With ``rank``
+        (the ``priority`` policy) the queue stays in rank order: ``front`` places it
+        before the sequences of equal rank, otherwise after them."""
+        seq.queued_on = self.spec.worker_id
+        queue = self.waiting
+        if rank is not None:
+            key = rank(seq)
+            pos = 0
+            for other in queue:
+                r = rank(other)
+                if r > key or (front and r == key):
+                    break
+                pos += 1
+            queue.insert(pos, seq)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Take a running sequence off this worker: batch, blocks, and worker state."""
+        self.running.remove(seq)
+        seq.unsent_token_ids = []  # a resumed sequence is sent in full
+        seq.num_inflight_tokens = seq.num_pending_tokens = 0  # answers in flight are dropped
+        if self.kv.has_seq(seq.seq_id):  # a forked 1-token-prompt choice may hold none yet
+            self.kv.free(seq.seq_id)
+        if seq.seq_id in self.resident:
+            self.resident.discard(seq.seq_id)
+            self.pending_finished.append(seq.seq_id)
+
+    def start_forks(self, parent: Sequence) -> None:
+        """Start the pending choices of ``parent``'s request, which just computed its prompt.
+
+        Each child shares the blocks of the prompt's first ``prompt_len - 1`` tokens and
+        recomputes the last prompt token (so it samples its own first token from its own
+        logits); it joins the running batch after its parent.
+        """
+        num_shared = parent.num_prompt_tokens - 1
+        for child in parent.fork_children:
+            if num_shared > 0:
+                self.kv.fork(parent.seq_id, child.seq_id, num_shared)
+            # NOTE: with a 1-token prompt nothing is shared; the child's first step
+            # allocates its table like a new sequence (allocate_slots on an unknown id).
+            child.status = SequenceStatus.RUNNING
+            child.worker_id = self.spec.worker_id
+            child.num_computed_tokens = num_shared
+            child.num_cached_tokens = parent.num_cached_tokens
+            self.running.append(child)
+        parent.fork_children = []
+
+    def check_integrity(self) -> None:
+        """Check the block pool (see KVCacheManager.check_integrity) and that every queued
+        and running sequence is where its state says.
+
+        Raises:
+            IntegrityError: on the first violation.
+        """
+        wid = self.spec.worker_id
+        self.kv.check_integrity()
+        for seq in self.waiting:
+            if seq.status is not SequenceStatus.WAITING or seq.queued_on != wid:
+                raise IntegrityError(
+                    f"{seq.seq_id!r} in worker {wid}'s queue is {seq.status.value} "
+                    f"(queued_on={seq.queued_on})"
+                )
+        for seq in self.running:
+            if seq.status is not SequenceStatus.RUNNING or seq.worker_id != wid:
+                raise IntegrityError(
+                    f"{seq.seq_id!r} in worker {wid}'s batch is {seq.status.value} "
+                    f"(worker_id={seq.worker_id})"
+                )
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.outputs import (
     CachedSequenceData,
     NewSequenceData,
     RunnerOutput,
     SchedulerOutput,
+    SwapPlan,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
 
@@ -38,6 +40,11 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1_000_000)
+
+
+def swaps_of(so: SchedulerOutput) -> SwapPlan:
+    """The step's swap plan, or an empty one when it moves nothing."""
+    return so.swap_plan if so.swap_plan is not None else SwapPlan()
 
 
 def build_char_tokenizer() -> Any:
@@ -522,7 +529,7 @@ def run_beams(
         [WorkerSpec(0, num_blocks, block_size)],
     )
     sched.workers[0].kv = kv = CheckedKVCacheManager(num_blocks, block_size, True)
-    sched.add_request("r", prompt, sampling, eos)
+    sched.add_request(EngineRequest("r", prompt, sampling, eos))
     peak, copies = 0, 0
 
     def planned(s: Any, wid: int, so: SchedulerOutput, cur: Any) -> None:
@@ -565,3 +572,64 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=10)
+
+
+class ActorStreams:
+    """A test's frontend of a :class:`SchedulerActor` (in process): one subscription,
+    demultiplexed per request by tag, as :class:`pagedserve.cluster.output_router.
+    OutputRouter` does for the real frontend.
+
+    ``generate(request_id, prompt, sampling)`` adds the request and yields its outputs in
+    batches (all queued since the last batch); it ends once every choice finished, and a
+    consumer that stops early aborts the request.
+    """
+
+    def __init__(self, actor: Any, subscriber: str = "test-frontend") -> None:
+        self.actor = actor
+        self.subscriber = subscriber
+        self._tags = iter(range(1, 1 << 62))
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._pump: asyncio.Task[None] | None = None
+
+    async def _open(self) -> None:
+        if self._pump is not None:
+            return
+        stream = self.actor.subscribe(self.subscriber)
+        assert await stream.__anext__() == []  # subscribed
+
+        async def pump() -> None:
+            async for batch in stream:
+                for tag, out in batch:
+                    queue = self._queues.get(tag)
+                    if queue is not None:
+                        queue.put_nowait(out)
+
+        self._pump = asyncio.ensure_future(pump())
+
+    async def generate(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, eos: tuple = ()
+    ) -> Any:
+        from pagedserve.scheduler.engine_messages import EngineRequest
+
+        await self._open()
+        tag = next(self._tags)
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[tag] = queue
+        remaining = sampling.n
+        try:
+            await self.actor.add_request(
+                EngineRequest(
+                    request_id, prompt, sampling, eos, subscriber=self.subscriber, tag=tag
+                )
+            )
+            while remaining > 0:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                remaining -= sum(1 for o in batch if o.finish_reason is not None)
+                yield batch
+        finally:
+            del self._queues[tag]
+            route = self.actor._routes.get(request_id)
+            if remaining > 0 and route is not None and route.tag == tag:
+                await self.actor.abort(request_id)  # still this stream's request

@@ -83,6 +83,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     backend: str = "auto",
+    checked: kernels.CheckedIndices | None = None,
 ) -> torch.Tensor:
     """Store the step's K/V into one layer's cache, then attend through the block tables.
 
@@ -95,18 +96,24 @@ def paged_attention(
         meta: the step's metadata.
         scale: softmax scale, ``head_dim ** -0.5`` for Llama.
         backend: kernel backend passed to :mod:`pagedserve.kernels`.
+        checked: ``meta``'s indices as validated by :func:`pagedserve.kernels.check_indices`
+            (the kernels then skip checking them again), or ``None``.
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output in ``query.dtype``.
 
     Raises:
-        ValueError: from the kernels on shape, dtype or device mismatches.
+        ValueError: from the kernels on shape, dtype or device mismatches or indices
+            outside the caches.
     """
-    kernels.store_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping, backend)
+    kernels.store_kv_cache(
+        key, value, key_cache, value_cache, meta.slot_mapping, backend, checked=checked
+    )
     if meta.is_decode_only:
         return kernels.paged_decode_attention(
-            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, backend
-        )
+            query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale, backend,
+            checked=checked,
+        )  # fmt: skip
     return kernels.paged_prefill_attention(
         query,
         key_cache,
@@ -117,4 +124,5 @@ def paged_attention(
         scale,
         backend,
         max_query_len=meta.max_query_len,  # no device->host sync per layer
+        checked=checked,
     )

@@ -20,8 +20,8 @@ token computed as a decode (measured: up to 3e-7), so a chunked prefill, a recom
 preemption and plain decoding would disagree; :func:`per_token_metadata` presents every
 query row to the kernel as its own one-token sequence, so each token is computed exactly
 as a decode is. The cost: the padding of the last tile, the large-M GEMM efficiency, and
-prefill attention reading the keys once per query row (see README, "Seeded sampling and
-batch invariance").
+prefill attention reading the keys once per query row (see docs/architecture.md, "Seeded
+sampling and batch invariance").
 
 Only the fused fp32 CPU path is covered (the worker refuses others), and
 :func:`make_batch_invariant` first checks on this machine that the GEMM library treats the

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagedserve import kernels
-from pagedserve.scheduler.outputs import SchedulerOutput, SwapResult, SwapTransfer
+from pagedserve.scheduler.outputs import SwapPlan, SwapResult, SwapTransfer
 from pagedserve.worker.kv_pool import KVPool
 
 if TYPE_CHECKING:  # grpc only where a store is connected: the model path runs without it
@@ -72,21 +72,21 @@ class KVSwapper:
         ids = torch.tensor(list(block_ids), dtype=torch.int64, device=pool.key_caches[0].device)
         kernels.scatter_blocks(pool.key_caches, pool.value_caches, ids, packed, self.backend)
 
-    def run(self, so: SchedulerOutput) -> dict[str, SwapResult]:
+    def run(self, plan: SwapPlan) -> dict[str, SwapResult]:
         """Swap-outs, then swap-ins, then the free of ``host_blocks_to_free``."""
         results: dict[str, SwapResult] = {}
-        for t in so.blocks_to_swap_out:
+        for t in plan.blocks_to_swap_out:
             results[t.transfer_id] = self._timed(self._swap_out, t)
-        for t in so.blocks_to_swap_in:
+        for t in plan.blocks_to_swap_in:
             results[t.transfer_id] = self._timed(self._swap_in, t)
-        if so.host_blocks_to_free:
+        if plan.host_blocks_to_free:
             start = time.perf_counter()
             try:
-                self._client().free(so.host_blocks_to_free)
+                self._client().free(plan.host_blocks_to_free)
                 res = SwapResult(True, 0, time.perf_counter() - start)
             except SwapError as exc:
                 res = SwapResult(False, 0, time.perf_counter() - start, str(exc))
-            results[so.free_transfer_id] = res
+            results[plan.free_transfer_id] = res
         return results
 
     def _client(self) -> HostStoreClient:

@@ -40,7 +40,9 @@ from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.cpu_forward import cpu_kernels_apply
 from pagedserve.worker.cpu_threads import ThreadGovernor
+from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block
 from pagedserve.worker.kv_swap import KVSwapper, SwapError
@@ -136,6 +138,8 @@ class ModelRunner:
         else:
             self._pack_weights()
         self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
+        # The forward every step runs, chosen once for these weights and this pool.
+        self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend)
@@ -147,8 +151,7 @@ class ModelRunner:
             ValueError: the model does not run on the fused fp32 CPU kernels, whose
                 attention and norms are the ones known to be batch-invariant.
         """
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        if not self.model.uses_cpu_kernels(probe):
+        if not cpu_kernels_apply(self.model):
             raise ValueError(
                 "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype "
                 f"float32, attention backend auto or cpu); got device {self.device}, dtype "
@@ -165,8 +168,7 @@ class ModelRunner:
         (:mod:`pagedserve.worker.packed_linear`) when the model runs on the fused fp32 CPU
         kernels and the GEMM is available (``PAGEDSERVE_CPU_GEMM`` not 0); returns whether
         it does."""
-        probe = torch.empty(0, dtype=self.dtype, device=self.device)
-        if not (self.model.uses_cpu_kernels(probe) and cpu_native.gemm_available()):
+        if not (cpu_kernels_apply(self.model) and cpu_native.gemm_available()):
             return False
         self.model.pack_weights()
         self.packed_gemm = True
@@ -238,7 +240,7 @@ class ModelRunner:
         # NOTE: swap-outs first: their blocks may be reused by this very step (swap-in
         # destinations, copy-on-write targets, new KV); swap-ins before the copies, which
         # may read a block just swapped in.
-        swaps = self.swapper.run(so) if self._has_swaps(so) else {}
+        swaps = self.swapper.run(so.swap_plan) if so.swap_plan is not None else {}
         dropped = self._drop_failed_swap_ins(so, swaps)
         if so.blocks_to_copy:
             mapping = torch.tensor(so.blocks_to_copy, dtype=torch.int64, device=self.device)
@@ -295,14 +297,10 @@ class ModelRunner:
             so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
         )
 
-    @staticmethod
-    def _has_swaps(so: SchedulerOutput) -> bool:
-        return bool(so.blocks_to_swap_out or so.blocks_to_swap_in or so.host_blocks_to_free)
-
     def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:
         """Forget the sequences of failed swap-ins (the scheduler recomputes them)."""
         dropped: set[str] = set()
-        for t in so.blocks_to_swap_in:
+        for t in so.swap_plan.blocks_to_swap_in if so.swap_plan is not None else ():
             if not swaps[t.transfer_id].ok:
                 dropped.update(t.seq_ids)
         for seq_id in dropped:

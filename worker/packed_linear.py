@@ -109,10 +109,20 @@ def pack_linears(model: nn.Module) -> int:
     return len(targets)
 
 
+def pack_head(weight: torch.Tensor) -> torch.Tensor:
+    """A tied LM head's ``weight [vocab_size, hidden]`` (fp32, CPU) packed for
+    :func:`packed_logits` (:func:`cpu_native.pack_linear_weight`).
+
+    Raises:
+        ValueError: a weight that is not 2-D fp32 on CPU.
+    """
+    return cpu_native.pack_linear_weight(weight)
+
+
 def packed_logits(hidden: torch.Tensor, packed_head: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """LM-head logits ``hidden @ W.T`` from a head packed by
     :func:`cpu_native.pack_linear_weight`: fp32 ``[N, hidden]`` -> ``[N, vocab_size]``."""
     return cpu_native.linear_packed(hidden, packed_head, vocab_size)
 
 
-__all__ = ["PackedLinear", "pack_linears", "packed_logits"]
+__all__ = ["PackedLinear", "pack_head", "pack_linears", "packed_logits"]

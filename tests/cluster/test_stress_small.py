@@ -1,5 +1,5 @@
-"""A small run of ``benchmarks/stress.py`` (the full one is a script; README "Limits and
-failure behaviour"): concurrent gRPC and HTTP streaming clients, mixed lengths, n > 1,
+"""A small run of ``benchmarks/stress.py`` (the full one is a script; docs/testing.md,
+"Faults, security and load"): concurrent gRPC and HTTP streaming clients, mixed lengths, n > 1,
 cancellations; every request ends with a terminal status and no block leaks."""
 
 from __future__ import annotations

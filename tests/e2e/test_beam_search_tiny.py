@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_same_beams, drive, hf_beams, run_beams
 
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import RequestRejected
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -94,7 +95,7 @@ def test_an_aborted_beam_request_counts_its_choices_as_aborted(tiny_llama_dir: P
         [WorkerSpec(0, 64, 4)],
     )
     sampling = SamplingParams(max_tokens=20, beam_width=3, n=2, ignore_eos=True)
-    sched.add_request("r", PROMPTS[0], sampling, (EOS,))
+    sched.add_request(EngineRequest("r", PROMPTS[0], sampling, (EOS,)))
     steps: list[int] = []
     # prefill + 3 beam steps: beams forked and pruned, nothing streamed yet
     seen = drive(

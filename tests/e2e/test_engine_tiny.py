@@ -15,6 +15,7 @@ import pytest
 from helpers import FakeScheduler, drive, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -52,7 +53,7 @@ def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 
     if sampling is None:
         sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=n)
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, info.eos_token_ids))
     seen = drive(sched, [worker.execute_model])
     tokens = seen.tokens
     cached = {out.request_id: out.num_cached_tokens for out in seen.outputs}
@@ -102,7 +103,7 @@ def test_prefix_cache_hit_gives_cold_prefill_tokens(tiny_llama_dir: Path, expect
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     results = {}
     for rid, prompt in (("a", PROMPTS[1]), ("b", PROMPTS[1]), ("c", PROMPTS[3])):
-        sched.add_request(rid, prompt, greedy, info.eos_token_ids)
+        sched.add_request(EngineRequest(rid, prompt, greedy, info.eos_token_ids))
         outs = drive(sched, [worker.execute_model]).outputs
         results[rid] = ([t for o in outs for t in o.new_token_ids], outs[-1].num_cached_tokens)
     assert results["a"] == (expected[1], 0)

@@ -15,6 +15,7 @@ import pytest
 from helpers import drive, hf_greedy
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -85,7 +86,7 @@ def test_overlapped_greedy_equals_hf(tiny_llama_dir, expected, num_blocks, budge
     worker, sched, info = engine(tiny_llama_dir, num_blocks, budget, admission)
     greedy = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, greedy, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", p, greedy, info.eos_token_ids))
     tokens, _ = run_overlapped(worker, sched)
     for i, ref in enumerate(expected):
         assert tokens[(f"r{i}", 0)] == ref
@@ -105,7 +106,7 @@ def test_stops_found_late_and_aborts_in_flight(tiny_llama_dir, expected):
         sp = SamplingParams(
             max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, stop_token_ids=stop
         )
-        sched.add_request(f"r{i}", p, sp, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", p, sp, info.eos_token_ids))
 
     def abort(step, s):
         return s.abort_request("r1") if step == 5 else []
@@ -125,7 +126,7 @@ def test_n_choices_fork_under_overlap(tiny_llama_dir, expected):
     worker, sched, info = engine(tiny_llama_dir, 64, 64, "projected")
     sp = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=3)
     for i, p in enumerate(PROMPTS[:2]):
-        sched.add_request(f"r{i}", p, sp, info.eos_token_ids)
+        sched.add_request(EngineRequest(f"r{i}", p, sp, info.eos_token_ids))
     tokens, _ = run_overlapped(worker, sched)
     for i in range(2):
         for c in range(3):

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import helpers
 import pytest
-from helpers import FakeScheduler, InProcessWorker, hf_greedy
+from helpers import FakeScheduler, InProcessWorker, hf_greedy, swaps_of
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
@@ -129,7 +130,7 @@ def assert_all_free(sched: Scheduler, st: HostBlockStore | None = None) -> None:
 
 def add_all(sched: Scheduler, prompts, sampling=GREEDY) -> None:
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling, (2,))
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, (2,)))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
@@ -170,14 +171,14 @@ def test_migration_to_the_other_worker_equals_hf(tiny_llama_dir: Path, expected,
     workers = make_workers(tiny_llama_dir, 2, 14, address)
     sched = make_scheduler(workers, "swap", 64)
     for i, p in enumerate(PROMPTS):
-        seq = sched.add_request(f"r{i}", p, GREEDY, (2,))[0]
+        seq = sched.add_request(EngineRequest(f"r{i}", p, GREEDY, (2,)))[0]
         if seq.queued_on != 0:  # everything starts on worker 0
             sched.workers[seq.queued_on].waiting.remove(seq)
             sched._enqueue(sched.workers[0], seq)
     migrated: list[str] = []
 
     def dies_once_swapped(so) -> bool:
-        swapped = [sid for sid in sched._groups if not sched._groups[sid].pending]
+        swapped = [sid for sid, g in sched._swaps.groups.items() if not g.pending]
         migrated.extend(swapped)
         return bool(swapped)
 
@@ -227,7 +228,7 @@ def test_forked_choices_swap_as_a_group_and_keep_sharing(
     shared_after_swap_in: list[int] = []
 
     def check_sharing(s: Scheduler, wid: int, so) -> None:
-        for t in so.blocks_to_swap_in:
+        for t in swaps_of(so).blocks_to_swap_in:
             members = [m for m in t.seq_ids if s.workers[wid].kv.has_seq(m)]
             if len(members) > 1:
                 kv = s.workers[wid].kv
@@ -263,7 +264,7 @@ def test_auto_mode_follows_the_cost_model(tiny_llama_dir: Path, expected, store)
     for bandwidth, swaps in ((1e12, True), (1.0, False)):
         workers = make_workers(tiny_llama_dir, 1, 14, address)
         sched = make_scheduler(workers, "auto", 64, bandwidth=bandwidth, prefill=1e-3)
-        sched._cost.observe_step = lambda *a: None  # type: ignore[union-attr,method-assign]
+        sched._swaps.cost.observe_step = lambda *a: None  # type: ignore[union-attr,method-assign]
         add_all(sched, PROMPTS)
         tokens = drive(sched, workers)
         for i, ref in enumerate(expected):
@@ -288,7 +289,7 @@ def test_store_killed_mid_run_recovers_by_recompute(
         sched = make_scheduler(workers, "swap", 64)
 
         def kill_after_first_swap_out(s: Scheduler, wid: int, so) -> None:
-            if so.blocks_to_swap_out and proc.poll() is None:
+            if swaps_of(so).blocks_to_swap_out and proc.poll() is None:
                 proc.kill()  # swapped-out blocks are lost with it
                 proc.wait(10)
 
@@ -366,11 +367,11 @@ def test_beam_requests_swap_as_groups_and_equal_hf(
     beam_groups: list[int] = []
 
     def record(s: Scheduler, wid: int, so) -> None:
-        beam_groups.extend(len(t.seq_ids) for t in so.blocks_to_swap_out)
+        beam_groups.extend(len(t.seq_ids) for t in swaps_of(so).blocks_to_swap_out)
 
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling, (2,))
-    sched.add_request("greedy", PROMPTS[4], GREEDY, (2,))
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, (2,)))
+    sched.add_request(EngineRequest("greedy", PROMPTS[4], GREEDY, (2,)))
     outputs: list = []
     tokens = drive(sched, workers, record, overlap=overlap, sink=outputs)
     assert tokens[("greedy", 0)] == expected[4]

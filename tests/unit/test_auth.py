@@ -31,7 +31,8 @@ from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ClusterConfig, ModelConfig, ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.http_server import HttpServer
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.cluster.wire import find_bad_field
 from pagedserve.v1 import generate_pb2 as pb
 
@@ -134,7 +135,8 @@ def test_non_loopback_host_without_key_warns_before_anything_starts(caplog):
 
 
 def test_no_pickle_or_eval_in_the_network_layer():
-    """The frontends parse protobuf and JSON only (Ray's own channels pickle; see README)."""
+    """The frontends parse protobuf and JSON only (Ray's own channels pickle; see
+    docs/operations.md, "Security and limits")."""
     banned_modules = {"pickle", "cPickle", "dill", "cloudpickle", "marshal", "shelve"}
     banned_calls = {"eval", "exec", "compile", "__import__"}
     for path in sorted(CLUSTER_DIR.glob("*.py")):

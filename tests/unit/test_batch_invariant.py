@@ -12,6 +12,7 @@ from torch.nn import functional as F
 
 from pagedserve.kernels import cpu_native
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.batch_invariant import ROWS, InvariantLinear, invariant_linear
@@ -63,7 +64,7 @@ def run(model_dir: Path, requests, num_blocks: int, batch_invariant: bool, budge
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     for rid, prompt, sampling in requests:
-        sched.add_request(rid, prompt, sampling, info.eos_token_ids)
+        sched.add_request(EngineRequest(rid, prompt, sampling, info.eos_token_ids))
     out: dict[tuple[str, int], tuple[list[int], list[float]]] = {}
     for o in drive(sched, [worker.execute_model], timeout_s=600).outputs:
         ids, lps = out.setdefault((o.request_id, o.choice_index), ([], []))

@@ -16,6 +16,7 @@ from helpers import InProcessWorker, ScriptedWorker, drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, ThreadWorker, WorkerDied
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -42,7 +43,7 @@ def make(workers: int = 1, overlap: bool = True, num_blocks: int = 64) -> Schedu
 
 def add_all(sched: Scheduler, prompts: list[list[int]] = PROMPTS) -> None:
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
 
 
 def reference() -> dict[tuple[str, int], list[int]]:

@@ -18,7 +18,8 @@ from pagedserve.cluster.frontend import (
     check_port_free,
     start_server,
 )
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 
 
 class _Tok:
@@ -55,9 +56,9 @@ def test_second_server_on_the_same_port_fails_instead_of_sharing():
 
 def test_text_size_bound_uses_the_longest_token():
     svc = _servicer()  # longest token 2 bytes, max_model_len 16 -> 32 bytes
-    svc.pipeline._check_text_size("x" * 32)
+    svc.pipeline.preparer._check_text_size("x" * 32)
     with pytest.raises(ValueError, match="cannot fit"):
-        svc.pipeline._check_text_size("x" * 33)
+        svc.pipeline.preparer._check_text_size("x" * 33)
 
 
 def test_serve_refuses_unsupported_architecture_before_starting_ray(

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pagedserve.cluster.http_server import HttpServer, create_app
 from pagedserve.cluster.metrics import MetricsExporter
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.metrics import TTFT_BUCKETS_S
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -22,8 +23,10 @@ from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 def two_worker_scheduler() -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=1, max_model_len=128)
     s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 16, 4)])
-    s.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0), [])
-    s.add_request("b", [7, 8], SamplingParams(max_tokens=9, temperature=0), [])
+    s.add_request(
+        EngineRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0), [])
+    )
+    s.add_request(EngineRequest("b", [7, 8], SamplingParams(max_tokens=9, temperature=0), []))
     w = ScriptedWorker()
     for wid in (0, 1, 0, 0):
         so = s.schedule(wid).output

@@ -13,10 +13,16 @@ import pytest
 import torch
 from helpers import GREEDY, FakeScheduler, build_tiny_model, hf_greedy
 
+from pagedserve.kernels import cpu_native
 from pagedserve.scheduler.outputs import CachedSequenceData, NewSequenceData, SchedulerOutput
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.cpu_forward import CpuLayerForward, FusedCpuForward
+from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import SequenceState, prepare_inputs
+from pagedserve.worker.model import LayerForward
 from pagedserve.worker.worker import Worker
+
+needs_c = pytest.mark.skipif(not cpu_native.gemm_available(), reason="CPU kernels not built")
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
@@ -56,8 +62,58 @@ def hf_expected(hf_tiny) -> list[list[int]]:
     return [hf_greedy(hf_tiny, p, MAX_NEW) for p in PROMPTS]
 
 
-def test_batched_greedy_equals_hf(tiny_llama_dir: Path, hf_expected: list[list[int]]) -> None:
+def use_forward(worker: Worker, name: str) -> None:
+    """Install the forward called ``name`` on the worker's model."""
+    model, caches = worker.runner.model, worker.runner.kv_pool.layer_caches()
+    chosen = {
+        "cpu-fused": lambda: FusedCpuForward.build(model, caches),
+        "cpu-layers": lambda: CpuLayerForward.build(model, caches),
+        "layers": LayerForward,
+    }[name]()
+    assert chosen is not None and chosen.name == name
+    model.use_forward(chosen)
+
+
+@needs_c
+def test_the_runner_picks_the_fused_forward_once(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     worker = make_worker(tiny_llama_dir)
+    model = worker.runner.model
+    assert model.model_forward.name == "cpu-fused"
+    monkeypatch.setenv("PAGEDSERVE_FUSED_LAYERS", "0")
+    assert make_worker(tiny_llama_dir).runner.model.model_forward.name == "cpu-layers"
+    monkeypatch.delenv("PAGEDSERVE_FUSED_LAYERS")
+    torch_worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(tiny_llama_dir)),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=8),
+            device="cpu",
+            attention_backend="torch",
+        )
+    )
+    assert torch_worker.runner.model.model_forward.name == "layers"
+    # Packing again drops the forward built on the old layers.
+    model.pack_weights()
+    assert model.model_forward.name == "layers"
+    caches = worker.runner.kv_pool.layer_caches()
+    assert select_forward(model, caches).name == "cpu-fused"
+    assert select_forward(model, caches, candidates=()).name == "layers"
+
+
+FORWARDS = [
+    pytest.param("cpu-fused", marks=needs_c),
+    pytest.param("cpu-layers", marks=needs_c),
+    "layers",
+]
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+def test_batched_greedy_equals_hf(
+    tiny_llama_dir: Path, hf_expected: list[list[int]], forward: str
+) -> None:
+    worker = make_worker(tiny_llama_dir)
+    use_forward(worker, forward)
     sched = FakeScheduler(worker, BLOCK_SIZE, NUM_BLOCKS, token_budget=512)
     assert sched.generate(PROMPTS, MAX_NEW) == hf_expected
     # All prompts were prefilled together in the first step.
@@ -66,10 +122,12 @@ def test_batched_greedy_equals_hf(tiny_llama_dir: Path, hf_expected: list[list[i
     assert len({tuple(o[:4]) for o in hf_expected}) == len(PROMPTS)
 
 
+@pytest.mark.parametrize("forward", FORWARDS)
 def test_chunked_prefill_and_block_reuse_equal_hf(
-    tiny_llama_dir: Path, hf_expected: list[list[int]]
+    tiny_llama_dir: Path, hf_expected: list[list[int]], forward: str
 ) -> None:
     worker = make_worker(tiny_llama_dir)
+    use_forward(worker, forward)
     # A budget of 9 tokens splits the long prompts into 2-5 chunks and mixes prefill
     # chunks with decodes; max_num_seqs 3 makes later requests reuse freed (dirty) blocks.
     sched = FakeScheduler(worker, BLOCK_SIZE, NUM_BLOCKS, token_budget=9, max_num_seqs=3)
@@ -198,6 +256,7 @@ def test_variants_equal_hf(variant: str, tmp_path: Path) -> None:
     assert sched.generate(prompts, 12) == expected
 
 
+@needs_c
 @pytest.mark.parametrize("variant", ["tied", "bias-headdim"])
 def test_all_layers_in_one_call_equal_the_per_layer_path_bit_for_bit(
     variant: str, tmp_path: Path
@@ -218,13 +277,10 @@ def test_all_layers_in_one_call_equal_the_per_layer_path_bit_for_bit(
         cache.normal_()
     before = [c.clone() for c in pool.key_caches + pool.value_caches]
     results = []
-    for fused in (True, False):
+    for forward in ("cpu-fused", "cpu-layers"):
         for cache, saved in zip(pool.key_caches + pool.value_caches, before):
             cache.copy_(saved)
-        if not fused:
-            model._fused_layers = lambda caches: None  # the per-layer Python path
-        else:
-            assert model._fused_layers(pool.layer_caches()) is not None
+        use_forward(worker, forward)
         with torch.inference_mode():
             logits = model(
                 inputs.input_ids, inputs.positions, pool.layer_caches(), inputs.attn_metadata,
@@ -235,3 +291,54 @@ def test_all_layers_in_one_call_equal_the_per_layer_path_bit_for_bit(
     assert torch.equal(fused_logits, layer_logits)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, layer_caches))
     assert not torch.equal(fused_caches[0], before[0])  # the step's K rows were stored
+
+
+def _bad_step(kind: str, meta, positions: torch.Tensor):
+    """The step's metadata and positions with one index pointing outside its buffer."""
+    import dataclasses
+
+    if kind == "cu_seqlens_q":  # claims a query row past the batch
+        cu = meta.cu_seqlens_q.clone()
+        cu[-1] += 1
+        return dataclasses.replace(meta, cu_seqlens_q=cu), positions
+    if kind == "block_tables":
+        tables = meta.block_tables.clone()
+        tables[1, 0] = NUM_BLOCKS
+        return dataclasses.replace(meta, block_tables=tables), positions
+    if kind == "slot_mapping":
+        slots = meta.slot_mapping.clone()
+        slots[3] = NUM_BLOCKS * BLOCK_SIZE
+        return dataclasses.replace(meta, slot_mapping=slots), positions
+    bad = positions.clone()
+    bad[0] = 10_000  # beyond the rotary table
+    return meta, bad
+
+
+@pytest.mark.parametrize("forward", FORWARDS)
+@pytest.mark.parametrize(
+    "kind, message",
+    [
+        ("cu_seqlens_q", r"cu_seqlens_q\[2\] = 22 != the 21 query rows"),
+        ("block_tables", rf"block_tables\[1, 0\] = {NUM_BLOCKS} is outside"),
+        ("slot_mapping", rf"slot_mapping\[3\] = {NUM_BLOCKS * BLOCK_SIZE} is beyond"),
+        ("positions", r"positions\[0\] = 10000 is outside"),
+    ],
+)
+def test_every_forward_rejects_indices_outside_the_buffers(
+    tiny_llama_dir: Path, forward: str, kind: str, message: str
+) -> None:
+    worker = make_worker(tiny_llama_dir)
+    use_forward(worker, forward)
+    runner = worker.runner
+    long = SequenceState("a", list(PROMPTS[4]), len(PROMPTS[4]), list(range(30)), 0, GREEDY, 0, 0)
+    short = SequenceState("b", list(PROMPTS[0]), len(PROMPTS[0]), [60, 59, 58], 0, GREEDY, 0, 0)
+    short.num_computed_tokens = 8
+    inputs = prepare_inputs([(long, 20), (short, 1)], BLOCK_SIZE, NUM_BLOCKS, runner.device)
+    meta, positions = _bad_step(kind, inputs.attn_metadata, inputs.positions)
+    before = [c.clone() for c in runner.kv_pool.key_caches]
+    with pytest.raises(ValueError, match=message), torch.inference_mode():
+        runner.model(
+            inputs.input_ids, positions, runner.kv_pool.layer_caches(), meta, torch.arange(21)
+        )
+    # Rejected before any kernel ran: the cache is untouched.
+    assert all(torch.equal(a, b) for a, b in zip(before, runner.kv_pool.key_caches))

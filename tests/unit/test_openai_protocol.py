@@ -14,7 +14,7 @@ import pytest
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.cluster.launcher import build_http_app
-from pagedserve.cluster.openai_api import HTTP_STATUS, error_json, parse_body
+from pagedserve.cluster.openai_api import parse_body
 from pagedserve.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -22,15 +22,10 @@ from pagedserve.cluster.openai_protocol import (
     completion_inputs,
     sampling_request,
 )
-from pagedserve.cluster.pipeline import (
-    ChoiceDelta,
-    GenerateInput,
-    ModelInfo,
-    PreparedRequest,
-    RequestPipeline,
-    SamplingRequest,
-    Usage,
-)
+from pagedserve.cluster.openai_render import HTTP_STATUS, error_json
+from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, Usage
+from pagedserve.cluster.request_prep import GenerateInput, ModelInfo, SamplingRequest
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
     DuplicateRequest,
@@ -62,22 +57,30 @@ def _pipeline(max_model_len=100, slots=64, block_size=16) -> RequestPipeline:
 
 def test_unset_max_tokens_is_the_rest_of_the_context():
     p = _pipeline(max_model_len=100, slots=64)  # context = min(100, 64) = 64
-    assert p.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens == 54
     assert (
-        p.prepare(GenerateInput(text="x" * 10), SamplingRequest(max_tokens=7)).sampling.max_tokens
+        p.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens
+        == 54
+    )
+    assert (
+        p.preparer.prepare(
+            GenerateInput(text="x" * 10), SamplingRequest(max_tokens=7)
+        ).sampling.max_tokens
         == 7
     )
     # beam search: 4 blocks of 16 split over 2 beams -> 32 slots each
     req = SamplingRequest(beam_width=2)
-    assert p.prepare(GenerateInput(text="x" * 10), req).sampling.max_tokens == 22
+    assert p.preparer.prepare(GenerateInput(text="x" * 10), req).sampling.max_tokens == 22
     big = _pipeline(max_model_len=40, slots=640)
-    assert big.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens == 30
+    assert (
+        big.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest()).sampling.max_tokens
+        == 30
+    )
     with pytest.raises(InvalidRequest, match="no room"):
-        p.prepare(GenerateInput(text="x" * 64), SamplingRequest())
+        p.preparer.prepare(GenerateInput(text="x" * 64), SamplingRequest())
     with pytest.raises(RequestRejected):
-        p.prepare(GenerateInput(text="x" * 10), SamplingRequest(max_tokens=60))
+        p.preparer.prepare(GenerateInput(text="x" * 10), SamplingRequest(max_tokens=60))
     with pytest.raises(InvalidRequest, match="min_tokens"):
-        p.prepare(GenerateInput(text="x" * 60), SamplingRequest(min_tokens=5))
+        p.preparer.prepare(GenerateInput(text="x" * 60), SamplingRequest(min_tokens=5))
 
 
 def test_completion_body_maps_to_the_shared_sampling_request():
@@ -285,7 +288,7 @@ def test_a_surrogate_pair_is_valid_text():
 )
 def test_pipeline_refuses_lone_surrogates_naming_the_field(prompt, req, field):
     with pytest.raises(InvalidRequest, match="not valid Unicode") as ei:
-        _pipeline().prepare(prompt, req)
+        _pipeline().preparer.prepare(prompt, req)
     assert ei.value.param == field
 
 
@@ -396,12 +399,12 @@ def test_unknown_routes_and_methods_get_the_openai_error_shape():
 def _fake_generate(pipeline: RequestPipeline) -> None:
     """Every choice of a request: one token "a", then LENGTH."""
 
-    async def generate(req: PreparedRequest, flight: Any = None):
+    async def generate(req: EngineRequest, flight: Any):
         for i in range(req.sampling.n):
             usage = Usage(len(req.prompt_token_ids), 1, 0)
             yield ChoiceDelta(i, (0,), "a", finish_reason=FinishReason.LENGTH, usage=usage)
 
-    pipeline.generate = generate  # type: ignore[method-assign]
+    pipeline._generate = generate  # type: ignore[method-assign]
 
 
 def test_the_openai_client_still_works_with_strict_types():

@@ -6,6 +6,7 @@ import pytest
 from helpers import ScriptedWorker as FakeWorker
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import DuplicateRequest, InvalidRequest, RequestRejected
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -47,7 +48,7 @@ def greedy(max_tokens, **kw):
 
 def test_single_request_blocks_and_tokens():
     s, w = make(), FakeWorker()
-    s.add_request("a", [5, 6, 7, 8, 9], greedy(4), [EOS])
+    s.add_request(EngineRequest("a", [5, 6, 7, 8, 9], greedy(4), [EOS]))
     so = s.schedule(0).output
     assert so.num_scheduled_tokens == {"a/0": 5}
     assert so.new_seqs[0].block_ids == [0, 1]
@@ -69,9 +70,9 @@ def test_single_request_blocks_and_tokens():
 def test_eos_and_stop_token_ids_and_ignore_eos():
     s = make()
     w = FakeWorker(script={"a": [11, EOS, 12], "b": [11, 42, 12], "c": [EOS, EOS, 7]})
-    s.add_request("a", [1, 3], greedy(8), [EOS])
-    s.add_request("b", [1, 3], greedy(8, stop_token_ids=(42,)), [EOS])
-    s.add_request("c", [1, 3], greedy(3, ignore_eos=True), [EOS])
+    s.add_request(EngineRequest("a", [1, 3], greedy(8), [EOS]))
+    s.add_request(EngineRequest("b", [1, 3], greedy(8, stop_token_ids=(42,)), [EOS]))
+    s.add_request(EngineRequest("c", [1, 3], greedy(3, ignore_eos=True), [EOS]))
     outs, _ = run(s, w)
     final = {o.request_id: o for o in outs if o.finish_reason is not None}
     assert final["a"].finish_reason is FinishReason.STOP and final["a"].num_output_tokens == 2
@@ -82,7 +83,9 @@ def test_eos_and_stop_token_ids_and_ignore_eos():
 
 def test_chunked_prefill_respects_budget():
     s, w = make(budget=4), FakeWorker()
-    s.add_request("a", list(range(3, 13)), greedy(2), [EOS])  # 10 tokens -> chunks 4, 4, 2
+    s.add_request(
+        EngineRequest("a", list(range(3, 13)), greedy(2), [EOS])
+    )  # 10 tokens -> chunks 4, 4, 2
     so1 = s.schedule(0).output
     assert so1.num_scheduled_tokens == {"a/0": 4}
     assert s.update(0, so1, w.execute(so1)).outputs == []
@@ -98,14 +101,14 @@ def test_chunked_prefill_respects_budget():
 
 def test_no_chunking_waits_for_budget():
     s = make(budget=4, chunked=False)
-    s.add_request("a", list(range(3, 13)), greedy(2), [EOS])
+    s.add_request(EngineRequest("a", list(range(3, 13)), greedy(2), [EOS]))
     assert s.schedule(0).output.num_scheduled_tokens == {}
 
 
 def test_running_first_then_admission_fcfs_and_max_seqs():
     s, w = make(max_seqs=2), FakeWorker()
     for rid in "abc":
-        s.add_request(rid, [1, 2, 3], greedy(3), [EOS])
+        s.add_request(EngineRequest(rid, [1, 2, 3], greedy(3), [EOS]))
     so = s.schedule(0).output
     assert list(so.num_scheduled_tokens) == ["a/0", "b/0"]
     s.update(0, so, w.execute(so))
@@ -119,8 +122,8 @@ def test_running_first_then_admission_fcfs_and_max_seqs():
 def test_preemption_by_recompute_and_resume():
     # 4 blocks of 4 slots: two requests of 6-token prompts need 2 blocks each, then grow.
     s, w = make(num_blocks=4, block_size=4, admission="fits-now"), FakeWorker()
-    s.add_request("a", [1] * 6, greedy(6), [EOS])
-    s.add_request("b", [3] * 6, greedy(6), [EOS])
+    s.add_request(EngineRequest("a", [1] * 6, greedy(6), [EOS]))
+    s.add_request(EngineRequest("b", [3] * 6, greedy(6), [EOS]))
     outs, steps = run(s, w)
     assert s.num_preemptions >= 1
     # b (newest) was preempted, so some step re-sent b in full with its outputs as prompt
@@ -138,9 +141,9 @@ def test_preemption_by_recompute_and_resume():
 def test_prefix_cache_hit_reports_cached_tokens():
     s, w = make(block_size=4), FakeWorker()
     prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
-    s.add_request("a", prompt, greedy(1), [EOS])
+    s.add_request(EngineRequest("a", prompt, greedy(1), [EOS]))
     run(s, w)
-    s.add_request("b", prompt, greedy(1), [EOS])
+    s.add_request(EngineRequest("b", prompt, greedy(1), [EOS]))
     so = s.schedule(0).output
     assert so.new_seqs[0].num_computed_tokens == 8
     assert so.num_scheduled_tokens == {"b/0": 1}
@@ -157,14 +160,14 @@ def test_reset_prefix_cache_refuses_while_busy_then_forgets_every_hash():
         FakeWorker(),
     )
     prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
-    s.add_request("a", prompt, greedy(1), [EOS])
+    s.add_request(EngineRequest("a", prompt, greedy(1), [EOS]))
     so = s.schedule(0).output
     assert so.new_seqs[0].block_ids == [0, 1, 2]
     assert not s.reset_prefix_cache()  # "a" holds 3 blocks on worker 0
     s.update(0, so, w.execute(so))
     run(s, w)  # tells the worker "a" finished
     assert s.reset_prefix_cache()
-    s.add_request("b", prompt, greedy(1), [EOS])
+    s.add_request(EngineRequest("b", prompt, greedy(1), [EOS]))
     so = s.schedule(0).output
     assert so.new_seqs[0].num_computed_tokens == 0  # computed again: no hit
     assert so.num_scheduled_tokens == {"b/0": 9}
@@ -176,8 +179,8 @@ def test_reset_prefix_cache_refuses_while_busy_then_forgets_every_hash():
 
 def test_abort_in_every_state_returns_blocks():
     s, w = make(budget=4), FakeWorker()
-    s.add_request("run", [1] * 8, greedy(5), [EOS])
-    s.add_request("wait", [1] * 8, greedy(5), [EOS])
+    s.add_request(EngineRequest("run", [1] * 8, greedy(5), [EOS]))
+    s.add_request(EngineRequest("wait", [1] * 8, greedy(5), [EOS]))
     so = s.schedule(0).output  # 'run' gets a prefill chunk, 'wait' waits
     outs = s.abort_request("wait")
     assert outs[0].finish_reason is FinishReason.ABORT
@@ -195,19 +198,21 @@ def test_abort_in_every_state_returns_blocks():
 def test_rejects_bad_requests():
     s = make(num_blocks=4, block_size=4)
     with pytest.raises(InvalidRequest, match="empty"):
-        s.add_request("x", [], greedy(1))
+        s.add_request(EngineRequest("x", [], greedy(1)))
     with pytest.raises(InvalidRequest, match="max_model_len"):
-        s.add_request("x", [1] * 250, greedy(10))
+        s.add_request(EngineRequest("x", [1] * 250, greedy(10)))
     with pytest.raises(RequestRejected, match="KV slots"):
-        s.add_request("x", [1] * 10, greedy(10))
-    s.add_request("y", [1], greedy(1))
+        s.add_request(EngineRequest("x", [1] * 10, greedy(10)))
+    s.add_request(EngineRequest("y", [1], greedy(1)))
     with pytest.raises(DuplicateRequest, match="in flight"):
-        s.add_request("y", [1], greedy(1))
+        s.add_request(EngineRequest("y", [1], greedy(1)))
 
 
 def test_n_choices_fork_from_one_prefill_and_share_blocks():
     s, w = make(), FakeWorker()
-    seqs = s.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, n=3, seed=1), [EOS])
+    seqs = s.add_request(
+        EngineRequest("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, n=3, seed=1), [EOS])
+    )
     assert [q.seq_id for q in seqs] == ["a/0", "a/1", "a/2"]
     kv = s.workers[0].kv
     so = s.schedule(0).output  # one prefill for the whole request
@@ -260,8 +265,10 @@ def test_n_choices_fork_from_one_prefill_and_share_blocks():
 
 def test_fork_at_block_boundary_and_one_token_prompt():
     s, w = make(), FakeWorker()
-    s.add_request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
-    s.add_request("b", [7], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
+    s.add_request(
+        EngineRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2, n=2, seed=1), [EOS])
+    )
+    s.add_request(EngineRequest("b", [7], SamplingParams(max_tokens=2, n=2, seed=1), [EOS]))
     so = s.schedule(0).output
     assert [n.block_ids for n in so.new_seqs] == [[0, 1], [2]]
     s.update(0, so, w.execute(so))
@@ -282,7 +289,9 @@ def test_fork_at_block_boundary_and_one_token_prompt():
 
 def test_abort_before_fork_hands_the_prefill_to_the_next_choice():
     s, w = make(budget=4), FakeWorker()
-    s.add_request("a", list(range(1, 9)), SamplingParams(max_tokens=2, n=3, seed=1), [EOS])
+    s.add_request(
+        EngineRequest("a", list(range(1, 9)), SamplingParams(max_tokens=2, n=3, seed=1), [EOS])
+    )
     so = s.schedule(0).output  # first chunk of choice 0's prompt
     assert so.num_scheduled_tokens == {"a/0": 4}
     s.update(0, so, w.execute(so))
@@ -307,7 +316,9 @@ def test_forked_choices_survive_preemption():
     tight, w2 = make(num_blocks=6), FakeWorker()
     results = []
     for s, w in ((roomy, w1), (tight, w2)):
-        s.add_request("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, n=3, seed=1), [EOS])
+        s.add_request(
+            EngineRequest("a", [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, n=3, seed=1), [EOS])
+        )
         outs, _ = run(s, w)
         toks: dict[int, list[int]] = {}
         for o in outs:
@@ -324,7 +335,7 @@ def test_n8_long_prompt_peak_blocks_are_shared_prompt_plus_two_tail_blocks_each(
     cfg = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
     s, w = Scheduler(cfg, [WorkerSpec(0, 256, 16)]), FakeWorker()
     s.workers[0].kv = kv = CheckedKVCacheManager(256, 16, True)
-    s.add_request("a", [7] * 300, SamplingParams(max_tokens=16, n=8, seed=0), [EOS])
+    s.add_request(EngineRequest("a", [7] * 300, SamplingParams(max_tokens=16, n=8, seed=0), [EOS]))
     peak = 0
     while s.has_work(0):
         so = s.schedule(0).output
@@ -339,8 +350,10 @@ def test_n8_long_prompt_peak_blocks_are_shared_prompt_plus_two_tail_blocks_each(
 
 def test_prefix_stats_count_a_blocked_request_once():
     s, w = make(num_blocks=4, block_size=4), FakeWorker()
-    s.add_request("a", [1] * 12, greedy(2), [EOS])  # takes 3 of 4 blocks (+1 to grow)
-    s.add_request("b", [2] * 12, greedy(2), [EOS])  # blocked at the head for a while
+    s.add_request(
+        EngineRequest("a", [1] * 12, greedy(2), [EOS])
+    )  # takes 3 of 4 blocks (+1 to grow)
+    s.add_request(EngineRequest("b", [2] * 12, greedy(2), [EOS]))  # blocked at the head for a while
     run(s, w)
     st = s.stats()
     assert st.prefix_cache_queries == 24
@@ -349,11 +362,11 @@ def test_prefix_stats_count_a_blocked_request_once():
 def test_cache_salt_isolates_prefix_blocks():
     s, w = make(block_size=4), FakeWorker()
     prompt = list(range(10, 19))  # 9 tokens: 2 full blocks
-    s.add_request("a", prompt, greedy(1, cache_salt="alice"), [EOS])
+    s.add_request(EngineRequest("a", prompt, greedy(1, cache_salt="alice"), [EOS]))
     run(s, w)
     hits = {}
     for rid, salt in (("b", "bob"), ("c", None), ("d", "alice")):
-        s.add_request(rid, prompt, greedy(1, cache_salt=salt), [EOS])
+        s.add_request(EngineRequest(rid, prompt, greedy(1, cache_salt=salt), [EOS]))
         so = s.schedule(0).output
         hits[rid] = so.new_seqs[0].num_computed_tokens
         s.update(0, so, w.execute(so))
@@ -363,8 +376,8 @@ def test_cache_salt_isolates_prefix_blocks():
 def test_min_tokens_defers_stops_and_stop_token_is_reported():
     s = make()
     w = FakeWorker(script={"a": [EOS, 42, 5, 42], "b": [7, 42]})
-    s.add_request("a", [1, 3], greedy(8, min_tokens=3, stop_token_ids=(42,)), [EOS])
-    s.add_request("b", [1, 3], greedy(8, stop_token_ids=(42,)), [EOS])
+    s.add_request(EngineRequest("a", [1, 3], greedy(8, min_tokens=3, stop_token_ids=(42,)), [EOS]))
+    s.add_request(EngineRequest("b", [1, 3], greedy(8, stop_token_ids=(42,)), [EOS]))
     outs, _ = run(s, w)
     final = {o.request_id: o for o in outs if o.finish_reason is not None}
     assert final["a"].num_output_tokens == 4 and final["a"].stop_reason == 42
@@ -376,8 +389,8 @@ def test_logprobs_flow_into_deltas_with_cumulative_sum():
     from pagedserve.scheduler.outputs import RunnerOutput, SampleLogprobs
 
     s = make()
-    s.add_request("a", [1, 3], greedy(2, logprobs=1), [EOS])
-    s.add_request("b", [1, 3], greedy(2), [EOS])
+    s.add_request(EngineRequest("a", [1, 3], greedy(2, logprobs=1), [EOS]))
+    s.add_request(EngineRequest("b", [1, 3], greedy(2), [EOS]))
     got = []
     for step, (ta, tb) in enumerate([(7, 8), (9, 10)]):
         so = s.schedule(0).output

@@ -1,9 +1,11 @@
 """SchedulerActor logic without a Ray cluster: fake worker handles, real asyncio loops.
 
-Covers request-id reuse after a cancel (a stale stream must not steal the new stream's
-queue), a worker that dies (its sequences are recomputed elsewhere; with none left, every
-request is aborted and new ones are refused), a worker that raises on a step, and routing
-across two workers (cached prefixes, an even burst, no idle worker while work waits).
+Requests go in as the frontend sends them (``subscribe`` + ``add_request``, through
+:class:`helpers.ActorStreams`). Covers request-id reuse after a cancel (a stale stream
+must not get the new request's outputs), a worker that dies (its sequences are recomputed
+elsewhere; with none left, every request is aborted and new ones are refused), a worker
+that raises on a step, and routing across two workers (cached prefixes, an even burst, no
+idle worker while work waits).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 
 import pytest
 import ray
-from helpers import ScriptedWorker
+from helpers import ActorStreams, ScriptedWorker
 
 from pagedserve.scheduler.actor import SchedulerActor
 from pagedserve.scheduler.config import SchedulerConfig
@@ -95,13 +97,13 @@ def run(coro):
 def test_reused_request_id_after_cancel_gets_its_own_stream():
     async def scenario():
         actor = make_actor([FakeHandle()])
-        old = actor.generate("same", [1, 2, 3], greedy(50), [])
-        assert await old.__anext__() == []  # the acknowledgement: the request was added
+        gen = ActorStreams(actor).generate
+        old = gen("same", [1, 2, 3], greedy(50))
         first = await old.__anext__()
         assert first[0].new_token_ids == (103,)
         assert await actor.abort("same") is True  # the client cancelled
-        new = actor.generate("same", [1, 2, 3], greedy(3), [])
-        pending = asyncio.ensure_future(new.__anext__())  # registers the new stream
+        new = gen("same", [1, 2, 3], greedy(3))
+        pending = asyncio.ensure_future(new.__anext__())  # adds the request again
         await asyncio.sleep(0)
         rest = await collect(old)  # the stale stream finishes after the new one started
         assert rest[-1].finish_reason is FinishReason.ABORT
@@ -117,10 +119,11 @@ def test_reused_request_id_after_cancel_gets_its_own_stream():
 def test_duplicate_in_flight_id_is_refused():
     async def scenario():
         actor = make_actor([FakeHandle()])
-        a = actor.generate("dup", [1, 2], greedy(20), [])
-        assert await a.__anext__() == []
+        gen = ActorStreams(actor).generate
+        a = gen("dup", [1, 2], greedy(20))
+        assert (await a.__anext__())[0].new_token_ids == (102,)  # added and running
         with pytest.raises(DuplicateRequest):
-            await actor.generate("dup", [1, 2], greedy(2), []).__anext__()
+            await gen("dup", [1, 2], greedy(2)).__anext__()
         await actor.abort("dup")
         await collect(a)
         await actor.shutdown()
@@ -133,7 +136,8 @@ def test_dead_worker_sequences_are_recomputed_on_a_live_one():
         dead = FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=2)
         live = FakeHandle()
         actor = make_actor([dead, live])
-        streams = [actor.generate(f"r{i}", [1, 2, 3, i + 5], greedy(6), []) for i in range(4)]
+        gen = ActorStreams(actor).generate
+        streams = [gen(f"r{i}", [1, 2, 3, i + 5], greedy(6)) for i in range(4)]
         results = await asyncio.gather(*(collect(s) for s in streams))
         for res in results:
             assert res[-1].finish_reason is FinishReason.LENGTH
@@ -151,13 +155,14 @@ def test_dead_worker_sequences_are_recomputed_on_a_live_one():
 def test_last_worker_dying_aborts_everything_and_refuses_new_requests():
     async def scenario():
         actor = make_actor([FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=1)])
+        gen = ActorStreams(actor).generate
         config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=256)
         actor._scheduler.config = config  # one running, the rest waiting
-        streams = [actor.generate(f"r{i}", [1, 2, 3], greedy(10), []) for i in range(3)]
+        streams = [gen(f"r{i}", [1, 2, 3], greedy(10)) for i in range(3)]
         results = await asyncio.gather(*(collect(s) for s in streams))
         assert all(r[-1].finish_reason is FinishReason.ABORT for r in results)
         with pytest.raises(ClusterUnavailable):
-            await actor.generate("late", [1], greedy(1), []).__anext__()
+            await gen("late", [1], greedy(1)).__anext__()
         assert await actor.num_live_workers() == 0
         await actor.shutdown()
 
@@ -168,10 +173,11 @@ def test_step_error_aborts_that_batch_and_worker_keeps_serving():
     async def scenario():
         handle = FakeHandle(fail=ValueError("bad step"), fail_after=1)
         actor = make_actor([handle])
-        res = await collect(actor.generate("a", [1, 2, 3], greedy(5), []))
+        gen = ActorStreams(actor).generate
+        res = await collect(gen("a", [1, 2, 3], greedy(5)))
         assert res[-1].finish_reason is FinishReason.ABORT
         handle.fail = None
-        res = await collect(actor.generate("b", [1, 2, 3], greedy(2), []))
+        res = await collect(gen("b", [1, 2, 3], greedy(2)))
         assert [t for o in res for t in o.new_token_ids] == [103, 104]
         await actor.check_integrity()
         await actor.shutdown()
@@ -183,6 +189,7 @@ def test_idle_worker_death_is_noticed_by_the_probe():
     async def scenario():
         handles = [FakeHandle(), FakeHandle()]
         actor = make_actor(handles)
+        gen = ActorStreams(actor).generate
         await actor.ready()
         handles[0].dead = True
         for _ in range(100):
@@ -190,7 +197,7 @@ def test_idle_worker_death_is_noticed_by_the_probe():
                 break
             await asyncio.sleep(0.02)
         assert [w.alive for w in (await actor.get_stats()).workers] == [False, True]
-        res = await collect(actor.generate("a", [1, 2, 3], greedy(2), []))
+        res = await collect(gen("a", [1, 2, 3], greedy(2)))
         assert [t for o in res for t in o.new_token_ids] == [103, 104]
         assert handles[0].steps == 0
         handles[1].dead = True
@@ -199,7 +206,7 @@ def test_idle_worker_death_is_noticed_by_the_probe():
                 break
             await asyncio.sleep(0.02)
         with pytest.raises(ClusterUnavailable):
-            await actor.generate("b", [1], greedy(1), []).__anext__()
+            await gen("b", [1], greedy(1)).__anext__()
         await actor.shutdown()
 
     run(scenario())
@@ -209,9 +216,10 @@ def test_concurrent_requests_sharing_a_cached_system_prompt_hit_it():
     async def scenario():
         handles = [FakeHandle(), FakeHandle()]
         actor = make_actor(handles, num_blocks=64, block_size=16, budget=1024, max_len=1024)
+        gen = ActorStreams(actor).generate
         system = list(range(1000, 1000 + 20 * 16))  # 20 full blocks
-        await collect(actor.generate("first", [*system, 1, 2, 3], greedy(2), []))
-        streams = [actor.generate(f"r{i}", [*system, 7, i, 9], greedy(4), []) for i in range(6)]
+        await collect(gen("first", [*system, 1, 2, 3], greedy(2)))
+        streams = [gen(f"r{i}", [*system, 7, i, 9], greedy(4)) for i in range(6)]
         results = await asyncio.gather(*(collect(s) for s in streams))
         assert [r[-1].num_cached_tokens for r in results] == [320] * 6
         assert sorted(handles[0].admitted) == sorted(["first/0"] + [f"r{i}/0" for i in range(6)])
@@ -228,7 +236,8 @@ def test_burst_of_unrelated_requests_is_split_between_workers():
     async def scenario():
         handles = [FakeHandle(), FakeHandle()]
         actor = make_actor(handles)
-        streams = [actor.generate(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(5), []) for i in range(8)]
+        gen = ActorStreams(actor).generate
+        streams = [gen(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(5)) for i in range(8)]
         await asyncio.gather(*(collect(s) for s in streams))
         assert sorted(len(h.admitted) for h in handles) == [4, 4]
         await actor.check_integrity()
@@ -246,12 +255,10 @@ def test_polled_stats_show_no_worker_idle_while_work_waits(admission):
     async def scenario():
         handles = [FakeHandle(), FakeHandle()]
         actor = make_actor(handles, num_blocks=12, block_size=16, budget=2048, admission=admission)
+        gen = ActorStreams(actor).generate
         prefix = list(range(500, 516))
         lens = [170, 8, 170, 8, 170, 8, 150, 8]
-        streams = [
-            actor.generate(f"p{i}", [*prefix, i, 1, 2, 3], greedy(n), [])
-            for i, n in enumerate(lens)
-        ]
+        streams = [gen(f"p{i}", [*prefix, i, 1, 2, 3], greedy(n)) for i, n in enumerate(lens)]
         gathered = asyncio.gather(*(collect(s) for s in streams))
         polls = idle = 0
         while not gathered.done():
@@ -281,7 +288,8 @@ def test_restarted_worker_rejoins_with_an_empty_pool():
     async def scenario():
         handles = [FakeHandle(fail=ray.exceptions.RayActorError(), fail_after=2), FakeHandle()]
         actor = make_actor(handles)
-        streams = [actor.generate(f"r{i}", [1, 2, 3, i + 5], greedy(6), []) for i in range(4)]
+        gen = ActorStreams(actor).generate
+        streams = [gen(f"r{i}", [1, 2, 3, i + 5], greedy(6)) for i in range(4)]
         results = await asyncio.gather(*(collect(s) for s in streams))
         for res in results:
             assert [t for o in res for t in o.new_token_ids] == [104, 105, 106, 107, 108, 109]
@@ -298,7 +306,7 @@ def test_restarted_worker_rejoins_with_an_empty_pool():
         assert stats.workers[0].num_free_blocks == stats.workers[0].num_blocks == 32
         assert handles[0].resets == 2  # once more before it rejoined
         handles[0].admitted.clear()
-        streams = [actor.generate(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(3), []) for i in range(8)]
+        streams = [gen(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(3)) for i in range(8)]
         await asyncio.gather(*(collect(s) for s in streams))
         assert len(handles[0].admitted) == 4  # it is routed to again
         await actor.check_integrity()

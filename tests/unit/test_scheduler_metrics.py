@@ -6,6 +6,7 @@ import pytest
 from helpers import ScriptedWorker
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.metrics import (
     ITERATION_TOKENS_BUCKETS,
     REQUEST_LATENCY_BUCKETS_S,
@@ -77,8 +78,8 @@ def test_exact_counts_and_timings_of_a_known_workload():
     s, clock = make()
     w = ScriptedWorker()
     # Two requests: 5 and 3 prompt tokens, 4 and 2 output tokens.
-    s.add_request("a", [5, 6, 7, 8, 9], greedy(4), [EOS], arrival_s=clock.now)
-    s.add_request("b", [5, 6, 7], greedy(2), [EOS], arrival_s=clock.now)
+    s.add_request(EngineRequest("a", [5, 6, 7, 8, 9], greedy(4), [EOS], arrival_s=clock.now))
+    s.add_request(EngineRequest("b", [5, 6, 7], greedy(2), [EOS], arrival_s=clock.now))
     clock.now += 0.5  # both wait 0.5 s before the first step admits them
     so, _ = step(s, w, clock, dt=0.25)  # prefill both: 5 + 3 tokens, first tokens at +0.75
     assert sum(so.num_scheduled_tokens.values()) == 8
@@ -119,9 +120,9 @@ def test_prefix_cache_counters_are_tokens():
     s, clock = make()
     w = ScriptedWorker()
     prompt = list(range(10, 19))  # 9 tokens: 2 full blocks of 4 can be reused
-    s.add_request("a", prompt, greedy(1), [EOS])
+    s.add_request(EngineRequest("a", prompt, greedy(1), [EOS]))
     step(s, w, clock)
-    s.add_request("b", prompt, greedy(1), [EOS])
+    s.add_request(EngineRequest("b", prompt, greedy(1), [EOS]))
     step(s, w, clock)
     st = s.metrics_snapshot().stats
     assert st.prefix_cache_queries == 18
@@ -132,8 +133,8 @@ def test_preemptions_and_aborts_are_counted():
     # 4 blocks of 4 slots: two sequences growing to 12 tokens cannot both fit.
     s, clock = make(num_blocks=4, budget=64, admission="fits-now")
     w = ScriptedWorker()
-    s.add_request("a", [1, 3, 5, 7], greedy(8), [EOS])
-    s.add_request("b", [1, 3, 5, 9], greedy(8), [EOS])
+    s.add_request(EngineRequest("a", [1, 3, 5, 7], greedy(8), [EOS]))
+    s.add_request(EngineRequest("b", [1, 3, 5, 9], greedy(8), [EOS]))
     for _ in range(40):
         if not s.has_work(0):
             break
@@ -142,7 +143,7 @@ def test_preemptions_and_aborts_are_counted():
     assert snap.num_preemptions["recompute"] == s.num_preemptions > 0
     assert snap.request_success["length"] == 2
     assert snap.generation_tokens == 16  # recomputation appends no extra tokens
-    s.add_request("c", [1, 3], greedy(4), [EOS])
+    s.add_request(EngineRequest("c", [1, 3], greedy(4), [EOS]))
     s.abort_request("c")
     snap = s.metrics_snapshot()
     assert snap.request_success["abort"] == 1
@@ -153,7 +154,7 @@ def test_preemptions_and_aborts_are_counted():
 def test_stop_reason_from_the_frontend_counts_as_stop():
     s, clock = make()
     w = ScriptedWorker()
-    s.add_request("a", [1, 3], greedy(8), [EOS])
+    s.add_request(EngineRequest("a", [1, 3], greedy(8), [EOS]))
     step(s, w, clock)
     s.abort_request("a", 0, FinishReason.STOP)
     assert s.metrics_snapshot().request_success["stop"] == 1

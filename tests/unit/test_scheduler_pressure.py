@@ -13,6 +13,7 @@ from helpers import ScriptedWorker
 from pagedserve.cluster.metrics import snapshot_families
 from pagedserve.scheduler.admission import Footprint, peak_blocks
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.request import SequenceStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -58,8 +59,8 @@ def test_recomputed_tokens_are_counted_exactly_per_worker_and_in_stats():
     # b (latest) is preempted with 8 computed tokens (6 prompt + 2 outputs) and recomputes
     # exactly those 8 (no prefix cache) when a has finished.
     s, w = make(4, admission="fits-now", victim="latest"), ScriptedWorker()
-    s.add_request("a", [1] * 6, greedy(6))
-    s.add_request("b", [3] * 6, greedy(6))
+    s.add_request(EngineRequest("a", [1] * 6, greedy(6)))
+    s.add_request(EngineRequest("b", [3] * 6, greedy(6)))
     toks = run(s, w)
     assert toks["a"] == toks["b"] == [106, 107, 108, 109, 110, 111]
     st = s.stats()
@@ -85,8 +86,8 @@ def test_prefix_cache_hits_after_preemption_are_not_recomputed():
     # tail first, so a's third block is b's second one; b's first block (four 3s) is still
     # cached when b returns, so only tokens 4..7 are computed again.
     s, w = make(4, admission="fits-now", victim="latest", caching=True), ScriptedWorker()
-    s.add_request("a", [1] * 6, greedy(6))
-    s.add_request("b", [3] * 6, greedy(6))
+    s.add_request(EngineRequest("a", [1] * 6, greedy(6)))
+    s.add_request(EngineRequest("b", [3] * 6, greedy(6)))
     run(s, w)
     assert s.num_preemptions == 1
     assert s.num_recomputed_tokens == 4
@@ -95,8 +96,8 @@ def test_prefix_cache_hits_after_preemption_are_not_recomputed():
 # ------------------------------------------------------------------ projected admission
 def test_projected_admission_waits_instead_of_preempting():
     s, w = make(4), ScriptedWorker()
-    s.add_request("a", [1] * 6, greedy(6))
-    s.add_request("b", [3] * 6, greedy(6))
+    s.add_request(EngineRequest("a", [1] * 6, greedy(6)))
+    s.add_request(EngineRequest("b", [3] * 6, greedy(6)))
     so = s.schedule(0).output
     # a's peak is 6 + 5 = 11 slots = 3 blocks, so b (3 blocks at its peak) waits.
     assert list(so.num_scheduled_tokens) == ["a/0"]
@@ -112,7 +113,9 @@ def _mixed_workload(s):
     rng = random.Random(7)
     for i in range(12):
         prompt = [rng.randint(5, 90) for _ in range(rng.randint(3, 20))]
-        s.add_request(f"r{i}", prompt, greedy(rng.randint(2, 16)), arrival_s=float(i))
+        s.add_request(
+            EngineRequest(f"r{i}", prompt, greedy(rng.randint(2, 16)), arrival_s=float(i))
+        )
 
 
 def test_projected_admission_removes_preemptions_on_a_deterministic_workload():
@@ -166,9 +169,11 @@ def _three(victim, policy="fcfs", c_priority=0):
     # 5 blocks of 4. a (oldest, 4-token prompt) needs a second block at its second step;
     # b has 2 computed tokens, c (latest) 9.
     s = make(5, admission="fits-now", victim=victim, scheduling_policy=policy)
-    s.add_request("a", [1, 2, 3, 4], greedy(3), arrival_s=1.0)
-    s.add_request("b", [5, 6], greedy(3), arrival_s=2.0)
-    s.add_request("c", list(range(10, 19)), greedy(3, priority=c_priority), arrival_s=3.0)
+    s.add_request(EngineRequest("a", [1, 2, 3, 4], greedy(3), arrival_s=1.0))
+    s.add_request(EngineRequest("b", [5, 6], greedy(3), arrival_s=2.0))
+    s.add_request(
+        EngineRequest("c", list(range(10, 19)), greedy(3, priority=c_priority), arrival_s=3.0)
+    )
     w = ScriptedWorker()
     so = s.schedule(0).output
     assert so.num_scheduled_tokens == {"a/0": 4, "b/0": 2, "c/0": 9}
@@ -214,7 +219,7 @@ def _drive(s, seed, overlap):
             i = todo.pop()
             prompt = [rng.randint(5, 900) for _ in range(rng.randint(10, 200))]
             max_tokens = rng.randint(4, 64)
-            s.add_request(f"r{i}", prompt, greedy(max_tokens))
+            s.add_request(EngineRequest(f"r{i}", prompt, greedy(max_tokens)))
             live[f"r{i}"] = rng.randint(1, max_tokens) if rng.random() < 0.3 else None
         nxt = None
         if s.has_work(0):

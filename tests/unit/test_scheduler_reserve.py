@@ -11,6 +11,7 @@ import pytest
 from helpers import ScriptedWorker
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
@@ -48,7 +49,7 @@ def run(s: Scheduler, w: ScriptedWorker, max_steps: int = 500) -> list[int]:
 def add_six(s: Scheduler) -> None:
     # 5-token prompts, 7 output tokens: 12 tokens = 3 blocks of 4 at their longest.
     for i in range(6):
-        s.add_request(f"r{i}", [5 + i] * 5, greedy(7), [EOS])
+        s.add_request(EngineRequest(f"r{i}", [5 + i] * 5, greedy(7), [EOS]))
 
 
 def test_none_admits_by_current_need():
@@ -77,16 +78,16 @@ def test_max_tokens_admits_only_whole_reservations():
 def test_reservation_counts_blocks_running_sequences_have_not_taken_yet():
     # 8 blocks: a 4-token prompt with max_tokens 12 reserves 4 blocks but holds 1 at first.
     s, w = make("max_tokens", num_blocks=8), ScriptedWorker()
-    s.add_request("a", [7] * 4, greedy(12), [EOS])
+    s.add_request(EngineRequest("a", [7] * 4, greedy(12), [EOS]))
     so = s.schedule(0).output
     s.update(0, so, w.execute(so))
     assert len(s.workers[0].kv.get_block_ids("a/0")) == 1
-    s.add_request("b", [8] * 4, greedy(16), [EOS])  # reserves 5 blocks: 4 + 5 > 8
+    s.add_request(EngineRequest("b", [8] * 4, greedy(16), [EOS]))  # reserves 5 blocks: 4 + 5 > 8
     so = s.schedule(0).output
     assert list(so.num_scheduled_tokens) == ["a/0"]
     assert s.workers[0].kv.num_free_blocks == 6  # ...although 6 blocks are free now
     s.update(0, so, w.execute(so))
-    s.add_request("c", [9] * 4, greedy(12), [EOS])  # FCFS: c waits behind b
+    s.add_request(EngineRequest("c", [9] * 4, greedy(12), [EOS]))  # FCFS: c waits behind b
     run(s, w)
     assert s.num_preemptions == 0 and not s.requests
 
@@ -95,7 +96,7 @@ def test_max_model_len_reserves_the_longest_sequence():
     # max_model_len 32 = 8 blocks of 4: two sequences fit a 16-block pool, whatever they need.
     s, w = make("max_model_len", max_model_len=32), ScriptedWorker()
     for i in range(4):
-        s.add_request(f"r{i}", [5] * 3, greedy(2), [EOS])
+        s.add_request(EngineRequest(f"r{i}", [5] * 3, greedy(2), [EOS]))
     so = s.schedule(0).output
     assert list(so.num_scheduled_tokens) == ["r0/0", "r1/0"]
     s.update(0, so, w.execute(so))
@@ -106,7 +107,7 @@ def test_reservation_is_capped_at_the_pool():
     # max_model_len 256 > the 64-slot pool: one sequence at a time, never stuck.
     s, w = make("max_model_len", max_model_len=256), ScriptedWorker()
     for i in range(3):
-        s.add_request(f"r{i}", [5] * 3, greedy(2), [EOS])
+        s.add_request(EngineRequest(f"r{i}", [5] * 3, greedy(2), [EOS]))
     assert max(run(s, w)) == 1
     assert not s.requests
 
@@ -116,8 +117,8 @@ def test_paged_preempts_where_reservation_waits():
     # preempts one, the reservation runs them one after the other.
     for reserve, preempted in (("none", True), ("max_tokens", False)):
         s, w = make(reserve, num_blocks=5), ScriptedWorker()
-        s.add_request("a", [1] * 6, greedy(6), [EOS])
-        s.add_request("b", [3] * 6, greedy(6), [EOS])
+        s.add_request(EngineRequest("a", [1] * 6, greedy(6), [EOS]))
+        s.add_request(EngineRequest("b", [3] * 6, greedy(6), [EOS]))
         running = run(s, w)
         assert (s.num_preemptions > 0) is preempted
         assert max(running) == (2 if reserve == "none" else 1)

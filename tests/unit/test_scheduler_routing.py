@@ -10,6 +10,7 @@ import pytest
 from helpers import ScriptedWorker
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -76,11 +77,11 @@ def queued_on(s):
 
 def test_shared_system_prompt_requests_go_where_it_is_cached():
     s, fakes = make(), [ScriptedWorker(), ScriptedWorker()]
-    s.add_request("first", SYSTEM + [1, 2, 3, 4, 5], greedy(2))
+    s.add_request(EngineRequest("first", SYSTEM + [1, 2, 3, 4, 5], greedy(2)))
     outs, where = run_all(s, fakes)
     assert where == {"first/0": 0}
     for i in range(6):
-        s.add_request(f"r{i}", SYSTEM + [7, i, 8, i, 9], greedy(3))
+        s.add_request(EngineRequest(f"r{i}", SYSTEM + [7, i, 8, i, 9], greedy(3)))
     assert queued_on(s) == {f"r{i}": 0 for i in range(6)}
     outs, where = run_all(s, fakes)
     final = {o.request_id: o for o in outs if o.finish_reason is not None}
@@ -94,7 +95,7 @@ def test_shared_system_prompt_requests_go_where_it_is_cached():
 def test_burst_of_unrelated_requests_splits_evenly():
     s, fakes = make(), [ScriptedWorker(), ScriptedWorker()]
     for i in range(8):
-        s.add_request(f"u{i}", [10 * i + k for k in range(1, 9)], greedy(4))
+        s.add_request(EngineRequest(f"u{i}", [10 * i + k for k in range(1, 9)], greedy(4)))
     assert queued_on(s) == {f"u{i}": i % 2 for i in range(8)}
     _, where = run_all(s, fakes)
     assert where == {f"u{i}/0": i % 2 for i in range(8)}
@@ -102,10 +103,10 @@ def test_burst_of_unrelated_requests_splits_evenly():
 
 def test_overloaded_prefix_worker_sends_to_least_loaded():
     s, fakes = make(threshold=2), [ScriptedWorker(), ScriptedWorker()]
-    s.add_request("first", SYSTEM + [1], greedy(1))
+    s.add_request(EngineRequest("first", SYSTEM + [1], greedy(1)))
     run_all(s, fakes)
     for i in range(6):
-        s.add_request(f"r{i}", SYSTEM + [2, i], greedy(1))
+        s.add_request(EngineRequest(f"r{i}", SYSTEM + [2, i], greedy(1)))
     # loads (w0, w1) before each: (0,0) (1,0) (2,0) (3,0): 3 > 2 -> w1; (3,1); (4,1) -> w1
     assert queued_on(s) == {"r0": 0, "r1": 0, "r2": 0, "r3": 1, "r4": 0, "r5": 1}
 
@@ -116,27 +117,27 @@ def test_overloaded_prefix_worker_sends_to_least_loaded():
 )
 def test_other_policies_ignore_the_cache(routing, expected):
     s, fakes = make(routing=routing), [ScriptedWorker(), ScriptedWorker()]
-    s.add_request("first", SYSTEM + [1], greedy(1))
+    s.add_request(EngineRequest("first", SYSTEM + [1], greedy(1)))
     run_all(s, fakes)  # cached on worker 0
     for rid in "abc":
-        s.add_request(rid, SYSTEM + [ord(rid)], greedy(1))
+        s.add_request(EngineRequest(rid, SYSTEM + [ord(rid)], greedy(1)))
     assert queued_on(s) == expected
 
 
 def test_round_robin_cycles_regardless_of_load():
     s = make(routing="round-robin")
     for i in range(5):
-        s.add_request(f"q{i}", [i + 1, 2, 3], greedy(50))
+        s.add_request(EngineRequest(f"q{i}", [i + 1, 2, 3], greedy(50)))
     assert queued_on(s) == {"q0": 0, "q1": 1, "q2": 0, "q3": 1, "q4": 0}
 
 
 def test_idle_worker_steals_uncached_work():
     s, fakes = make(routing="round-robin"), [ScriptedWorker(), ScriptedWorker()]
-    s.add_request("a", [1, 2, 3], greedy(50))  # worker 0
-    s.add_request("b", [4, 5, 6], greedy(1))  # worker 1: done after one step
+    s.add_request(EngineRequest("a", [1, 2, 3], greedy(50)))  # worker 0
+    s.add_request(EngineRequest("b", [4, 5, 6], greedy(1)))  # worker 1: done after one step
     step_round(s, fakes)
     for rid in "cdefg":  # round-robin: c, e, g on worker 0; d, f on worker 1
-        s.add_request(rid, [ord(rid), 2, 3], greedy(3))
+        s.add_request(EngineRequest(rid, [ord(rid), 2, 3], greedy(3)))
     assert [q.request_id for q in s.workers[0].waiting] == ["c", "e", "g"]
     so1 = s.schedule(1).output  # admits d, f (load 2), then steals c from worker 0 (load 4:
     # running a, queued c, e, g; no prefix of c there; 2 + 1 <= 4 - 1); then 3 + 1 > 3 - 1
@@ -150,12 +151,12 @@ def test_stealing_keeps_a_split_burst_split():
     """Requests queued on a busy worker while another one steps are not all taken by
     the one that steps first (a burst of 8 went 8 / 1 on two real workers)."""
     s = make(routing="round-robin")
-    s.add_request("w", [99, 98, 97], greedy(50))
-    s.add_request("x", [96, 95, 94], greedy(50))  # round-robin: one on each worker
+    s.add_request(EngineRequest("w", [99, 98, 97], greedy(50)))
+    s.add_request(EngineRequest("x", [96, 95, 94], greedy(50)))  # round-robin: one on each worker
     s.schedule(0)
     s.schedule(1)
     for i in range(8):  # the burst arrives while both step: 4 queued on each
-        s.add_request(f"u{i}", [10 * i + 1, 2, 3], greedy(50))
+        s.add_request(EngineRequest(f"u{i}", [10 * i + 1, 2, 3], greedy(50)))
     so0 = s.schedule(0).output  # before its update: its batch is still {w}
     admitted = sorted(n.seq_id for n in so0.new_seqs)
     assert len(admitted) == 4  # its own 4, nothing stolen: loads stay 5 / 5
@@ -166,9 +167,9 @@ def test_stealing_keeps_a_split_burst_split():
 
 def test_idle_worker_leaves_cached_work_that_fits():
     s, fakes = make(), [ScriptedWorker(), ScriptedWorker()]
-    s.add_request("first", SYSTEM + [1], greedy(1))
+    s.add_request(EngineRequest("first", SYSTEM + [1], greedy(1)))
     run_all(s, fakes)
-    s.add_request("r", SYSTEM + [2], greedy(1))
+    s.add_request(EngineRequest("r", SYSTEM + [2], greedy(1)))
     assert s.schedule(1).output.is_empty  # r's 20 blocks are cached on worker 0, which has room
     assert s.schedule(0).output.num_scheduled_tokens == {"r/0": 1}
 
@@ -179,7 +180,7 @@ def test_no_worker_idles_while_work_waits():
     fakes = [ScriptedWorker(), ScriptedWorker()]
     lens = [170, 8, 170, 8, 170, 8, 150, 8]
     for i, n in enumerate(lens):
-        s.add_request(f"p{i}", list(range(500, 516)) + [i, 1, 2, 3], greedy(n))
+        s.add_request(EngineRequest(f"p{i}", list(range(500, 516)) + [i, 1, 2, 3], greedy(n)))
     idle, preempted_seen = [], []
 
     def check(sched, wid):  # polled right after each worker decided its step
@@ -201,7 +202,7 @@ def test_no_worker_idles_while_work_waits():
 def test_dead_worker_queue_is_rerouted():
     s = make(routing="round-robin")
     for i in range(4):
-        s.add_request(f"d{i}", [i + 1, 2, 3], greedy(2))
+        s.add_request(EngineRequest(f"d{i}", [i + 1, 2, 3], greedy(2)))
     s.schedule(1)
     assert s.mark_worker_dead(1) == []
     assert queued_on(s) == {"d0": 0, "d1": 0, "d2": 0, "d3": 0}

@@ -18,13 +18,20 @@ import dataclasses
 import random
 
 import pytest
-from helpers import InProcessWorker, drive
+from helpers import ActorStreams, InProcessWorker, drive, swaps_of
 
 from pagedserve.scheduler import swapping
 from pagedserve.scheduler.actor import SchedulerActor
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import IntegrityError
-from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
+from pagedserve.scheduler.outputs import (
+    RunnerOutput,
+    SchedulerOutput,
+    SwapPlan,
+    SwapResult,
+    SwapTransfer,
+)
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.scheduler.swap import HostBlockPool, SwapSpec, SwapStats
@@ -52,21 +59,22 @@ class FakeKVWorker:
 
     def _swap(self, so: SchedulerOutput) -> dict[str, SwapResult]:
         res = {}
-        n = len(so.blocks_to_swap_out) + len(so.blocks_to_swap_in)
+        plan = swaps_of(so)
+        n = len(plan.blocks_to_swap_out) + len(plan.blocks_to_swap_in)
         if self.store_dies_after is not None and n:
             self.store_dies_after -= n
             if self.store_dies_after < 0:  # dead before this step: its blocks are gone
                 self.host.clear()
                 self.fail_swap |= {"out", "in", "free"}
                 self.store_dies_after = None
-        for t in so.blocks_to_swap_out:
+        for t in plan.blocks_to_swap_out:
             if "out" in self.fail_swap:
                 res[t.transfer_id] = SwapResult(False, error="store down")
                 continue
             for b, h in zip(t.block_ids, t.host_block_ids, strict=True):
                 self.host[h] = list(self.pool[b])
             res[t.transfer_id] = SwapResult(True, len(t.block_ids) * 100, 0.001)
-        for t in so.blocks_to_swap_in:
+        for t in plan.blocks_to_swap_in:
             if "in" in self.fail_swap:
                 res[t.transfer_id] = SwapResult(False, error="checksum")
                 for sid in t.seq_ids:
@@ -79,19 +87,24 @@ class FakeKVWorker:
             for h in t.host_blocks_to_free:
                 self.host.pop(h, None)
             res[t.transfer_id] = SwapResult(True, len(set(t.host_block_ids)) * 100, 0.001)
-        if so.host_blocks_to_free and "free" in self.fail_swap:
-            res[so.free_transfer_id] = SwapResult(False, error="store down")
-        elif so.host_blocks_to_free:
-            for h in so.host_blocks_to_free:
+        if plan.host_blocks_to_free and "free" in self.fail_swap:
+            res[plan.free_transfer_id] = SwapResult(False, error="store down")
+        elif plan.host_blocks_to_free:
+            for h in plan.host_blocks_to_free:
                 self.host.pop(h, None)
-            res[so.free_transfer_id] = SwapResult(True)
+            res[plan.free_transfer_id] = SwapResult(True)
         return res
 
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
         for sid in so.finished_seq_ids:
             self.seqs.pop(sid, None)
         swaps = self._swap(so)
-        failed = {s for t in so.blocks_to_swap_in if not swaps[t.transfer_id].ok for s in t.seq_ids}
+        failed = {
+            s
+            for t in swaps_of(so).blocks_to_swap_in
+            if not swaps[t.transfer_id].ok
+            for s in t.seq_ids
+        }
         for new in so.new_seqs:
             if new.seq_id in failed:
                 continue
@@ -146,7 +159,7 @@ def run(sched: Scheduler, fakes: list[FakeKVWorker]):
 def reference(prompts, sampling=GREEDY):
     sched = make(256, mode="recompute")
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, sampling)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling))
     return run(sched, [FakeKVWorker(256, {})])
 
 
@@ -163,7 +176,7 @@ def test_forced_swap_keeps_every_token_and_frees_everything() -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     assert run(sched, [FakeKVWorker(10, host)]) == ref
     sw = sched.swap_stats()
     assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
@@ -178,13 +191,13 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
     host: dict[int, list] = {}
     sched = make(12, budget=16)
     for i, p in enumerate(PROMPTS[:3]):
-        sched.add_request(f"r{i}", p, sampling)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling))
     groups: list[int] = []
     fake = FakeKVWorker(12, host)
 
     def step(wid: int = 0):
         so = sched.schedule(wid).output
-        for t in so.blocks_to_swap_out:
+        for t in swaps_of(so).blocks_to_swap_out:
             groups.append(len(t.seq_ids))
         return so
 
@@ -198,7 +211,7 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
             continue
         for o in sched.update(0, so, fake.execute(so)).outputs:
             tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
-        for t in so.blocks_to_swap_in:
+        for t in swaps_of(so).blocks_to_swap_in:
             kv = sched.workers[0].kv
             tables = [kv.get_block_ids(s) for s in t.seq_ids if kv.has_seq(s)]
             shared.append(sum(map(len, tables)) - len({b for x in tables for b in x}))
@@ -214,7 +227,7 @@ def test_host_pool_full_falls_back_to_recompute() -> None:
     host: dict[int, list] = {}
     sched = make(10, host_blocks=1)  # only a victim of one block fits
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     assert run(sched, [FakeKVWorker(10, host)]) == ref
     assert sched.swap_stats().preemptions_by_mode["recompute"] > 0
     all_free(sched, host)
@@ -226,7 +239,7 @@ def test_failed_transfers_recompute(failing: str) -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     fake = FakeKVWorker(10, host, {failing})
     assert run(sched, [fake]) == ref
     sw = sched.swap_stats()
@@ -239,14 +252,14 @@ def test_abort_while_swapped_frees_host_blocks() -> None:
     host: dict[int, list] = {}
     sched = make(6)
     fake = FakeKVWorker(6, host)
-    sched.add_request("a", [1] * 10, GREEDY)
-    sched.add_request("b", [2] * 10, GREEDY)
+    sched.add_request(EngineRequest("a", [1] * 10, GREEDY))
+    sched.add_request(EngineRequest("b", [2] * 10, GREEDY))
     for _ in range(50):
         so = sched.schedule(0).output
         sched.update(0, so, fake.execute(so))
         if sched.swap_stats().num_swap_outs:
             break
-    (victim,) = [sid for sid, g in sched._groups.items() if not g.pending]
+    (victim,) = [sid for sid, g in sched._swaps.groups.items() if not g.pending]
     assert host  # its blocks are in the store
     sched.abort_request(victim.split("/")[0])
     assert sched.has_work(0)
@@ -260,23 +273,23 @@ def test_a_pending_swap_out_is_not_stolen_and_migrates_once_done() -> None:
     sched = make(6, workers=2, prefix=False)  # no cached prefix keeps it on worker 0
     fakes = [FakeKVWorker(6, host), FakeKVWorker(6, host)]
     for rid, p in (("a", [1] * 10), ("b", [2] * 10)):
-        seq = sched.add_request(rid, p, GREEDY)[0]
+        seq = sched.add_request(EngineRequest(rid, p, GREEDY))[0]
         sched.workers[seq.queued_on].waiting.remove(seq)
         sched._enqueue(sched.workers[0], seq)
     so = None
     for _ in range(50):
         so = sched.schedule(0).output
-        if so.blocks_to_swap_out:
+        if swaps_of(so).blocks_to_swap_out:
             break
         sched.update(0, so, fakes[0].execute(so))
-    assert so is not None and so.blocks_to_swap_out
+    assert so is not None and swaps_of(so).blocks_to_swap_out
     # Worker 1 is idle while worker 0's swap-out is in flight: it may not take the group.
     idle = sched.schedule(1).output
-    assert not idle.blocks_to_swap_in and not idle.num_scheduled_tokens
+    assert not swaps_of(idle).blocks_to_swap_in and not idle.num_scheduled_tokens
     sched.update(0, so, fakes[0].execute(so))
     # Done: worker 1 steals the swapped sequence and swaps it in.
     took = sched.schedule(1).output
-    assert took.blocks_to_swap_in
+    assert swaps_of(took).blocks_to_swap_in
     sched.update(1, took, fakes[1].execute(took))
     run(sched, fakes)
     assert sched.swap_stats().num_swap_ins >= 1
@@ -287,7 +300,7 @@ def test_auto_mode_compares_swap_and_recompute_costs() -> None:
     for bandwidth, mode in ((1e12, "swap"), (1.0, "recompute")):
         sched = make(10, mode="auto", bandwidth=bandwidth, prefill=1e-3)
         for i, p in enumerate(PROMPTS):
-            sched.add_request(f"r{i}", p, GREEDY)
+            sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
         host: dict[int, list] = {}
         run(sched, [FakeKVWorker(10, host)])
         by_mode = sched.swap_stats().preemptions_by_mode
@@ -330,7 +343,7 @@ def _victims_in_flight(counter: list[int]):
     def hook(sched, wid, so, cur):
         if cur is None:
             return
-        for t in so.blocks_to_swap_out:
+        for t in swaps_of(so).blocks_to_swap_out:
             counter[0] += sum(1 for sid in t.seq_ids if sid in cur.num_scheduled_tokens)
 
     return hook
@@ -359,7 +372,7 @@ def test_overlapped_forced_swap_keeps_every_token_and_frees_everything() -> None
     sched = make(10)
     assert sched.config.async_scheduling
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     victims = [0]
     late = count_late_answers(sched)
     tokens, ahead = run_overlapped(sched, [FakeKVWorker(10, host)], _victims_in_flight(victims))
@@ -388,12 +401,12 @@ def test_overlapped_victim_with_its_prefill_in_flight_keeps_it() -> None:
     host: dict[int, list] = {}
     sched = make(6, budget=32)
     for i, p in enumerate(prompts):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     late = count_late_answers(sched)
     outs: list[tuple[int, list[str], int]] = []
 
     def record(s, wid, so, cur):
-        for t in so.blocks_to_swap_out:
+        for t in swaps_of(so).blocks_to_swap_out:
             outs.append((so.step_id, t.seq_ids, len(t.block_ids)))
 
     tokens, _ = run_overlapped(sched, [FakeKVWorker(6, host)], record)
@@ -412,11 +425,11 @@ def test_overlapped_n_choices_swap_as_one_group() -> None:
     host: dict[int, list] = {}
     sched = make(12, budget=16)
     for i, p in enumerate(PROMPTS[:3]):
-        sched.add_request(f"r{i}", p, sampling)
+        sched.add_request(EngineRequest(f"r{i}", p, sampling))
     groups: list[int] = []
 
     def record(s, wid, so, cur):
-        groups.extend(len(t.seq_ids) for t in so.blocks_to_swap_out)
+        groups.extend(len(t.seq_ids) for t in swaps_of(so).blocks_to_swap_out)
 
     tokens, _ = run_overlapped(sched, [FakeKVWorker(12, host)], record)
     assert tokens == ref
@@ -433,7 +446,7 @@ def test_overlapped_failed_transfers_recompute(failing: str) -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     tokens, _ = run_overlapped(sched, [FakeKVWorker(10, host, {failing})])
     assert tokens == ref
     sw = sched.swap_stats()
@@ -447,7 +460,7 @@ def test_overlapped_store_dies_mid_run_recomputes() -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     fake = FakeKVWorker(10, host, store_dies_after=3)
     tokens, _ = run_overlapped(sched, [fake])
     assert tokens == ref
@@ -465,7 +478,7 @@ def test_overlapped_worker_death_with_two_steps_in_flight() -> None:
     host: dict[int, list] = {}
     sched = make(10, workers=2, prefix=False)
     for i, p in enumerate(PROMPTS):  # everything starts on worker 0
-        seq = sched.add_request(f"r{i}", p, GREEDY)[0]
+        seq = sched.add_request(EngineRequest(f"r{i}", p, GREEDY))[0]
         sched.workers[seq.queued_on].waiting.remove(seq)
         sched._enqueue(sched.workers[0], seq)
     died: list[int] = []
@@ -473,7 +486,7 @@ def test_overlapped_worker_death_with_two_steps_in_flight() -> None:
     handles = [InProcessWorker(FakeKVWorker(10, host).execute) for _ in range(2)]
 
     def kill(s, wid, so, cur):
-        if wid == 0 and cur is not None and so.blocks_to_swap_out and not died:
+        if wid == 0 and cur is not None and swaps_of(so).blocks_to_swap_out and not died:
             died.append(so.step_id)
             handles[0].dead = True  # both steps in flight fail with WorkerDied
 
@@ -495,13 +508,13 @@ def test_overlapped_step_error_fails_only_its_own_transfers() -> None:
     host: dict[int, list] = {}
     sched = make(10)
     for i, p in enumerate(PROMPTS):
-        sched.add_request(f"r{i}", p, GREEDY)
+        sched.add_request(EngineRequest(f"r{i}", p, GREEDY))
     handle = FailsLater(FakeKVWorker(10, host))
     failed: list[SchedulerOutput] = []
     after: list[SwapStats] = []
 
     def on_plan(s, wid, so, cur):
-        if cur is not None and so.blocks_to_swap_out and not failed:
+        if cur is not None and swaps_of(so).blocks_to_swap_out and not failed:
             failed.append(cur)
             handle.fail.add(cur.step_id)
 
@@ -583,12 +596,12 @@ def _random_swap_run(seed: int) -> tuple[SwapStats, int]:
     ]
     ref_sched = make(256, mode="recompute")
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        ref_sched.add_request(f"r{i}", p, sp)
+        ref_sched.add_request(EngineRequest(f"r{i}", p, sp))
     ref = run(ref_sched, [FakeKVWorker(256, {})])
     host: dict[int, list] = {}
     sched = make(12, workers=2, budget=rng.choice([4, 8, 16]))
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        sched.add_request(f"r{i}", p, sp)
+        sched.add_request(EngineRequest(f"r{i}", p, sp))
     aborted: set[str] = set()
 
     def maybe_abort(s, wid, so, cur):
@@ -617,10 +630,16 @@ def test_can_plan_past_only_blocks_after_a_swap_in() -> None:
     sched = make(10)
     assert sched.can_plan_past(SchedulerOutput(step_id=0))
     out = SwapTransfer("out-1", [1], [0], ["a/0"])
-    assert sched.can_plan_past(SchedulerOutput(step_id=1, blocks_to_swap_out=[out]))
-    assert sched.can_plan_past(SchedulerOutput(step_id=2, host_blocks_to_free=[3]))
+    assert sched.can_plan_past(
+        SchedulerOutput(step_id=1, swap_plan=SwapPlan(blocks_to_swap_out=[out]))
+    )
+    assert sched.can_plan_past(
+        SchedulerOutput(step_id=2, swap_plan=SwapPlan(host_blocks_to_free=[3]))
+    )
     into = SwapTransfer("in-2", [1], [0], ["a/0"], [0])
-    assert not sched.can_plan_past(SchedulerOutput(step_id=3, blocks_to_swap_in=[into]))
+    assert not sched.can_plan_past(
+        SchedulerOutput(step_id=3, swap_plan=SwapPlan(blocks_to_swap_in=[into]))
+    )
 
 
 class _Remote:
@@ -654,7 +673,7 @@ class SwapHandle:
             self.after_swap_in.append(so.step_id)
         self.sent += 1
         self.max_in_flight = max(self.max_in_flight, self.sent - self.answered)
-        if so.blocks_to_swap_in:
+        if swaps_of(so).blocks_to_swap_in:
             self._swap_in_step = so.step_id
         return self._run(so)
 
@@ -678,9 +697,11 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
     actor = SchedulerActor(config, [handle], [WorkerSpec(0, 10, BS)], 0.05, swap=spec)
     assert actor._engine.overlapped
 
+    streams = ActorStreams(actor)
+
     async def one(i: int, prompt: list[int]) -> list[int]:
         toks: list[int] = []
-        async for batch in actor.generate(f"r{i}", prompt, GREEDY, []):
+        async for batch in streams.generate(f"r{i}", prompt, GREEDY):
             toks.extend(t for o in batch for t in o.new_token_ids)
         return toks
 
@@ -688,7 +709,7 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
         await actor.ready()
         results = await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
         for _ in range(200):  # the last answer's host frees go out with one more step
-            if not actor._scheduler.has_work(0) and not actor._scheduler._inflight.get(0):
+            if not actor._scheduler.has_work(0) and not actor._scheduler._swaps._inflight.get(0):
                 break
             await asyncio.sleep(0.01)
         await actor.check_integrity()

@@ -16,7 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.cluster.config import ClusterConfig, ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.launcher import ClusterHandle
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.cluster.serve_app import GRACEFUL_SHUTDOWN_S, PagedServeDeployment
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

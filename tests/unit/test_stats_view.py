@@ -13,8 +13,10 @@ from pagedserve.cluster.cli import main
 from pagedserve.cluster.client import Client
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
-from pagedserve.cluster.pipeline import ModelInfo, RequestPipeline
+from pagedserve.cluster.pipeline import RequestPipeline
+from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
@@ -50,7 +52,7 @@ def _preempted_scheduler() -> Scheduler:
     s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 4, 4)])
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for rid in ("x", "a", "y", "b"):
-        s.add_request(rid, [1] * 6 if rid in "ab" else [7], sp)
+        s.add_request(EngineRequest(rid, [1] * 6 if rid in "ab" else [7], sp))
     for rid in ("x", "y"):
         s.abort_request(rid)
     w = ScriptedWorker()

@@ -1,0 +1,284 @@
+"""The model forward on the fused fp32 CPU kernels (:mod:`pagedserve.kernels.cpu_native`).
+
+Two :class:`~pagedserve.worker.model.ModelForward` implementations of the same math, in
+the same kernel order, giving the same bits:
+
+* :class:`CpuLayerForward`: one Python call per kernel and layer. Per layer: RMSNorm fused
+  with the residual add (vLLM's ``fused_add_rms_norm``), the qkv GEMM, rotary and the K/V
+  store in one in-place pass over the qkv output (:func:`cpu_native.rope_store`), paged
+  attention reading the query heads straight out of it, the o GEMM, RMSNorm + residual,
+  the gate/up GEMM, SiLU * up, the down GEMM. The residual stream is kept apart: a layer
+  maps ``(x, residual)`` to ``(mlp_out, residual')`` whose sum is the layer's output; fp32
+  adds are commutative, so the sums equal the generic path's.
+* :class:`FusedCpuForward`: every layer in one C call (:func:`cpu_native.decoder_layers`),
+  without the ~9 ctypes calls and ~7 tensor allocations per layer of the above. It needs
+  every linear layer packed (:mod:`pagedserve.worker.packed_linear`), one RMSNorm epsilon,
+  contiguous fp32 KV caches, and ``PAGEDSERVE_FUSED_LAYERS`` not 0; it is built for one set
+  of KV caches (their data pointers go into the layer array).
+
+Both validate the step's indices (:func:`pagedserve.kernels.check_positions`,
+:func:`pagedserve.kernels.check_indices`) once, before any kernel reads them, then convert
+the metadata to the contiguous dtypes the C kernels read (int64 positions and slots,
+int32 tables, lengths and offsets). In batch-invariant mode every query row attends as a
+decode does (:func:`pagedserve.worker.batch_invariant.per_token_metadata`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from pagedserve import kernels
+from pagedserve.kernels import cpu_native
+from pagedserve.worker.attention import AttentionMetadata
+from pagedserve.worker.batch_invariant import per_token_metadata
+from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.worker.packed_linear import PackedLinear
+
+
+def cpu_kernels_apply(model: LlamaForCausalLM) -> bool:
+    """Whether ``model`` can run on the fused CPU kernels: fp32 CPU weights, the library
+    built, attention backend ``auto`` or ``cpu``, the rotary scratch big enough
+    (``head_dim <= cpu_native.MAX_HEAD_DIM``), and eval mode (the kernels keep no
+    autograd graph)."""
+    weight = model.embed_tokens.weight
+    return (
+        kernels.uses_cpu_kernels(model.backend, weight.device, weight.dtype)
+        and model.arch.head_dim <= cpu_native.MAX_HEAD_DIM
+        and not model.training
+    )
+
+
+def prepare_metadata(
+    model: LlamaForCausalLM,
+    num_tokens: int,
+    positions: torch.Tensor,
+    kv_caches: Sequence[KVCache],
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, AttentionMetadata]:
+    """Validate the step's indices for the C kernels and convert them to their dtypes.
+
+    Returns:
+        ``(positions, meta)``: contiguous int64 positions and slots, int32 block tables,
+        lengths and offsets (per-token metadata in batch-invariant mode).
+
+    Raises:
+        ValueError: from :func:`pagedserve.kernels.check_positions` /
+            :func:`pagedserve.kernels.check_indices`, naming the bad argument.
+    """
+    kernels.check_positions(positions, model.rotary_emb.max_positions, num_tokens)
+    num_blocks, block_size = kv_caches[0][0].shape[:2] if kv_caches else (0, 1)
+    kernels.check_indices(
+        meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+        num_blocks, block_size, num_tokens,
+    )  # fmt: skip
+    positions = positions.to(torch.int64).contiguous()
+    meta = AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(torch.int64).contiguous(),
+        block_tables=meta.block_tables.to(torch.int32).contiguous(),
+        seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
+        cu_seqlens_q=meta.cu_seqlens_q.to(torch.int32).contiguous(),
+        max_query_len=meta.max_query_len,
+    )
+    if model.batch_invariant:  # positions were checked against the table, not seq_lens
+        meta = per_token_metadata(meta, positions)
+        kernels.check_indices(
+            meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            num_blocks, block_size, num_tokens,
+        )  # fmt: skip
+    return positions, meta
+
+
+def final_logits(
+    model: LlamaForCausalLM,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    logits_indices: torch.Tensor,
+) -> torch.Tensor:
+    """Final RMSNorm (fused with the last residual add) and LM head of the selected rows:
+    fp32 ``[T, hidden]`` x2 -> ``[num_out, vocab_size]``."""
+    if residual is None:  # no layers
+        residual = torch.zeros_like(hidden)
+    rows = hidden.index_select(0, logits_indices)
+    res = residual.index_select(0, logits_indices)
+    rows = cpu_native.rms_norm(rows, model.norm.weight, model.norm.eps, residual=res)
+    return model.lm_logits(rows)
+
+
+def decoder_layer(
+    layer: LlamaDecoderLayer,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    positions: torch.Tensor,
+    model: LlamaForCausalLM,
+    kv_cache: KVCache,
+    meta: AttentionMetadata,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer on the C kernels: ``(x, residual) -> (mlp_out, residual')`` (see the
+    module docstring); ``residual is None`` on the first layer (``x`` is then the
+    embedding). ``positions`` and ``meta`` come from :func:`prepare_metadata`."""
+    norm = layer.input_layernorm
+    if residual is None:
+        residual = x.clone()
+        normed = cpu_native.rms_norm(x, norm.weight, norm.eps)
+    else:
+        normed = cpu_native.rms_norm(x, norm.weight, norm.eps, residual=residual)
+    attn = layer.self_attn
+    num_tokens = normed.shape[0]
+    qkv = attn.qkv_proj(normed)
+    rope = model.rotary_emb
+    cpu_native.rope_store(
+        qkv, attn.num_heads, attn.num_kv_heads, attn.head_dim, rope.cos_table, rope.sin_table,
+        positions, meta.slot_mapping, kv_cache[0], kv_cache[1],
+    )  # fmt: skip
+    q = qkv[:, : attn.q_size].view(num_tokens, attn.num_heads, attn.head_dim)
+    out = cpu_native.paged_attention(
+        q, kv_cache[0], kv_cache[1], meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+        attn.scale,
+    )  # fmt: skip
+    attn_out = attn.o_proj(out.view(num_tokens, attn.q_size))
+    post = layer.post_attention_layernorm
+    normed = cpu_native.rms_norm(attn_out, post.weight, post.eps, residual=residual)
+    mlp = layer.mlp
+    act = cpu_native.silu_mul(mlp.gate_up_proj(normed))
+    return mlp.down_proj(act), residual
+
+
+@dataclass(frozen=True)
+class CpuLayerForward:
+    """The fused CPU kernels called layer by layer (see the module docstring)."""
+
+    name: str = "cpu-layers"
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> CpuLayerForward | None:
+        """This forward, or ``None`` when :func:`cpu_kernels_apply` does not hold."""
+        return cls() if cpu_kernels_apply(model) else None
+
+    def __call__(
+        self,
+        model: LlamaForCausalLM,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """See :class:`~pagedserve.worker.model.ModelForward`."""
+        positions, meta = prepare_metadata(model, hidden.shape[0], positions, kv_caches, meta)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(model.layers, kv_caches):
+            hidden, residual = decoder_layer(
+                cast(LlamaDecoderLayer, layer), hidden, residual, positions, model, kv_cache, meta
+            )
+        return final_logits(model, hidden, residual, logits_indices)
+
+
+def cache_key(kv_caches: Sequence[KVCache]) -> tuple[int, ...]:
+    """The data pointers of every layer's K and V cache, in order."""
+    return tuple(t.data_ptr() for cache in kv_caches for t in cache)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedCpuForward:
+    """Every decoder layer in one :func:`cpu_native.decoder_layers` call, for the KV
+    caches it was built with (see the module docstring).
+
+    Attributes:
+        layers: the :func:`cpu_native.decoder_layer_array` of the model's layers and caches.
+        caches: :func:`cache_key` of those caches.
+        tensors: every tensor the array points into, kept alive with it.
+        eps: the layers' RMSNorm epsilon.
+    """
+
+    layers: ctypes.Array[Any]
+    caches: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]
+    eps: float
+    name: str = "cpu-fused"
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> FusedCpuForward | None:
+        """This forward for ``kv_caches``, or ``None`` when it does not apply:
+        :func:`cpu_kernels_apply` fails, ``PAGEDSERVE_FUSED_LAYERS=0`` (read here), no
+        layers, a linear layer that is not packed, layers whose norms differ in epsilon,
+        or a cache (or layer tensor) that is not contiguous fp32 of the model's shape."""
+        if not (cpu_kernels_apply(model) and cpu_native.fused_layers_enabled()) or not len(
+            model.layers
+        ):
+            return None
+        if len(kv_caches) != len(model.layers):
+            return None
+        arch = model.arch
+        first = cast(LlamaDecoderLayer, model.layers[0])
+        eps = first.input_layernorm.eps
+        entries: list[dict[str, torch.Tensor | None]] = []
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            decoder = cast(LlamaDecoderLayer, layer)
+            attn, mlp = decoder.self_attn, decoder.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            norms = (decoder.input_layernorm, decoder.post_attention_layernorm)
+            if not all(isinstance(m, PackedLinear) for m in linears) or any(
+                n.eps != eps for n in norms
+            ):
+                return None
+            for cache in (k_cache, v_cache):
+                if (
+                    cache.dtype != torch.float32
+                    or not cache.is_contiguous()
+                    or cache.shape != kv_caches[0][0].shape
+                    or cache.shape[2:] != (arch.num_kv_heads, arch.head_dim)
+                ):
+                    return None
+            qkv, o, gate_up, down = cast(tuple[PackedLinear, ...], linears)
+            entries.append(
+                {
+                    "input_norm": norms[0].weight.detach(),
+                    "post_norm": norms[1].weight.detach(),
+                    **qkv.pointer_tensors("qkv"),
+                    **o.pointer_tensors("o"),
+                    **gate_up.pointer_tensors("gate_up"),
+                    **down.pointer_tensors("down"),
+                    "k_cache": k_cache,
+                    "v_cache": v_cache,
+                }
+            )
+        tensors = tuple(t for entry in entries for t in entry.values() if t is not None)
+        if not all(t.is_contiguous() for t in tensors):
+            return None
+        array = cpu_native.decoder_layer_array(entries)
+        return cls(array, cache_key(kv_caches), tensors, eps)
+
+    def __call__(
+        self,
+        model: LlamaForCausalLM,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: Sequence[KVCache],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """See :class:`~pagedserve.worker.model.ModelForward`.
+
+        Raises:
+            ValueError: ``kv_caches`` are not the caches this forward was built for, or
+                from :func:`prepare_metadata`.
+        """
+        if cache_key(kv_caches) != self.caches:
+            raise ValueError("FusedCpuForward got KV caches other than those it was built for")
+        positions, meta = prepare_metadata(model, hidden.shape[0], positions, kv_caches, meta)
+        arch = model.arch
+        rope = model.rotary_emb
+        residual = cpu_native.decoder_layers(
+            self.layers, hidden,
+            (arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+             arch.intermediate_size),
+            self.eps, arch.head_dim**-0.5, rope.cos_table, rope.sin_table,
+            positions, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+            meta.cu_seqlens_q, kv_caches[0][0].shape[1],
+        )  # fmt: skip
+        return final_logits(model, hidden, residual, logits_indices)
