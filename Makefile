@@ -29,7 +29,7 @@ serve: model
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy cluster scheduler worker kernels sim pagedserve
+	$(PY) tools/typecheck.py
 	$(PY) tools/lint_imports.py
 
 format: setup

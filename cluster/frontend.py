@@ -182,7 +182,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         elif delta.stop_reason is not None:
             msg.stop_reason.token_id = delta.stop_reason
         if delta.finish_reason is not None:
-            msg.finish_reason = delta.finish_reason.value
+            msg.finish_reason = pb.FinishReason.ValueType(delta.finish_reason.value)
         if delta.usage is not None:
             msg.usage.prompt_tokens = delta.usage.prompt_tokens
             msg.usage.completion_tokens = delta.usage.completion_tokens

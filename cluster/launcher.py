@@ -191,7 +191,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     try:
         cuda = _use_cuda(config)
         worker_cls = ray.remote(Worker)
-        workers = []
+        workers: list[Any] = []
         names = [
             f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{wid}" for wid in range(config.num_workers)
         ]
@@ -216,7 +216,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         host_store, swap = await start_host_store(config, workers, infos[0].block_bytes, store_keys)
-        scheduler = (
+        scheduler: Any = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
             .remote(sched_cfg, names, specs, swap=swap, tune_gc=True)  # names: see SchedulerActor
@@ -291,7 +291,7 @@ async def start_host_store(
         )
     # NOTE: one store, on the driver's node: workers on this node reach it on loopback.
     node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    store = (
+    store: Any = (
         ray.remote(HostStoreActor)
         .options(num_cpus=0, max_concurrency=4, scheduling_strategy=node)
         .remote(config.swap_space, keys=keys)

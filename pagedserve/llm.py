@@ -235,7 +235,9 @@ class LLM:
         rid = str(next(self._ids))
         if sampling.seed is None and self._seed is not None:
             sampling = dataclasses.replace(sampling, seed=self._seed + int(rid))
-        self.scheduler.add_request(EngineRequest(rid, token_ids, sampling, self.info.eos_token_ids))
+        self.scheduler.add_request(
+            EngineRequest(rid, tuple(token_ids), sampling, tuple(self.info.eos_token_ids))
+        )
         detok = self.tokenizer.backend_tokenizer
         choices = [
             _Choice(

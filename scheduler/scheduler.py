@@ -61,6 +61,7 @@ import operator
 import time
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.admission_policy import AdmissionPolicy
@@ -164,7 +165,7 @@ class Scheduler:
         self.metrics = SchedulerMetrics(self.max_model_len)
         fcfs = config.scheduling_policy == "fcfs"
         # The batch's sort key: arrival alone under fcfs (same order as _rank, cheaper).
-        self._sort_key: Callable[[Sequence], object] = (
+        self._sort_key: Callable[[Sequence], Any] = (
             operator.attrgetter("arrival_s") if fcfs else self._rank
         )
         self._queue_rank = None if fcfs else self._rank  # queues in rank order (priority)
@@ -351,8 +352,8 @@ class Scheduler:
                 )
                 if found is None:
                     break
-                victim, seq = found
-                victim.waiting.remove(seq)
+                owner, seq = found
+                owner.waiting.remove(seq)
                 self._enqueue(ws, seq)
                 budget = self._admit(ws, budget, num_scheduled, swap_ins)
             # What this busy worker cannot admit now may be stolen by an idle one.

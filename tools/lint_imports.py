@@ -13,19 +13,23 @@ Usage (``make lint`` runs it)::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def main() -> int:
-    config = REPO / "pyproject.toml"
-    dirs = tomllib.loads(config.read_text())["tool"]["setuptools"]["package-dir"]
+@contextlib.contextmanager
+def package_farm() -> Iterator[Path]:
+    """A temporary directory holding ``pagedserve/`` laid out as installed: its entries
+    link to the repository's files and folders (``package-dir`` in pyproject.toml)."""
+    dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     with tempfile.TemporaryDirectory(prefix="pagedserve-lint-") as tmp:
         pkg = Path(tmp) / "pagedserve"
         pkg.mkdir()
@@ -34,9 +38,15 @@ def main() -> int:
         for name, folder in dirs.items():
             if name.startswith("pagedserve."):
                 (pkg / name.split(".", 1)[1]).symlink_to(REPO / folder, target_is_directory=True)
-        lint = Path(sys.executable).with_name("lint-imports")
-        env = dict(os.environ, PYTHONPATH=tmp)
-        return subprocess.call([str(lint), str(config), *sys.argv[1:]], cwd=tmp, env=env)
+        yield Path(tmp)
+
+
+def main() -> int:
+    config = REPO / "pyproject.toml"
+    lint = Path(sys.executable).with_name("lint-imports")
+    with package_farm() as farm:
+        env = dict(os.environ, PYTHONPATH=str(farm))
+        return subprocess.call([str(lint), str(config), *sys.argv[1:]], cwd=farm, env=env)
 
 
 if __name__ == "__main__":

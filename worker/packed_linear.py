@@ -39,6 +39,7 @@ class PackedLinear(nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         packed = cpu_native.pack_linear_weight(linear.weight.detach())
+        self.packed: torch.Tensor
         self.register_buffer("packed", packed)
         self.bias = linear.bias
         # The per-call fast path (~120 calls per decode step) reads plain attributes, not
