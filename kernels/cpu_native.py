@@ -176,7 +176,7 @@ def gemm_available() -> bool:
 
 def fused_layers_enabled() -> bool:
     """True when the library is built and ``PAGEDSERVE_FUSED_LAYERS`` is not falsy (read
-    by the model when it first builds its :func:`decoder_layer_array`)."""
+    once, when the model runner chooses its forward: ``pagedserve.worker.forward``)."""
     return _flag("PAGEDSERVE_FUSED_LAYERS") and available()
 
 

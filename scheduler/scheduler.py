@@ -9,15 +9,18 @@ empty steals from the others' queues so that no worker idles while work waits.
 
 One step for one worker (vLLM v1 ``Scheduler.schedule`` shape, Orca iteration-level batching):
 
-1. Running sequences first, in admission order: each asks for the tokens it still has to
-   compute (1 for a decode, the rest of its prompt for a prefill), capped by the token
-   budget. When the block pool cannot grow the sequence, the most recently admitted
-   running sequence is preempted by recompute (its blocks are freed and it returns to the
-   front of its worker's waiting queue; vLLM paper §4.5) until the allocation fits.
+1. Running sequences first, in rank order (priority under the ``priority`` policy, then
+   arrival): each asks for the tokens it still has to compute (1 for a decode, the rest of
+   its prompt for a prefill), capped by the token budget. When the block pool cannot grow
+   the sequence, a sequence ranked after it is preempted (the one whose loss wastes least:
+   :func:`~pagedserve.scheduler.preemption.choose_victim`), by swap when the swap manager
+   plans it, else by recompute (its blocks are freed and it returns to the front of its
+   worker's waiting queue; vLLM paper §4.5), until the allocation fits.
 2. Then, if nothing was preempted this step, the worker's waiting sequences are admitted
-   in FCFS order while the budget, ``max_num_seqs`` and the pool allow; when its queue is
-   empty, it steals from other workers' queues (:meth:`Router.find_stealable`). A new sequence first looks up the
-   prefix cache (full blocks only) and computes only the rest of its prompt.
+   in rank order while the budget, ``max_num_seqs``, the pool and the admission rule
+   (:mod:`~pagedserve.scheduler.admission_policy`) allow; when its queue is empty, it
+   steals from other workers' queues (:meth:`Router.find_stealable`). A new sequence first
+   looks up the prefix cache (full blocks only) and computes only the rest of its prompt.
 
 After the worker answers, :meth:`Scheduler.update` appends sampled tokens, checks stop
 conditions, registers newly full blocks in the prefix cache, frees finished sequences and
