@@ -245,9 +245,8 @@ def test_abort_while_swapped_frees_host_blocks() -> None:
     sched.add_request(EngineRequest("a", [1] * 10, GREEDY))
     sched.add_request(EngineRequest("b", [2] * 10, GREEDY))
     sched.config = dataclasses.replace(sched.config, async_scheduling=False)
-    drive(
-        sched, [fake.execute], until=lambda: sched.swap_stats().num_swap_outs > 0
-    )  # one swapped out
+    # Until the first swap-out is applied: one group sits in the host store.
+    drive(sched, [fake.execute], until=lambda: sched.swap_stats().num_swap_outs > 0)
     (victim,) = [sid for sid, g in sched._swaps.groups.items() if not g.pending]
     assert host  # its blocks are in the store
     sched.abort_request(victim.split("/")[0])
