@@ -31,7 +31,7 @@ from pagedserve.sim import cli as sim_cli
 from pagedserve.sim.plots import plot_all
 from pagedserve.sim.simulator import SimConfig, simulate
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def main(argv: list[str] | None = None) -> int:

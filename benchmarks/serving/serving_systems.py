@@ -404,6 +404,10 @@ RUNNERS = {
 
 def main() -> None:
     """``serving_systems.py SYSTEM SPEC.json OUT.json``."""
+    if len(sys.argv) != 4 or sys.argv[1] not in RUNNERS:
+        print(f"usage: serving_systems.py {{{','.join(RUNNERS)}}} SPEC.json OUT.json\n\n"
+              f"{__doc__.splitlines()[0]} (serving.py starts it)")  # fmt: skip
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     system, spec_path, out_path = sys.argv[1:4]
     with open(spec_path) as f:
         spec = json.load(f)

@@ -44,7 +44,7 @@ from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.swap_client import HostStoreClient
 from pagedserve.worker.worker import Worker
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCK_SIZE = 16
 
 

@@ -47,7 +47,7 @@ PEAK_BANDWIDTH = {
     "A10": 0.6e12,
     "RTX 4090": 1.008e12,
 }
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 
 
 def _bench(fn, warmup: int = 5, iters: int = 20) -> float:

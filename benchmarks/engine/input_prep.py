@@ -9,6 +9,7 @@ worker does before every model call. Usage::
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -36,4 +37,8 @@ def main(num_seqs: int = 256, block_size: int = 16, repeats: int = 10) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    main(args.num_seqs, repeats=args.repeats)

@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "results" / "block_manager.json",
+        default=Path(__file__).resolve().parents[1] / "results" / "block_manager.json",
     )
     args = ap.parse_args()
 

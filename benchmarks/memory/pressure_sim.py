@@ -34,6 +34,8 @@ from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
 
 class FakeWorker:
     """Tracks each sequence's known tokens and samples token 1000 + known length."""
@@ -132,7 +134,7 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=96)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--out", default="benchmarks/results/pressure_sim.json")
+    ap.add_argument("--out", default=str(RESULTS / "pressure_sim.json"))
     args = ap.parse_args()
     reqs = make_workload(args.num_requests, args.seed, 0.3)
     runs = [

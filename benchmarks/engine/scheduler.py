@@ -44,6 +44,7 @@ from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCK_SIZE = 16
 DEFAULT_GC_THRESHOLDS = gc.get_threshold()  # CPython's, before anything changes them
 
@@ -172,7 +173,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,16,64,256,1024")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--prompt-len", type=int, default=40)
-    ap.add_argument("--out", default="benchmarks/results/scheduler.json")
+    ap.add_argument("--out", default=str(RESULTS / "scheduler.json"))
     ap.add_argument(
         "--gc",
         choices=("actor", "default"),

@@ -49,7 +49,7 @@ from pagedserve.worker.packed_linear import PackedLinear, packed_logits
 from pagedserve.worker.weights import load_model
 from pagedserve.worker.worker import Worker
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def linear_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

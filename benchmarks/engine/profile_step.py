@@ -46,6 +46,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -54,7 +55,6 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from serving import PROMPTS
 from torch import nn
 from torch.nn import functional as F
 from transformers import AutoTokenizer
@@ -74,7 +74,10 @@ from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.packed_linear import PackedLinear
 from pagedserve.worker.worker import Worker
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import PROMPTS
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 PARTS = ("schedule", "input_prep", "matmuls", "attention", "other_model", "sampling",
          "runner_other", "loop", "update", "detokenize")  # fmt: skip
 

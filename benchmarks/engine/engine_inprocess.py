@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-
-from serving import PROMPTS
+from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import PROMPTS
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 PACKAGES = ("kernels", "worker", "scheduler")
 FORBIDDEN = ("ray", "grpc", "google.protobuf", "pagedserve.cluster", "pagedserve.v1")
@@ -155,13 +155,13 @@ def kernel_tests(env: dict[str, str], smoke: bool, timeout_s: int) -> dict[str, 
 def kernel_bench(env: dict[str, str], out_dir: Path, timeout_s: int) -> dict[str, Any]:
     """``benchmarks/kernels.py --quick --dtype bf16``; returns its JSON (or its note)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--quick", "--dtype", "bf16",
+        [sys.executable, str(REPO / "benchmarks" / "kernels" / "kernels.py"), "--quick", "--dtype", "bf16",
          "--out", str(out_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     print((proc.stdout + proc.stderr)[-3000:], flush=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmarks/kernels.py exited {proc.returncode}")
+        raise RuntimeError(f"benchmarks/kernels/kernels.py exited {proc.returncode}")
     path = out_dir / "kernels.json"
     return json.loads(path.read_text()) if path.exists() else {"note": proc.stdout[-500:]}
 
