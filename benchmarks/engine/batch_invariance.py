@@ -15,7 +15,7 @@ Writes ``benchmarks/results/batch_invariance.json``.
 
 Usage::
 
-    .venv/bin/python benchmarks/batch_invariance.py [--model default] [--skip-goldfish]
+    .venv/bin/python benchmarks/engine/batch_invariance.py [--model default] [--skip-goldfish]
 """
 
 from __future__ import annotations

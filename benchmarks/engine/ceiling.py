@@ -19,7 +19,7 @@ Reports tokens/s of each and the engine's fraction of each ceiling, and writes
 
 Usage::
 
-    .venv/bin/python benchmarks/ceiling.py --batches 1,2,4,8,16,32,64
+    .venv/bin/python benchmarks/engine/ceiling.py --batches 1,2,4,8,16,32,64
 """
 
 from __future__ import annotations

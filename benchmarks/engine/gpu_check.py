@@ -11,10 +11,11 @@ are never imported). Phases, each bounded by a timeout and recorded even when it
 
 1. ``kernel_tests``: ``pytest tests/kernels`` (compiled Triton on the GPU; under the
    interpreter with ``--cpu-smoke``);
-2. ``kernels``: ``benchmarks/kernels.py --quick``: decode attention GB/s vs the HBM peak
+2. ``kernels``: ``benchmarks/kernels/kernels.py --quick``: decode attention GB/s vs the HBM peak
    (4.8 TB/s on an H200) over batch x context, prefill TFLOP/s vs torch SDPA;
 3. ``decode_loop``: the :class:`ModelRunner` (no Ray) with random weights in Llama-3-8B
-   shapes, bf16, driven by the real :class:`Scheduler` in process: for each batch size
+   shapes, bf16, driven by the real :class:`Scheduler` through the engine loop that serves
+   (:class:`EngineLoop`, serial, over an :class:`InlineWorker`): for each batch size
    (1..256) prefill ``--prompt-len`` tokens per sequence, then time decode steps. Reports
    tokens/s, and from a ``torch.profiler`` trace of a few steps the share of the step's
    wall time spent in attention kernels, GEMM kernels, other kernels, and host overhead
@@ -30,8 +31,8 @@ GPU that the real run will not fail on an import or a typo.
 
 Usage::
 
-    python benchmarks/gpu_check.py              # on the GPU machine (make gpu-check)
-    python benchmarks/gpu_check.py --cpu-smoke  # anywhere
+    python benchmarks/engine/gpu_check.py              # on the GPU machine (make gpu-check)
+    python benchmarks/engine/gpu_check.py --cpu-smoke  # anywhere
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ def kernel_tests(env: dict[str, str], smoke: bool, timeout_s: int) -> dict[str, 
 
 
 def kernel_bench(env: dict[str, str], out_dir: Path, timeout_s: int) -> dict[str, Any]:
-    """``benchmarks/kernels.py --quick --dtype bf16``; returns its JSON (or its note)."""
+    """``benchmarks/kernels/kernels.py --quick --dtype bf16``; returns its JSON (or its note)."""
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "kernels" / "kernels.py"), "--quick", "--dtype", "bf16",
          "--out", str(out_dir)],

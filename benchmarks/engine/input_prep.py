@@ -2,9 +2,10 @@
 
 256 decoding sequences (one new token each) at several context lengths, block size 16:
 the flattening of a step into input_ids / positions / slot_mapping / block_tables that the
-worker does before every model call. Usage::
+worker does before every model call. Prints one line per context length; writes no file
+(the figure is quoted in ``benchmarks/RESULTS.md``). Usage::
 
-    .venv/bin/python benchmarks/input_prep.py
+    .venv/bin/python benchmarks/engine/input_prep.py
 """
 
 from __future__ import annotations

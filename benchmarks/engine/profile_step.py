@@ -36,7 +36,7 @@ Each run reports the forward the runner chose (``model.model_forward.name``).
 
 Usage::
 
-    .venv/bin/python benchmarks/profile_step.py --num-requests 32 --max-tokens 64 --backend both
+    .venv/bin/python benchmarks/engine/profile_step.py --num-requests 32 --max-tokens 64 --backend both
 """
 
 from __future__ import annotations

@@ -20,10 +20,17 @@ block at once (same prompt length), so the p99 is such a step: a new block and o
 hash per sequence. The growth from one size to the next shows how the cost scales. Writes
 ``benchmarks/results/scheduler.json`` (or ``--out``).
 
+Why not the engine loop (:class:`~pagedserve.scheduler.engine_loop.EngineLoop`), which every
+other benchmark drives: the figure is the scheduler's own CPU cost per step, so the timer
+must wrap exactly ``schedule`` + ``update`` and nothing else (no event loop turn, no sink, no
+worker); the loop around them is a plain ``for`` over a synchronous fake worker, which is what
+the loop does minus the parts this figure leaves out (``engine/profile_step.py`` reports the
+loop's own share, ``loop``, in a real step).
+
 Usage::
 
-    .venv/bin/python benchmarks/scheduler.py                     # 1, 16, 64, 256, 1024
-    .venv/bin/python benchmarks/scheduler.py --sizes 256 --steps 200
+    .venv/bin/python benchmarks/engine/scheduler.py                     # 1, 16, 64, 256, 1024
+    .venv/bin/python benchmarks/engine/scheduler.py --sizes 256 --steps 200
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ reports the swap counters of the level.
 
 Usage::
 
-    .venv/bin/python benchmarks/step_gap.py
-    .venv/bin/python benchmarks/step_gap.py --concurrency 1,16 --requests-per-level 16
-    .venv/bin/python benchmarks/step_gap.py --preemption-mode auto --swap-space 4
+    .venv/bin/python benchmarks/engine/step_gap.py
+    .venv/bin/python benchmarks/engine/step_gap.py --concurrency 1,16 --requests-per-level 16
+    .venv/bin/python benchmarks/engine/step_gap.py --preemption-mode auto --swap-space 4
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ slowdown with the busy core, and the thread count the governor settled on.
 
 Usage::
 
-    .venv/bin/python benchmarks/threads_sharing.py
+    .venv/bin/python benchmarks/engine/threads_sharing.py
 """
 
 from __future__ import annotations

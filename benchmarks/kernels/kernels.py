@@ -10,7 +10,7 @@ prefill) next to torch SDPA ``is_causal=True`` on contiguous tensors.
 Writes ``benchmarks/results/kernels.json`` and ``benchmarks/results/kernels.png``.
 Without CUDA it says so, runs a tiny CPU smoke of the torch backend, and exits 0.
 
-Usage: ``python benchmarks/kernels.py [--quick] [--dtype fp16|bf16] [--out DIR]``
+Usage: ``python benchmarks/kernels/kernels.py [--quick] [--dtype fp16|bf16] [--out DIR]``
 """
 
 from __future__ import annotations

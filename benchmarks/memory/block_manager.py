@@ -15,7 +15,7 @@ Writes ``benchmarks/results/block_manager.json`` (or ``--out``).
 
 Usage::
 
-    .venv/bin/python benchmarks/block_manager.py --num-seqs 256 --steps 512
+    .venv/bin/python benchmarks/memory/block_manager.py --num-seqs 256 --steps 512
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What paging buys in the real engine: requests in flight and throughput at a fixed KV budget.
 
 The real ``Scheduler`` and the real ``Worker`` (SmolLM2 fp32 on CPU, no Ray or gRPC, as
-``engine_inprocess.py``) run the same requests with the same number of KV token slots in
+``engine/engine_inprocess.py``) run the same requests with the same number of KV token slots in
 three admission modes of the same scheduler (``SchedulerConfig.admission_reserve``, also
 ``pagedserve serve --reserve``):
 
@@ -11,7 +11,7 @@ three admission modes of the same scheduler (``SchedulerConfig.admission_reserve
   systems did.
 
 for each block size in ``--block-sizes``. Requests are greedy chat questions and documents
-(``serving.py``'s generator, seeded) with a client-style ``max_tokens`` cap (``--max-tokens``)
+(``serving/serving.py``'s generator, ``common/workloads.py``, seeded) with a client-style ``max_tokens`` cap (``--max-tokens``)
 and stop at EOS, so actual outputs are shorter than the cap, as in real traffic. All are
 submitted at once; ``--repeats`` runs each mode again and keeps the median. Reported per
 run: output tokens/s, steps, requests in flight (running
@@ -21,8 +21,8 @@ ratios paged / reserve. Writes ``benchmarks/results/capacity.json`` and ``capaci
 
 Usage::
 
-    .venv/bin/python benchmarks/capacity.py --quick
-    .venv/bin/python benchmarks/capacity.py            # budget 4096 slots, block 8/16/32
+    .venv/bin/python benchmarks/memory/capacity.py --quick
+    .venv/bin/python benchmarks/memory/capacity.py            # budget 4096 slots, block 8/16/32
 """
 
 from __future__ import annotations

@@ -20,9 +20,9 @@ fits-now`` for the previous behaviour). Writes ``benchmarks/results/pressure.jso
 
 Usage::
 
-    .venv/bin/python benchmarks/pressure.py --reference            # the issue's workload
-    .venv/bin/python benchmarks/pressure.py --reference --co-load  # with a busy core
-    .venv/bin/python benchmarks/pressure.py --num-requests 64 --concurrency 16  # quick
+    .venv/bin/python benchmarks/memory/pressure.py --reference            # the issue's workload
+    .venv/bin/python benchmarks/memory/pressure.py --reference --co-load  # with a busy core
+    .venv/bin/python benchmarks/memory/pressure.py --num-requests 64 --concurrency 16  # quick
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Where the work goes under memory pressure, without a model: the pressure workload
-(``benchmarks/pressure.py``'s, same seed) through the real Scheduler with a fake worker.
+(``benchmarks/memory/pressure.py``'s, same seed) through the real Scheduler with a fake worker.
 
 Counts what does not depend on the machine's load: model steps, tokens computed (prefill +
 decode + recompute), output tokens, preemptions, recomputed tokens, the mean running batch,
@@ -13,7 +13,7 @@ token`` is the work overhead recomputation adds. Writes
 
 Usage::
 
-    .venv/bin/python benchmarks/pressure_sim.py
+    .venv/bin/python benchmarks/memory/pressure_sim.py
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Writes ``benchmarks/results/dashboard.png``.
 
 Usage::
 
-    .venv/bin/python benchmarks/dashboard_plot.py
+    .venv/bin/python benchmarks/serving/dashboard_plot.py
 """
 
 from __future__ import annotations

@@ -35,9 +35,9 @@ and running requests; ratios against pagedserve. Writes ``benchmarks/results/ser
 
 Usage::
 
-    .venv/bin/python benchmarks/serving.py --quick                 # smoke run, ~3 min
-    .venv/bin/python benchmarks/serving.py --with-vllm             # the full comparison
-    .venv/bin/python benchmarks/serving.py --with-vllm --systems pagedserve,vllm \
+    .venv/bin/python benchmarks/serving/serving.py --quick                 # smoke run, ~3 min
+    .venv/bin/python benchmarks/serving/serving.py --with-vllm             # the full comparison
+    .venv/bin/python benchmarks/serving/serving.py --with-vllm --systems pagedserve,vllm \
         --rates "" --rounds 3                                       # the offline ratio
 """
 

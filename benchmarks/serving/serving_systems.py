@@ -4,7 +4,7 @@
 arrival times) and starts this script once per system, under the interpreter that system
 needs (vLLM runs from its own venv), so that memory and threads are the system's alone:
 
-    python benchmarks/serving_systems.py SYSTEM SPEC.json OUT.json
+    python benchmarks/serving/serving_systems.py SYSTEM SPEC.json OUT.json
 
 SYSTEM is ``pagedserve`` (the real gRPC server, embedded Ray, one worker), ``hf-cb``
 (transformers' continuous batching manager, the engine behind ``generate_batch``, with a
