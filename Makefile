@@ -43,17 +43,17 @@ test-fast: setup
 	$(VENV)/bin/pytest -q -m "not slow" $(PYTEST_ARGS)
 
 bench: model
-	$(PY) benchmarks/block_manager.py
-	$(PY) benchmarks/simulate.py
-	$(PY) benchmarks/kernels.py
-	$(PY) benchmarks/serving.py
-	$(PY) benchmarks/capacity.py
+	$(PY) benchmarks/memory/block_manager.py
+	$(PY) benchmarks/memory/simulate.py
+	$(PY) benchmarks/kernels/kernels.py
+	$(PY) benchmarks/serving/serving.py
+	$(PY) benchmarks/memory/capacity.py
 
 # The prepared GPU check: runs with the machine's own python (a bare CUDA image: torch,
 # triton, pytest, hypothesis, transformers; no venv, Ray, gRPC or model files needed).
-# Check it anywhere with: python3 benchmarks/gpu_check.py --cpu-smoke
+# Check it anywhere with: python3 benchmarks/engine/gpu_check.py --cpu-smoke
 gpu-check:
-	$(PYTHON) benchmarks/gpu_check.py
+	$(PYTHON) benchmarks/engine/gpu_check.py
 
 clean:
 	rm -rf build *.egg-info protos/pagedserve/v1/*_pb2*.py protos/pagedserve/v1/*_pb2.pyi

@@ -38,7 +38,7 @@ class SchedulerConfig:
         scheduling_policy: ``fcfs`` (admission and preemption by arrival) or ``priority``
             (by ``SamplingParams.priority``, lower first, then arrival).
         admission_reserve: ``"none"`` (paged: blocks as a sequence grows); or, to measure
-            what paging buys (``benchmarks/capacity.py``), admit a sequence only when the
+            what paging buys (``benchmarks/memory/capacity.py``), admit a sequence only when the
             pool can hold its whole reservation, as pre-paging servers did:
             ``"max_tokens"`` reserves prompt + max_tokens, ``"max_model_len"`` reserves
             max_model_len (both capped at the pool size).

@@ -7,7 +7,7 @@ container allocations), a batch of more than a few hundred sequences starts a co
 the middle of nearly every step; it finds these objects alive and moves them to an older
 generation, where they die soon after. Those promotions then start full collections, whose
 cost grows with the whole heap (every sequence's token lists, every block): at 1024 running
-sequences in ``benchmarks/scheduler.py`` a full collection took ~12 ms every ~50 steps, the
+sequences in ``benchmarks/engine/scheduler.py`` a full collection took ~12 ms every ~50 steps, the
 step's p99. Two settings remove that tail:
 
 * a first-generation threshold above what a few steps allocate (``GEN0_PER_SEAT`` objects

@@ -1,4 +1,4 @@
-"""A small run of ``benchmarks/stress.py`` (the full one is a script; docs/testing.md,
+"""A small run of ``benchmarks/serving/stress.py`` (the full one is a script; docs/testing.md,
 "Faults, security and load"): concurrent gRPC and HTTP streaming clients, mixed lengths, n > 1,
 cancellations; every request ends with a terminal status and no block leaks."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "serving"))
 import stress
 
 pytestmark = pytest.mark.slow

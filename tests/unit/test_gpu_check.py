@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_check.py`` runs without Ray, gRPC or protobuf, as on the bare GPU image.
+"""``benchmarks/engine/gpu_check.py`` runs without Ray, gRPC or protobuf, as on the bare GPU image.
 
 The check has one real try on a lent GPU; these tests keep it from failing there on an
 import that the project's full venv hides (``--cpu-smoke``: the same code paths on CPU
@@ -7,6 +7,7 @@ with tiny shapes, under the script's import hook that makes those packages missi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -15,9 +16,14 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "benchmarks"))
+SCRIPT = REPO / "benchmarks" / "engine" / "gpu_check.py"
 
-import gpu_check  # noqa: E402
+# Loaded from its file: its folder on sys.path would make the other scripts there
+# (scheduler.py, ...) importable as top-level modules for the whole test session.
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+assert _spec is not None and _spec.loader is not None
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
 
 
 @pytest.mark.parametrize("name", ["grpc", "grpc.aio", "ray", "google.protobuf.message"])
@@ -35,7 +41,7 @@ def test_the_import_hook_lets_other_modules_through(name: str) -> None:
 def test_cpu_smoke_runs_the_decode_loop_without_the_forbidden_packages(tmp_path: Path) -> None:
     out = tmp_path / "smoke.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--cpu-smoke",
+        [sys.executable, str(SCRIPT), "--cpu-smoke",
          "--skip-tests", "--batches", "1,2", "--steps", "2", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

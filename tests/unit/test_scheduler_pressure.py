@@ -6,6 +6,7 @@ on the schedule); prefix caching off where exact recompute counts are asserted.
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 from helpers import ScriptedWorker
@@ -13,6 +14,7 @@ from helpers import ScriptedWorker
 from pagedserve.cluster.metrics import snapshot_families
 from pagedserve.scheduler.admission import Footprint, peak_blocks
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.request import SequenceStatus
 from pagedserve.scheduler.sampling_params import SamplingParams
@@ -206,42 +208,39 @@ def test_least_waste_respects_priority():
     assert s.sequences["b/0"].status is SequenceStatus.RUNNING
 
 
-def _drive(s, seed, overlap):
+def _drive(s, seed):
     """The pressure benchmark's workload shape on a fake worker: 48 requests (prompts of
     10..200 tokens, 4..64 outputs, 30% cancelled after a random number of tokens), 16 in
-    flight, pool of 96 blocks of 16; serial or overlapped stepping."""
+    flight, pool of 96 blocks of 16; through the engine loop (serial or overlapped, as the
+    config says), the next requests added after each step and the cancellations made as
+    the deltas arrive (``benchmarks/memory/pressure_sim.py``'s closed loop)."""
     rng = random.Random(seed)
     w = ScriptedWorker()
     todo, live = list(range(48)), {}
-    inflight = None
-    for _ in range(5000):
+
+    def top_up() -> None:
         while len(live) < 16 and todo:
             i = todo.pop()
             prompt = [rng.randint(5, 900) for _ in range(rng.randint(10, 200))]
             max_tokens = rng.randint(4, 64)
             s.add_request(EngineRequest(f"r{i}", prompt, greedy(max_tokens)))
             live[f"r{i}"] = rng.randint(1, max_tokens) if rng.random() < 0.3 else None
-        nxt = None
-        if s.has_work(0):
-            so = s.schedule(0).output
-            if not so.is_empty:
-                nxt = (so, w.execute(so))
-        if not overlap or inflight is None:
-            if nxt is None:
-                break
-            if overlap:
-                inflight = nxt
-                continue
-            inflight = nxt
-        outs = s.update(0, *inflight).outputs
-        inflight = nxt if overlap else None
+
+    def sink(outs) -> None:
         for o in outs:
             if o.finish_reason is not None:
                 live.pop(o.request_id, None)
             elif (cut := live.get(o.request_id)) is not None and o.num_output_tokens >= cut:
                 s.abort_request(o.request_id)
                 live.pop(o.request_id)
+
+    def stepped(*_) -> None:
         s.check_integrity()
+        top_up()
+
+    top_up()
+    engine = EngineLoop(s, {0: InlineWorker(w.execute)}, sink, on_step=stepped)
+    asyncio.run(asyncio.wait_for(engine.run_until_idle(), 120))
     assert not todo and not live and not s.sequences
 
 
@@ -249,12 +248,12 @@ def test_projected_admission_never_preempts_serial_or_overlapped():
     for overlap in (False, True):
         for seed in range(2):
             s = make(96, block_size=16, async_scheduling=overlap, max_seqs=64, max_len=512)
-            _drive(s, seed, overlap)
+            _drive(s, seed)
             assert s.num_preemptions == 0, (overlap, seed)
             assert s.workers[0].kv.num_free_blocks == 96
     # The same workload admitted by current need preempts (and recomputes) a lot.
     s = make(
         96, block_size=16, admission="fits-now", async_scheduling=True, max_seqs=64, max_len=512
     )
-    _drive(s, 0, True)
+    _drive(s, 0)
     assert (s.num_preemptions, s.num_recomputed_tokens) == (19, 388)

@@ -1,6 +1,6 @@
 """Reserve-at-admission (``SchedulerConfig.admission_reserve``): exact admissions and blocks.
 
-The pre-paging baseline of ``benchmarks/capacity.py``: a sequence is admitted only when the
+The pre-paging baseline of ``benchmarks/memory/capacity.py``: a sequence is admitted only when the
 free pool covers its whole reservation (prompt + max_tokens, or max_model_len) on top of
 what the running sequences reserved and have not grown into yet.
 """

@@ -193,30 +193,20 @@ def test_n_choices_swap_as_one_group_and_share_again() -> None:
     for i, p in enumerate(PROMPTS[:3]):
         sched.add_request(EngineRequest(f"r{i}", p, sampling))
     groups: list[int] = []
-    fake = FakeKVWorker(12, host)
+    shared: list[int] = []
 
-    def step(wid: int = 0):
-        so = sched.schedule(wid).output
-        for t in swaps_of(so).blocks_to_swap_out:
-            groups.append(len(t.seq_ids))
-        return so
+    def planned(sched: Scheduler, wid: int, so: SchedulerOutput, _inflight) -> None:
+        groups.extend(len(t.seq_ids) for t in swaps_of(so).blocks_to_swap_out)
 
-    tokens: dict[tuple[str, int], list[int]] = {}
-    shared = []
-    for _ in range(2000):
-        if not sched.has_work(0):
-            break
-        so = step()
-        if so.is_empty:
-            continue
-        for o in sched.update(0, so, fake.execute(so)).outputs:
-            tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
+    def stepped(sched: Scheduler, wid: int, so: SchedulerOutput) -> None:
+        kv = sched.workers[wid].kv
         for t in swaps_of(so).blocks_to_swap_in:
-            kv = sched.workers[0].kv
             tables = [kv.get_block_ids(s) for s in t.seq_ids if kv.has_seq(s)]
             shared.append(sum(map(len, tables)) - len({b for x in tables for b in x}))
-        sched.check_integrity()
-    assert tokens == ref
+
+    sched.config = dataclasses.replace(sched.config, async_scheduling=False)
+    driven = drive(sched, [FakeKVWorker(12, host).execute], on_plan=planned, on_step=stepped)
+    assert driven.tokens == ref
     assert max(groups) == 3  # all three choices left together
     assert max(shared) > 0  # and share blocks again after the swap-in
     all_free(sched, host)
@@ -254,11 +244,9 @@ def test_abort_while_swapped_frees_host_blocks() -> None:
     fake = FakeKVWorker(6, host)
     sched.add_request(EngineRequest("a", [1] * 10, GREEDY))
     sched.add_request(EngineRequest("b", [2] * 10, GREEDY))
-    for _ in range(50):
-        so = sched.schedule(0).output
-        sched.update(0, so, fake.execute(so))
-        if sched.swap_stats().num_swap_outs:
-            break
+    sched.config = dataclasses.replace(sched.config, async_scheduling=False)
+    # Until the first swap-out is applied: one group sits in the host store.
+    drive(sched, [fake.execute], until=lambda: sched.swap_stats().num_swap_outs > 0)
     (victim,) = [sid for sid, g in sched._swaps.groups.items() if not g.pending]
     assert host  # its blocks are in the store
     sched.abort_request(victim.split("/")[0])

@@ -2,13 +2,15 @@
 
 256 decoding sequences (one new token each) at several context lengths, block size 16:
 the flattening of a step into input_ids / positions / slot_mapping / block_tables that the
-worker does before every model call. Usage::
+worker does before every model call. Prints one line per context length; writes no file
+(the figure is quoted in ``benchmarks/RESULTS.md``). Usage::
 
-    .venv/bin/python benchmarks/input_prep.py
+    .venv/bin/python benchmarks/engine/input_prep.py
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import torch
@@ -36,4 +38,8 @@ def main(num_seqs: int = 256, block_size: int = 16, repeats: int = 10) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    main(args.num_seqs, repeats=args.repeats)

@@ -10,7 +10,7 @@ prefill) next to torch SDPA ``is_causal=True`` on contiguous tensors.
 Writes ``benchmarks/results/kernels.json`` and ``benchmarks/results/kernels.png``.
 Without CUDA it says so, runs a tiny CPU smoke of the torch backend, and exits 0.
 
-Usage: ``python benchmarks/kernels.py [--quick] [--dtype fp16|bf16] [--out DIR]``
+Usage: ``python benchmarks/kernels/kernels.py [--quick] [--dtype fp16|bf16] [--out DIR]``
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ PEAK_BANDWIDTH = {
     "A10": 0.6e12,
     "RTX 4090": 1.008e12,
 }
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "results"
 
 
 def _bench(fn, warmup: int = 5, iters: int = 20) -> float:

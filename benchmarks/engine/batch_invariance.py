@@ -15,7 +15,7 @@ Writes ``benchmarks/results/batch_invariance.json``.
 
 Usage::
 
-    .venv/bin/python benchmarks/batch_invariance.py [--model default] [--skip-goldfish]
+    .venv/bin/python benchmarks/engine/batch_invariance.py [--model default] [--skip-goldfish]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.worker import Worker
 
 GOLDFISH = "A list of names for a pet goldfish:"
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def gemm_check(k: int, n: int, max_m: int = 64) -> dict:

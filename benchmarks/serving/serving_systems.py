@@ -4,7 +4,7 @@
 arrival times) and starts this script once per system, under the interpreter that system
 needs (vLLM runs from its own venv), so that memory and threads are the system's alone:
 
-    python benchmarks/serving_systems.py SYSTEM SPEC.json OUT.json
+    python benchmarks/serving/serving_systems.py SYSTEM SPEC.json OUT.json
 
 SYSTEM is ``pagedserve`` (the real gRPC server, embedded Ray, one worker), ``hf-cb``
 (transformers' continuous batching manager, the engine behind ``generate_batch``, with a
@@ -404,6 +404,10 @@ RUNNERS = {
 
 def main() -> None:
     """``serving_systems.py SYSTEM SPEC.json OUT.json``."""
+    if len(sys.argv) != 4 or sys.argv[1] not in RUNNERS:
+        print(f"usage: serving_systems.py {{{','.join(RUNNERS)}}} SPEC.json OUT.json\n\n"
+              f"{__doc__.splitlines()[0]} (serving.py starts it)")  # fmt: skip
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     system, spec_path, out_path = sys.argv[1:4]
     with open(spec_path) as f:
         spec = json.load(f)

@@ -1,25 +1,28 @@
 """In-process engine throughput: ``pagedserve.LLM`` (the engine loop that serves, no Ray,
 no gRPC).
 
-The same workload as ``benchmarks/serving.py`` (its chat prompts, greedy, ``ignore_eos``,
+The same workload as ``benchmarks/serving/serving.py`` (its chat prompts, greedy, ``ignore_eos``,
 ``--max-tokens`` each), all requests submitted at once, so the two figures side by side
 show what Ray + gRPC cost. Prints one line (tokens/s); writes nothing.
 
 Usage::
 
-    .venv/bin/python benchmarks/engine_inprocess.py --num-requests 16 --max-tokens 64
-    .venv/bin/python benchmarks/engine_inprocess.py --no-async-scheduling  # serial loop
+    .venv/bin/python benchmarks/engine/engine_inprocess.py --num-requests 16 --max-tokens 64
+    .venv/bin/python benchmarks/engine/engine_inprocess.py --no-async-scheduling  # serial loop
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
-
-from serving import PROMPTS
+from pathlib import Path
 
 from pagedserve import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import PROMPTS
 
 
 def main() -> None:

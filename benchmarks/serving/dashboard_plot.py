@@ -9,7 +9,7 @@ Writes ``benchmarks/results/dashboard.png``.
 
 Usage::
 
-    .venv/bin/python benchmarks/dashboard_plot.py
+    .venv/bin/python benchmarks/serving/dashboard_plot.py
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from pagedserve.cluster.config import CacheConfig, ClusterConfig, ModelConfig, S
 from pagedserve.cluster.launcher import RAY_ENV, start_cluster
 from pagedserve.scheduler.config import SchedulerConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
 SYSTEM = "You are a concise assistant. Answer in one or two sentences, plainly. " * 3
 QUESTIONS = [
     "Why is the sky blue?",
@@ -82,7 +83,7 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=48, help="small: forces preemptions")
     ap.add_argument("--preemption-mode", default="swap", help="recompute|swap|auto")
     ap.add_argument("--swap-space-gib", type=float, default=1.0)
-    ap.add_argument("--out", default="benchmarks/results/dashboard.png")
+    ap.add_argument("--out", default=str(RESULTS / "dashboard.png"))
     args = ap.parse_args()
     prometheus = shutil.which("prometheus")
     if prometheus is None:
@@ -155,7 +156,7 @@ def main() -> None:
             fontsize=11,
         )
         fig.tight_layout()
-        out = ROOT / args.out
+        out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out, dpi=80)
         print(f"wrote {out}")

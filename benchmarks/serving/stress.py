@@ -19,12 +19,13 @@ Checked and reported:
 * p50 / p99 TTFT and ITL (client side), output tokens/s and requests/s.
 
 Everything is bounded: ``--requests`` in count, ``--time-limit`` in seconds (requests not
-yet started then are not sent and are reported as such). Writes ``--out`` (JSON).
+yet started then are not sent and are reported as such). Writes ``--out`` (JSON; default
+``benchmarks/results/stress.json``).
 
 Usage::
 
-    .venv/bin/python benchmarks/stress.py                         # 200 clients, 2,000 requests
-    .venv/bin/python benchmarks/stress.py --clients 20 --requests 60 --model PATH   # small
+    .venv/bin/python benchmarks/serving/stress.py                         # 200 clients, 2,000 requests
+    .venv/bin/python benchmarks/serving/stress.py --clients 20 --requests 60 --model PATH   # small
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 QUESTIONS = [
     "What is the capital of France?",
     "Name three primary colors.",

@@ -19,7 +19,7 @@ Reports tokens/s of each and the engine's fraction of each ceiling, and writes
 
 Usage::
 
-    .venv/bin/python benchmarks/ceiling.py --batches 1,2,4,8,16,32,64
+    .venv/bin/python benchmarks/engine/ceiling.py --batches 1,2,4,8,16,32,64
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from pagedserve.worker.packed_linear import PackedLinear, packed_logits
 from pagedserve.worker.weights import load_model
 from pagedserve.worker.worker import Worker
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def linear_weights(model: LlamaForCausalLM) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

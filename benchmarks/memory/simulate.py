@@ -12,7 +12,7 @@ utilisation >= 0.96 at block 16; paged mean_running >= 2x contiguous), and write
 
 Usage::
 
-    .venv/bin/python benchmarks/simulate.py [--num-requests N] [--seed S] [--out DIR]
+    .venv/bin/python benchmarks/memory/simulate.py [--num-requests N] [--seed S] [--out DIR]
 
 Deterministic (seeded); about 20 s on one CPU core.
 """
@@ -31,7 +31,7 @@ from pagedserve.sim import cli as sim_cli
 from pagedserve.sim.plots import plot_all
 from pagedserve.sim.simulator import SimConfig, simulate
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def main(argv: list[str] | None = None) -> int:

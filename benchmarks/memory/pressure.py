@@ -20,9 +20,9 @@ fits-now`` for the previous behaviour). Writes ``benchmarks/results/pressure.jso
 
 Usage::
 
-    .venv/bin/python benchmarks/pressure.py --reference            # the issue's workload
-    .venv/bin/python benchmarks/pressure.py --reference --co-load  # with a busy core
-    .venv/bin/python benchmarks/pressure.py --num-requests 64 --concurrency 16  # quick
+    .venv/bin/python benchmarks/memory/pressure.py --reference            # the issue's workload
+    .venv/bin/python benchmarks/memory/pressure.py --reference --co-load  # with a busy core
+    .venv/bin/python benchmarks/memory/pressure.py --num-requests 64 --concurrency 16  # quick
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ from typing import Any
 
 from pagedserve.cluster.client import Client
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import busy_core
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 MAX_PROMPT = 200
 MAX_OUTPUT = 64
 
@@ -69,16 +73,6 @@ def make_workload(n: int, seed: int, cancel_share: float) -> list[dict[str, Any]
             }
         )
     return reqs
-
-
-def busy_core(core: int, seed: int, stop: Any) -> None:
-    """A CPU-bound loop pinned to ``core`` (an LCG over a seeded state) until ``stop``."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(0, {core})
-    x = seed
-    while not stop.is_set():
-        for _ in range(200_000):
-            x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
 
 
 def free_port() -> int:
@@ -232,7 +226,7 @@ def main() -> None:
     )
     ap.add_argument("--co-load-core", type=int, default=0)
     ap.add_argument("--server-log", default="/tmp/pagedserve-pressure-server.log")
-    ap.add_argument("--out", default="benchmarks/results/pressure.json")
+    ap.add_argument("--out", default=str(RESULTS / "pressure.json"))
     args = ap.parse_args(argv)
 
     reqs = make_workload(args.num_requests, args.seed, args.cancel_share)

@@ -16,9 +16,9 @@ reports the swap counters of the level.
 
 Usage::
 
-    .venv/bin/python benchmarks/step_gap.py
-    .venv/bin/python benchmarks/step_gap.py --concurrency 1,16 --requests-per-level 16
-    .venv/bin/python benchmarks/step_gap.py --preemption-mode auto --swap-space 4
+    .venv/bin/python benchmarks/engine/step_gap.py
+    .venv/bin/python benchmarks/engine/step_gap.py --concurrency 1,16 --requests-per-level 16
+    .venv/bin/python benchmarks/engine/step_gap.py --preemption-mode auto --swap-space 4
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from pagedserve.cluster.config import ClusterConfig, ModelConfig, SchedulerConfi
 from pagedserve.cluster.launcher import RAY_ENV, start_cluster
 from pagedserve.worker.config import CacheConfig
 
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 GAP = "worker_step_gap_seconds"
 
 
@@ -143,7 +144,7 @@ def main() -> None:
     ap.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap", "auto"])
     ap.add_argument("--swap-space", type=float, default=0.0, help="GiB of host block store")
     ap.add_argument("--modes", default="serial,overlapped", help="serial, overlapped or both")
-    ap.add_argument("--out", default="benchmarks/results/step_gap.json")
+    ap.add_argument("--out", default=str(RESULTS / "step_gap.json"))
     args = ap.parse_args()
     modes = args.modes.split(",")
     if not modes or set(modes) - {"serial", "overlapped"}:

@@ -10,7 +10,7 @@ slowdown with the busy core, and the thread count the governor settled on.
 
 Usage::
 
-    .venv/bin/python benchmarks/threads_sharing.py
+    .venv/bin/python benchmarks/engine/threads_sharing.py
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import json
 import multiprocessing as mp
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from pressure import busy_core
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker
@@ -36,6 +36,11 @@ from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.model_store import resolve_model
 from pagedserve.worker.worker import Worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+from workloads import busy_core
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def run(worker: Worker, args: Any) -> float:
@@ -72,7 +77,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--settings", default="fixed-2,fixed-1,adaptive")
-    ap.add_argument("--out", default="benchmarks/results/threads_sharing.json")
+    ap.add_argument("--out", default=str(RESULTS / "threads_sharing.json"))
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     model_dir = str(resolve_model(args.model, progress=False))
