@@ -400,12 +400,13 @@ class InProcessWorker:
 @dataclass
 class Driven:
     """What :func:`drive` saw: tokens per (request id, choice index), every delta in order,
-    the final delta of each request id, and how many steps were planned while another
-    of the same worker was in flight."""
+    the final delta of each request id, how many steps were planned in all and how many
+    of them while another of the same worker was in flight."""
 
     tokens: dict[tuple[str, int], list[int]] = field(default_factory=dict)
     outputs: list[Any] = field(default_factory=list)
     finish: dict[str, Any] = field(default_factory=dict)
+    steps: int = 0
     ahead: int = 0
 
 
@@ -417,6 +418,7 @@ def drive(
     timeout_s: float = 120.0,
     check: bool = True,
     until: Any = None,
+    max_steps: int | None = None,
 ) -> Driven:
     """Run ``sched``'s engine loop (serial or overlapped, as its config says) over
     ``workers`` until no worker can make progress; assert nothing is left to do.
@@ -429,6 +431,8 @@ def drive(
         check: ``sched.check_integrity()`` after every step.
         until: ``until()`` True stops planning (the run ends once the steps in flight are
             applied; work may be left).
+        max_steps: a bound on the steps planned (all workers together); the run must
+            finish within it.
     """
     from pagedserve.scheduler.engine_loop import EngineLoop
 
@@ -442,6 +446,7 @@ def drive(
                 seen.finish[o.request_id] = o.finish_reason
 
     def planned(wid: int, so: SchedulerOutput, cur: SchedulerOutput | None) -> None:
+        seen.steps += 1
         seen.ahead += cur is not None
         if on_plan is not None:
             on_plan(sched, wid, so, cur)
@@ -456,10 +461,19 @@ def drive(
         i: w if hasattr(w, "execute") and not callable(w) else InProcessWorker(w)
         for i, w in enumerate(workers)
     }
+
+    def stop() -> bool:
+        if max_steps is not None and seen.steps >= max_steps:
+            return True
+        return until is not None and bool(until())
+
     engine = EngineLoop(sched, handles, sink, planned, stepped)
-    asyncio.run(asyncio.wait_for(engine.run_until_idle(until), timeout_s))
+    asyncio.run(asyncio.wait_for(engine.run_until_idle(stop), timeout_s))
     if until is None:
-        assert not any(sched.has_work(i) for i in sched.workers), "stalled"
+        bounded = max_steps is not None and seen.steps >= max_steps
+        assert not any(sched.has_work(i) for i in sched.workers), (
+            f"did not finish within the step bound ({max_steps})" if bounded else "stalled"
+        )
     return seen
 
 

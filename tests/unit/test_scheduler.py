@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from helpers import ScriptedWorker as FakeWorker
+from helpers import drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -30,16 +33,23 @@ def make(
     return Scheduler(cfg, [WorkerSpec(0, num_blocks, block_size)])
 
 
+def serial(s: Scheduler) -> Scheduler:
+    """``s`` with the serial engine loop (schedule, execute, update: exact batches)."""
+    s.config = dataclasses.replace(s.config, async_scheduling=False)
+    return s
+
+
 def run(s: Scheduler, w: FakeWorker, max_steps=200):
-    outs, steps = [], []
-    for _ in range(max_steps):
-        if not s.has_work(0):
-            break
-        so = s.schedule(0).output
-        steps.append(so)
-        outs.extend(s.update(0, so, w.execute(so)).outputs)
-        s.check_integrity()
-    return outs, steps
+    """The serial engine loop to completion (``helpers.drive``, every worker answered by
+    ``w``); returns the deltas and the steps planned, in order."""
+    steps = []
+    driven = drive(
+        serial(s),
+        [w.execute] * len(s.workers),
+        on_plan=lambda _s, _wid, so, _cur: steps.append(so),
+        max_steps=max_steps,
+    )
+    return driven.outputs, steps
 
 
 def greedy(max_tokens, **kw):
@@ -337,11 +347,12 @@ def test_n8_long_prompt_peak_blocks_are_shared_prompt_plus_two_tail_blocks_each(
     s.workers[0].kv = kv = CheckedKVCacheManager(256, 16, True)
     s.add_request(EngineRequest("a", [7] * 300, SamplingParams(max_tokens=16, n=8, seed=0), [EOS]))
     peak = 0
-    while s.has_work(0):
-        so = s.schedule(0).output
+
+    def planned(s: Scheduler, _wid: int, _so, _cur) -> None:
+        nonlocal peak  # after each schedule, before its update
         peak = max(peak, kv.used(), s.stats().workers[0].num_used_blocks)
-        s.update(0, so, w.execute(so))
-        s.check_integrity()
+
+    drive(serial(s), [w.execute], on_plan=planned)
     # 18 full prompt blocks shared by all 8 choices; the partial 19th (12 tokens) copied
     # for 7 choices; each choice's outputs at positions 300..314 reach one more block.
     assert peak == 18 + 8 + 8 == 34  # 8 independent sequences would hold 8 * 20 = 160

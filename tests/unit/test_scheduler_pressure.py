@@ -7,9 +7,10 @@ on the schedule); prefix caching off where exact recompute counts are asserted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
-from helpers import ScriptedWorker
+from helpers import ScriptedWorker, drive
 
 from pagedserve.cluster.metrics import snapshot_families
 from pagedserve.scheduler.admission import Footprint, peak_blocks
@@ -41,16 +42,12 @@ def greedy(max_tokens, priority=0):
 
 
 def run(s, w, max_steps=2000):
-    outs = []
-    for _ in range(max_steps):
-        if not s.has_work(0):
-            break
-        so = s.schedule(0).output
-        outs.extend(s.update(0, so, w.execute(so)).outputs)
-        s.check_integrity()
-    assert not s.has_work(0), "did not finish within the step bound"
+    """The serial engine loop to completion within ``max_steps`` (``helpers.drive``);
+    returns the tokens per request id (one choice each)."""
+    s.config = dataclasses.replace(s.config, async_scheduling=False)
+    driven = drive(s, [w.execute], max_steps=max_steps)
     toks: dict[str, list[int]] = {}
-    for o in outs:
+    for o in driven.outputs:
         toks.setdefault(o.request_id, []).extend(o.new_token_ids)
     return toks
 

@@ -5,7 +5,9 @@ One fake worker; step counts are bounded (no timers).
 
 from __future__ import annotations
 
-from helpers import ScriptedWorker
+import dataclasses
+
+from helpers import ScriptedWorker, drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -32,16 +34,17 @@ def greedy(max_tokens, priority=0):
 
 
 def run(s, w, max_steps=500):
-    outs, admitted = [], []
-    for _ in range(max_steps):
-        if not s.has_work(0):
-            break
-        so = s.schedule(0).output
-        admitted.extend(n.seq_id for n in so.new_seqs)
-        outs.extend(s.update(0, so, w.execute(so)).outputs)
-        s.check_integrity()
-    assert not s.has_work(0), "did not finish within the step bound"
-    return outs, admitted
+    """The serial engine loop to completion within ``max_steps`` (``helpers.drive``);
+    returns the deltas and the seq ids each step sent as new, in order."""
+    admitted = []
+    s.config = dataclasses.replace(s.config, async_scheduling=False)
+    driven = drive(
+        s,
+        [w.execute],
+        on_plan=lambda _s, _wid, so, _cur: admitted.extend(n.seq_id for n in so.new_seqs),
+        max_steps=max_steps,
+    )
+    return driven.outputs, admitted
 
 
 def test_priority_policy_admits_most_urgent_first_then_arrival():

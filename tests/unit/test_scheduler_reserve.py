@@ -7,8 +7,10 @@ what the running sequences reserved and have not grown into yet.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from helpers import ScriptedWorker
+from helpers import ScriptedWorker, drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -34,15 +36,16 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def run(s: Scheduler, w: ScriptedWorker, max_steps: int = 500) -> list[int]:
-    """Steps to completion; returns the number of running sequences after each step."""
-    running = []
-    for _ in range(max_steps):
-        if not s.has_work(0):
-            break
-        so = s.schedule(0).output
-        s.update(0, so, w.execute(so))
-        s.check_integrity()
-        running.append(len(s.workers[0].running))
+    """The serial engine loop to completion within ``max_steps`` (``helpers.drive``);
+    returns the number of running sequences after each step."""
+    running: list[int] = []
+    s.config = dataclasses.replace(s.config, async_scheduling=False)
+    drive(
+        s,
+        [w.execute],
+        on_step=lambda s, _wid, _so: running.append(len(s.workers[0].running)),
+        max_steps=max_steps,
+    )
     return running
 
 

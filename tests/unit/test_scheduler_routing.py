@@ -1,13 +1,16 @@
 """Routing across workers: prefix-aware assignment, load balance, policies, work stealing.
 
-Two fake workers stepped in lockstep; every assertion is on exact worker ids, queue
-positions and cached token counts.
+Two fake workers, run to completion by their serial engine loops (``helpers.drive``) or
+stepped by hand in lockstep (``step_round``) where one decision is checked; every assertion
+is on exact worker ids, queue positions and cached token counts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from helpers import ScriptedWorker
+from helpers import ScriptedWorker, drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -58,17 +61,29 @@ def step_round(s, fakes, order=(0, 1), on_schedule=None):
 
 
 def run_all(s, fakes, max_rounds=2000, on_schedule=None):
-    outs, where = [], {}
-    for r in range(max_rounds):
-        if not any(s.has_work(w) for w in (0, 1)):
-            break
-        o, admitted = step_round(s, fakes, (r % 2, 1 - r % 2), on_schedule)
-        for wid, ids in admitted.items():
-            for seq_id in ids:
-                where.setdefault(seq_id, wid)
-        outs.extend(o)
-    assert not any(s.has_work(w) for w in (0, 1))
-    return outs, where
+    """Both workers' serial engine loops to completion (``helpers.drive``); returns the
+    deltas and the worker each seq id was first sent to as new. ``on_schedule(s, wid)``
+    runs right after every ``schedule`` call, empty steps included."""
+    where = {}
+    s.config = dataclasses.replace(s.config, async_scheduling=False)
+    if on_schedule is not None:
+        schedule = s.schedule
+
+        def polled(wid):
+            plan = schedule(wid)
+            on_schedule(s, wid)
+            return plan
+
+        s.schedule = polled
+
+    def planned(_s, wid, so, _cur):
+        for n in so.new_seqs:
+            where.setdefault(n.seq_id, wid)
+
+    driven = drive(s, [f.execute for f in fakes], on_plan=planned, max_steps=2 * max_rounds)
+    if on_schedule is not None:
+        del s.schedule
+    return driven.outputs, where
 
 
 def queued_on(s):

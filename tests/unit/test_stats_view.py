@@ -7,7 +7,7 @@ import asyncio
 import json
 import threading
 
-from helpers import ScriptedWorker
+from helpers import ScriptedWorker, drive
 
 from pagedserve.cluster.cli import main
 from pagedserve.cluster.client import Client
@@ -44,10 +44,12 @@ class _Tok:
 
 def _preempted_scheduler() -> Scheduler:
     # Worker 1: two 6-token prompts in 4 blocks of 4, admitted whatever fits now: one
-    # preemption, 8 tokens recomputed (see test_scheduler_pressure). Worker 0 stays idle.
+    # preemption, 8 tokens recomputed (see test_scheduler_pressure). Worker 0 stays idle:
+    # it is out of service while the serial engine loop runs (alive, it would steal the
+    # preempted b and recompute it itself), then back with its pool untouched.
     cfg = SchedulerConfig(
         max_model_len=64, admission="fits-now", preemption_victim="latest",
-        enable_prefix_caching=False, routing="round-robin",
+        enable_prefix_caching=False, routing="round-robin", async_scheduling=False,
     )  # fmt: skip
     s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 4, 4)])
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -55,12 +57,10 @@ def _preempted_scheduler() -> Scheduler:
         s.add_request(EngineRequest(rid, [1] * 6 if rid in "ab" else [7], sp))
     for rid in ("x", "y"):
         s.abort_request(rid)
+    assert s.mark_worker_dead(0) == []  # nothing was queued or running there
     w = ScriptedWorker()
-    for _ in range(100):
-        if not s.has_work(1):
-            break
-        so = s.schedule(1).output
-        s.update(1, so, w.execute(so))
+    drive(s, [w.execute, w.execute], max_steps=100)
+    s.revive_worker(0)
     return s
 
 
