@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from helpers import ScriptedWorker
+from helpers import ScriptedWorker, drive
 
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -135,10 +137,12 @@ def test_preemptions_and_aborts_are_counted():
     w = ScriptedWorker()
     s.add_request(EngineRequest("a", [1, 3, 5, 7], greedy(8), [EOS]))
     s.add_request(EngineRequest("b", [1, 3, 5, 9], greedy(8), [EOS]))
-    for _ in range(40):
-        if not s.has_work(0):
-            break
-        step(s, w, clock, dt=0.01)
+    s.config = dataclasses.replace(s.config, async_scheduling=False)
+
+    def planned(*_) -> None:  # each step takes 10 ms: between its schedule and update
+        clock.now += 0.01
+
+    drive(s, [w.execute], on_plan=planned, max_steps=40)
     snap = s.metrics_snapshot()
     assert snap.num_preemptions["recompute"] == s.num_preemptions > 0
     assert snap.request_success["length"] == 2
