@@ -15,7 +15,9 @@ Engine options are the fields of the configuration dataclasses, with their defau
 ``attention_backend``, ``adaptive_threads``) and
 :class:`~pagedserve.scheduler.config.SchedulerConfig` (``max_num_seqs``,
 ``max_num_batched_tokens``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-``async_scheduling``, ``scheduling_policy``, ...). ``seed`` seeds every request that
+``async_scheduling``, ``scheduling_policy``, ...). ``async_scheduling`` defaults to
+overlapped on a GPU and serial on CPU (where the overlap's planning competes with the
+model's kernels for the cores). ``seed`` seeds every request that
 gives none (request k of this engine gets ``seed + k``).
 """
 
@@ -31,7 +33,7 @@ from typing import Any
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.scheduler.config import SchedulerConfig
-from pagedserve.scheduler.engine_loop import EngineLoop, ThreadWorker
+from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker, ThreadWorker
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import InvalidRequest, ServingError
 from pagedserve.scheduler.request import FinishReason
@@ -120,9 +122,21 @@ class LLM:
         info = self._worker.get_info()
         self.info = info
         self.tokenizer = AutoTokenizer.from_pretrained(info.model_path)
+        if "async_scheduling" not in sched_options:
+            # NOTE: in process on CPU the model's kernels use every core, and an overlapped
+            # loop's planning competes with them: measured on 2 cores, serial on the
+            # caller's thread ran 32 x 64 greedy tokens ~10% faster than overlapped
+            # (benchmarks/RESULTS.md, "Engine core"). On a GPU the overlap hides the
+            # scheduler behind the device, as in serving.
+            sched_options["async_scheduling"] = info.device != "cpu"
         config = SchedulerConfig(max_model_len=info.max_model_len, **sched_options)
         self.scheduler = Scheduler(config, [WorkerSpec(0, info.num_blocks, info.block_size)])
-        self._handle = ThreadWorker(self._worker.execute_model)
+        # Overlap needs the model on a thread of its own; serial runs it on this thread.
+        self._handle: ThreadWorker | InlineWorker = (
+            ThreadWorker(self._worker.execute_model)
+            if config.async_scheduling
+            else InlineWorker(self._worker.execute_model)
+        )
         self._engine = EngineLoop(self.scheduler, {0: self._handle}, self._sink)
         self._aio = asyncio.new_event_loop()
         self._seed = seed

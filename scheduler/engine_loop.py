@@ -100,6 +100,9 @@ class InlineWorker:
     def __init__(self, execute_model: Callable[[SchedulerOutput], RunnerOutput]) -> None:
         self._execute_model = execute_model
 
+    def close(self) -> None:
+        """Nothing to stop (the steps ran on the caller's thread)."""
+
     def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
         answer: asyncio.Future[RunnerOutput] = asyncio.get_running_loop().create_future()
         try:

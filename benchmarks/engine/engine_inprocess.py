@@ -8,7 +8,7 @@ show what Ray + gRPC cost. Prints one line (tokens/s); writes nothing.
 Usage::
 
     .venv/bin/python benchmarks/engine/engine_inprocess.py --num-requests 16 --max-tokens 64
-    .venv/bin/python benchmarks/engine/engine_inprocess.py --no-async-scheduling  # serial loop
+    .venv/bin/python benchmarks/engine/engine_inprocess.py --async-scheduling  # overlapped loop
 """
 
 from __future__ import annotations
@@ -31,14 +31,19 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlapped loop (default: LLM's, serial on CPU)",
+    )
     args = ap.parse_args()
     llm = LLM(
         args.model,
         num_blocks=1024,
         device="cpu",
         num_threads=args.threads,
-        async_scheduling=args.async_scheduling,
+        **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
     )
     messages = [
         [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}] for i in range(args.num_requests)
@@ -60,7 +65,7 @@ def main() -> None:
     print(
         f"{args.num_requests} requests: {tokens} tokens in {wall:.2f} s = {tokens / wall:.1f} "
         f"tok/s; worker execute {execute_s:.2f} s over {steps} steps "
-        f"({'overlapped' if args.async_scheduling else 'serial'})"
+        f"({'overlapped' if llm.scheduler.config.async_scheduling else 'serial'})"
     )
     llm.close()
 
