@@ -12,7 +12,11 @@ are never imported). Phases, each bounded by a timeout and recorded even when it
 1. ``kernel_tests``: ``pytest tests/kernels`` (compiled Triton on the GPU; under the
    interpreter with ``--cpu-smoke``);
 2. ``kernels``: ``benchmarks/kernels/kernels.py --quick``: decode attention GB/s vs the HBM peak
-   (4.8 TB/s on an H200) over batch x context, prefill TFLOP/s vs torch SDPA;
+   (4.8 TB/s on an H200) over batch x context, each point cycled over enough copies of its
+   tensors to read >= 2x L2 (50 MB on an H200) between two uses of one, and its error
+   against the torch reference; prefill TFLOP/s vs torch SDPA. The phase fails unless the
+   JSON holds decode and prefill points (no matplotlib on the image: no plot, same JSON);
+   with ``--cpu-smoke`` the same script with ``--cpu-smoke`` (tiny shapes, interpreter);
 3. ``decode_loop``: the :class:`ModelRunner` (no Ray) with random weights in Llama-3-8B
    shapes, bf16, driven by the real :class:`Scheduler` through the engine loop that serves
    (:class:`EngineLoop`, serial, over an :class:`InlineWorker`): for each batch size
@@ -27,7 +31,11 @@ overhead <= 10% of a step at batch 64. Writes ``benchmarks/results/gpu_check.jso
 
 ``--cpu-smoke`` runs the same code paths on CPU with tiny shapes (kernels under
 ``TRITON_INTERPRET=1``, a 2-layer model, batches 1..4), to check on a machine without a
-GPU that the real run will not fail on an import or a typo.
+GPU that the real run will not fail on an import or a typo. The phases' subprocesses run
+under the same import hook (:func:`hooked`), so Ray, gRPC, protobuf and matplotlib are
+missing in them too. What only a GPU run covers: compiled Triton, the native bf16
+``tl.dot`` (the interpreter upcasts bf16 to fp32 first; fp16 keeps its 16-bit dot there),
+CUDA-event timing and the L2 rotation's effect.
 
 Usage::
 
@@ -56,7 +64,24 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 PACKAGES = ("kernels", "worker", "scheduler")
-FORBIDDEN = ("ray", "grpc", "google.protobuf", "pagedserve.cluster", "pagedserve.v1")
+FORBIDDEN = (
+    "ray", "grpc", "google.protobuf", "matplotlib", "pagedserve.cluster", "pagedserve.v1",
+)  # fmt: skip
+# Runs a script or module (argv[1], "-m name" for a module) under ForbidImports, so the
+# phases' subprocesses meet the bare image's missing packages too.
+HOOKED = """
+import importlib.util, runpy, sys
+spec = importlib.util.spec_from_file_location("gpu_check_hook", {script!r})
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+sys.meta_path.insert(0, mod.ForbidImports())
+if sys.argv[1] == "-m":
+    sys.argv = [sys.argv[2], *sys.argv[3:]]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.argv = sys.argv[1:]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 # Llama-3-8B (Meta, 2024): config.json of meta-llama/Meta-Llama-3-8B.
 LLAMA3_8B = {
@@ -114,6 +139,12 @@ class ForbidImports(importlib.abc.MetaPathFinder):
         return None
 
 
+def hooked(*argv: str) -> list[str]:
+    """A command line running ``argv`` (a script path, or ``-m module``, and its arguments)
+    in this python under :class:`ForbidImports`."""
+    return [sys.executable, "-c", HOOKED.format(script=str(Path(__file__).resolve())), *argv]
+
+
 def package_shim() -> Path:
     """A directory holding ``pagedserve/<pkg>`` symlinks to the repository folders."""
     root = Path(tempfile.mkdtemp(prefix="pagedserve-shim-"))
@@ -139,8 +170,8 @@ def run_phase(name: str, fn: Callable[[], Any], report: dict[str, Any]) -> None:
 
 def kernel_tests(env: dict[str, str], smoke: bool, timeout_s: int) -> dict[str, Any]:
     """``pytest tests/kernels`` in a subprocess; returns its summary line and exit code."""
-    args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-            str(REPO / "tests" / "kernels")]  # fmt: skip
+    args = hooked("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                  str(REPO / "tests" / "kernels"))  # fmt: skip
     if smoke:  # the interpreter is slow: a few of each kernel's tests
         args += ["-k", "test_kernels_triton and (64 or block) and not 128", "--maxfail=1"]
     proc = subprocess.run(
@@ -153,18 +184,28 @@ def kernel_tests(env: dict[str, str], smoke: bool, timeout_s: int) -> dict[str, 
     return {"returncode": proc.returncode, "summary": tail[-1] if tail else ""}
 
 
-def kernel_bench(env: dict[str, str], out_dir: Path, timeout_s: int) -> dict[str, Any]:
-    """``benchmarks/kernels/kernels.py --quick --dtype bf16``; returns its JSON (or its note)."""
+def kernel_bench(env: dict[str, str], out_dir: Path, smoke: bool, timeout_s: int) -> dict[str, Any]:
+    """``benchmarks/kernels/kernels.py --quick --dtype bf16`` (``--cpu-smoke`` with ``smoke``)
+    under :class:`ForbidImports`; returns the JSON it wrote.
+
+    Raises:
+        RuntimeError: it exited non-zero or wrote no decode or prefill point.
+    """
+    path = out_dir / "kernels.json"
+    path.unlink(missing_ok=True)  # a stale file must not pass for this run's
+    script = str(REPO / "benchmarks" / "kernels" / "kernels.py")
+    argv = [script, "--quick", "--dtype", "bf16", "--out", str(out_dir)]
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "kernels" / "kernels.py"), "--quick", "--dtype", "bf16",
-         "--out", str(out_dir)],
+        hooked(*argv, *(["--cpu-smoke"] if smoke else [])),
         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
     )  # fmt: skip
     print((proc.stdout + proc.stderr)[-3000:], flush=True)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmarks/kernels/kernels.py exited {proc.returncode}")
-    path = out_dir / "kernels.json"
-    return json.loads(path.read_text()) if path.exists() else {"note": proc.stdout[-500:]}
+    results = json.loads(path.read_text()) if path.exists() else {}
+    if not results.get("decode") or not results.get("prefill"):
+        raise RuntimeError(f"benchmarks/kernels/kernels.py wrote no figures: {proc.stdout[-500:]}")
+    return results
 
 
 def random_runner(config: dict[str, Any], device: str, dtype: str, kv_bytes: int) -> Any:
@@ -377,7 +418,7 @@ def main() -> int:
     if not args.skip_tests:
         run_phase("kernel_tests", lambda: kernel_tests(env, smoke, 240 if smoke else 270),
                   report)  # fmt: skip
-    run_phase("kernels", lambda: kernel_bench(env, out_dir, 150), report)
+    run_phase("kernels", lambda: kernel_bench(env, out_dir, smoke, 150), report)
     batches = [int(b) for b in (args.batches or ("1,2,4" if smoke else
                                                   "1,8,32,64,128,256")).split(",")]  # fmt: skip
     prompt_len = args.prompt_len or (24 if smoke else 512)
