@@ -13,7 +13,7 @@ are never imported). Phases, each bounded by a timeout and recorded even when it
    interpreter with ``--cpu-smoke``);
 2. ``kernels``: ``benchmarks/kernels/kernels.py --quick``: decode attention GB/s vs the HBM peak
    (4.8 TB/s on an H200) over batch x context, each point cycled over enough copies of its
-   tensors to read >= 2x L2 (50 MB on an H200) between two uses of one, and its error
+   tensors to read >= 2x L2 (50 MB on an H200) from one use of a copy to its next, and its error
    against the torch reference; prefill TFLOP/s vs torch SDPA. The phase fails unless the
    JSON holds decode and prefill points (no matplotlib on the image: no plot, same JSON);
    with ``--cpu-smoke`` the same script with ``--cpu-smoke`` (tiny shapes, interpreter);

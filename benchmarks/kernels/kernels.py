@@ -5,7 +5,7 @@ Decode: achieved memory bandwidth of :func:`pagedserve.kernels.paged_decode_atte
 512..32k, as a fraction of the GPU's peak bandwidth, next to torch SDPA on a contiguous
 cache and FlashInfer's paged decode when ``flashinfer`` is importable. A point whose
 working set would fit in L2 is timed over enough distinct copies of its tensors that at
-least twice the L2 size is read between two uses of one copy (:func:`rotation_count`), so
+least twice the L2 size is read from one use of a copy to its next (:func:`rotation_count`), so
 its figure is HBM bandwidth, not L2 bandwidth; each row records its working set, the
 rotation and ``l2_resident`` (true only if the rotation could not reach that). Each decode
 point also records the kernel's largest error against the torch reference on its first
@@ -121,15 +121,17 @@ class Target:
 def rotation_count(working_set_bytes: int, l2_bytes: int) -> int:
     """Copies of a working set to cycle through so no use of one finds it in L2.
 
-    Returns ``n`` such that the other ``n - 1`` copies, read between two uses of one,
-    hold at least ``L2_MULTIPLE * l2_bytes`` (LRU-like eviction then leaves none of it).
+    Cycling over ``n`` copies reads ``n * working_set_bytes`` between two reads of any one
+    byte; the smallest ``n`` making that at least ``L2_MULTIPLE * l2_bytes`` is returned
+    (1 for a working set that large on its own). A cyclic sweep over twice an LRU-like
+    cache finds none of it resident.
 
     Raises:
         ValueError: a non-positive size.
     """
     if working_set_bytes < 1 or l2_bytes < 1:
         raise ValueError(f"sizes must be >= 1, got {working_set_bytes} and {l2_bytes}")
-    return 1 + math.ceil(L2_MULTIPLE * l2_bytes / working_set_bytes)
+    return max(1, math.ceil(L2_MULTIPLE * l2_bytes / working_set_bytes))
 
 
 def cycle(calls: Sequence[Callable[[], Any]]) -> Callable[[], Any]:
@@ -275,7 +277,7 @@ def bench_decode(grid: Grid, target: Target, dtype: torch.dtype, quick: bool) ->
                 for _ in range(copies)
             ]
             ws = kernels.DecodeWorkspace(batch, grid.num_heads, grid.head_dim, device=device)
-            between = (copies - 1) * io_bytes
+            between = copies * io_bytes  # read between two reads of one byte
             row: dict[str, Any] = {
                 "batch": batch, "context": context, "bytes": io_bytes,
                 "working_set_bytes": io_bytes, "rotation": copies,
