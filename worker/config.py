@@ -25,7 +25,7 @@ class ModelConfig:
             the checkpoint's 16-bit dtype where the device has a fast path for it, bf16 for
             an fp32 checkpoint on CUDA, and fp32 on CPU, whose fast kernels are fp32 only
             (:mod:`pagedserve.worker.precision`). bf16 or fp16 on CPU run the generic
-            layers (correct, several times slower).
+            layers (correct, slower).
         max_model_len: longest sequence (prompt + output) in tokens; ``None`` takes the
             model's ``max_position_embeddings``.
         cache_dir: where the default model is downloaded and converted; ``None`` means
