@@ -168,11 +168,13 @@ class ModelRunner:
             ValueError: the model does not run on the fused fp32 CPU kernels, whose
                 attention and norms are the ones known to be batch-invariant.
         """
-        if not cpu_kernels_apply(self.model):
+        if not cpu_kernels_apply(self.model) or self.kv_cache_dtype != torch.float32:
             raise ValueError(
-                "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype "
-                f"float32, attention backend auto or cpu); got device {self.device}, dtype "
-                f"{self.dtype}, backend {self.backend}"
+                "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype and "
+                "kv_cache_dtype float32, attention backend auto or cpu); got device "
+                f"{self.device}, dtype {dtype_name(self.dtype)}, kv_cache_dtype "
+                f"{dtype_name(self.kv_cache_dtype)}, "
+                f"backend {self.backend}"
             )
         if self._pack_weights():
             # The packed GEMM sums each output over K in order: rows are independent.

@@ -199,3 +199,14 @@ def test_llm_runs_other_precisions_on_cpu(
     assert all(0 <= t < 128 for t in out.token_ids)
     # Rounding may flip a near tie late; the first greedy token is far from one here.
     assert out.token_ids[0] == fp32_tokens[0]
+
+
+def test_batch_invariance_needs_an_fp32_kv_cache(tiny_llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype float32.*kv_cache_dtype bfloat16,"):
+        Worker(
+            WorkerConfig(
+                model=ModelConfig(model=str(tiny_llama_dir), batch_invariant=True),
+                cache=CacheConfig(block_size=4, num_blocks=8, kv_cache_dtype="bfloat16"),
+                device="cpu",
+            )
+        )
