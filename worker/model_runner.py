@@ -101,9 +101,12 @@ def resolve_dtypes(
     """``(model dtype, KV cache dtype)`` for ``config`` on ``device``, by the rules of
     :mod:`pagedserve.worker.precision` (``auto``: the checkpoint's 16-bit dtype where the
     device's forward runs it fast; bf16 on CUDA for an fp32 checkpoint; fp32 on CPU)."""
-    native = precision.native_dtypes(
-        device.type, precision.read_cpu_flags() if device.type == "cpu" else frozenset()
-    )
+    if device.type == "cuda":
+        native = precision.native_dtypes(
+            "cuda", frozenset(), cuda_bf16=torch.cuda.is_bf16_supported()
+        )
+    else:
+        native = precision.native_dtypes(device.type, precision.read_cpu_flags())
     model = precision.resolve_model_dtype(
         config.model.dtype, precision.checkpoint_dtype(model_path), native
     )

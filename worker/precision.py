@@ -67,7 +67,10 @@ def cpu_has_native_bf16(flags: frozenset[str]) -> bool:
 
 
 def native_dtypes(
-    device_type: str, cpu_flags: frozenset[str], cpu_bf16_kernels: bool = CPU_BF16_KERNELS
+    device_type: str,
+    cpu_flags: frozenset[str],
+    cpu_bf16_kernels: bool = CPU_BF16_KERNELS,
+    cuda_bf16: bool = True,
 ) -> frozenset[str]:
     """The dtypes the forward selected on ``device_type`` runs on a fast path.
 
@@ -75,13 +78,16 @@ def native_dtypes(
         device_type: ``"cpu"`` or ``"cuda"``.
         cpu_flags: the CPU's flags (:func:`read_cpu_flags`); used on CPU only.
         cpu_bf16_kernels: whether a fast bf16 CPU forward exists (:data:`CPU_BF16_KERNELS`).
+        cuda_bf16: whether the GPU computes bf16 natively (``torch.cuda.is_bf16_supported``;
+            compute capability 8.0 and later); used on CUDA only.
 
     Returns:
-        ``{"float32", "float16", "bfloat16"}`` on CUDA; on CPU ``{"float32"}``, plus
+        ``{"float32", "float16", "bfloat16"}`` on CUDA (without ``"bfloat16"`` when not
+        ``cuda_bf16``, where vLLM also falls to fp16); on CPU ``{"float32"}``, plus
         ``"bfloat16"`` when ``cpu_bf16_kernels`` and the flags show native bf16.
     """
     if device_type == "cuda":
-        return frozenset(DTYPE_NAMES)
+        return frozenset(DTYPE_NAMES) if cuda_bf16 else frozenset({"float32", "float16"})
     if cpu_bf16_kernels and cpu_has_native_bf16(cpu_flags):
         return frozenset({"float32", "bfloat16"})
     return frozenset({"float32"})
@@ -112,7 +118,8 @@ def resolve_model_dtype(requested: str, checkpoint: str | None, native: frozense
 
     Returns:
         ``requested`` unless it is ``"auto"``; for ``"auto"`` the checkpoint's 16-bit dtype
-        when it is native, else ``"bfloat16"`` when that is native, else ``"float32"``.
+        when it is native, else the first native of ``"bfloat16"``, ``"float16"``,
+        ``"float32"``.
 
     Raises:
         ValueError: ``requested`` is not one of :data:`DTYPE_CHOICES`.
@@ -123,7 +130,10 @@ def resolve_model_dtype(requested: str, checkpoint: str | None, native: frozense
         return requested
     if checkpoint in ("bfloat16", "float16") and checkpoint in native:
         return checkpoint
-    return "bfloat16" if "bfloat16" in native else "float32"
+    if "bfloat16" in native:
+        return "bfloat16"
+    # NOTE: a GPU without bf16 runs 16-bit as fp16 (vLLM's rule on compute capability < 8).
+    return "float16" if "float16" in native else "float32"
 
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: str) -> str:

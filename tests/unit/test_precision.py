@@ -59,6 +59,16 @@ def test_auto_resolution_table(checkpoint, device, flags, bf16_kernels, expected
     assert resolve_kv_cache_dtype("auto", expected) == expected
 
 
+@pytest.mark.parametrize(
+    ("checkpoint", "expected"),
+    [("bfloat16", "float16"), ("float16", "float16"), ("float32", "float16"), (None, "float16")],
+)
+def test_auto_on_a_gpu_without_bf16_is_fp16(checkpoint, expected) -> None:
+    native = native_dtypes("cuda", frozenset(), cuda_bf16=False)
+    assert native == {"float32", "float16"}
+    assert resolve_model_dtype("auto", checkpoint, native) == expected
+
+
 def test_explicit_dtypes_win_over_the_rule() -> None:
     cpu = native_dtypes("cpu", ICL)
     assert resolve_model_dtype("bfloat16", "float32", cpu) == "bfloat16"
