@@ -33,6 +33,7 @@ from pagedserve.scheduler.config import (
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
 )
+from pagedserve.worker.precision import DTYPE_CHOICES
 
 
 def _parse_bytes(text: str) -> int:
@@ -73,6 +74,20 @@ def _add_serve(sub: Any) -> None:
         "--kv-cache-memory", type=_parse_bytes, default=None, help="KV bytes per worker (e.g. 1G)"
     )
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="model dtype; auto: the checkpoint's 16-bit dtype where the device runs it "
+        "fast, bf16 for an fp32 checkpoint on CUDA, float32 on CPU (its fast kernels are "
+        "fp32; bfloat16/float16 on CPU run the slower generic layers)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=DTYPE_CHOICES,
+        default="auto",
+        help="KV cache dtype; auto: the model's (bf16 holds twice the blocks of float32)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -277,13 +292,18 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     cache_kwargs: dict[str, Any] = {"num_blocks": args.num_blocks}
     if args.kv_cache_memory is not None:
         cache_kwargs["kv_cache_memory"] = args.kv_cache_memory
-    cache = CacheConfig(block_size=args.block_size, **cache_kwargs)
+    cache = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        **cache_kwargs,
+    )
     cpus = args.cpus_per_worker
     if cpus is None:
         cpus = max(1, (os.cpu_count() or 1) // args.workers)
     config = ClusterConfig(
         model=ModelConfig(
             model=args.model,
+            dtype=getattr(args, "dtype", "auto"),
             max_model_len=args.max_model_len,
             batch_invariant=getattr(args, "batch_invariant", False),
         ),
@@ -405,6 +425,7 @@ def _stats(args: argparse.Namespace) -> int:
         "free",
         "used",
         "block size",
+        "dtype / KV",
         "running",
         "waiting",
         "prefix hit rate",
@@ -419,6 +440,7 @@ def _stats(args: argparse.Namespace) -> int:
             str(w["num_free_blocks"]),
             str(w["num_used_blocks"]),
             str(w["block_size"]),
+            f"{w['dtype'] or '-'} / {w['kv_cache_dtype'] or '-'}",
             str(w["num_requests_running"]),
             str(w["num_requests_waiting"]),
             f"{w['prefix_cache_hit_rate']:.3f}",

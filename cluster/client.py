@@ -298,6 +298,8 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
                 "num_free_blocks": w.num_free_blocks,
                 "num_used_blocks": w.num_used_blocks,
                 "block_size": w.block_size,
+                "dtype": w.dtype,
+                "kv_cache_dtype": w.kv_cache_dtype,
                 "num_requests_running": w.num_requests_running,
                 "num_requests_waiting": w.num_requests_waiting,
                 "prefix_cache_hit_rate": w.prefix_cache_hit_rate,

@@ -241,6 +241,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 prefix_cache_hit_rate=w.prefix_cache_hit_rate,
                 num_preemptions=w.num_preemptions,
                 num_recomputed_tokens=w.num_recomputed_tokens,
+                dtype=w.dtype,
+                kv_cache_dtype=w.kv_cache_dtype,
             )
         return resp
 

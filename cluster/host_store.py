@@ -39,6 +39,7 @@ from pagedserve.cluster.auth import (
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.worker.config import HostStoreAccess
 from pagedserve.worker.host_store import HostBlockStore, serve_host_store
+from pagedserve.worker.precision import DTYPE_NAMES
 
 GiB = 1 << 30
 log = logging.getLogger(__name__)
@@ -86,9 +87,14 @@ def cluster_store_keys(server: ServerConfig) -> tuple[StoreKeys, HostStoreAccess
 
 
 def serve_store(
-    capacity_bytes: int, host: str, port: int, keys: StoreKeys
+    capacity_bytes: int,
+    host: str,
+    port: int,
+    keys: StoreKeys,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[grpc.Server, int, HostBlockStore]:
-    """Start a store guarded by ``keys`` (see :func:`pagedserve.worker.host_store.serve_host_store`).
+    """Start a store guarded by ``keys`` that accepts blocks of ``kv_cache_dtype`` only
+    (``None``: any; see :func:`pagedserve.worker.host_store.serve_host_store`).
 
     Raises:
         ValueError: bad capacity, or PEM data gRPC cannot use. RuntimeError: the port
@@ -99,7 +105,12 @@ def serve_store(
         credentials = ssl_server_credentials(keys.tls_cert, keys.tls_key, keys.tls_client_ca)
     interceptors = [ApiKeyServerInterceptor(keys.api_key)] if keys.api_key else []
     return serve_host_store(
-        capacity_bytes, host, port, credentials=credentials, interceptors=interceptors
+        capacity_bytes,
+        host,
+        port,
+        credentials=credentials,
+        interceptors=interceptors,
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -111,6 +122,7 @@ class HostStoreActor:
         host: interface to bind (loopback).
         port: TCP port; 0 picks a free one.
         keys: who may call it (:func:`cluster_store_keys`); ``None``: anyone.
+        kv_cache_dtype: the workers' KV dtype name, the only one the store accepts.
 
     Raises:
         ValueError: bad capacity. RuntimeError: the port cannot be bound.
@@ -122,9 +134,10 @@ class HostStoreActor:
         host: str = "127.0.0.1",
         port: int = 0,
         keys: StoreKeys | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> None:
         self._server, self._port, self._store = serve_store(
-            capacity_bytes, host, port, keys or StoreKeys()
+            capacity_bytes, host, port, keys or StoreKeys(), kv_cache_dtype
         )
         self._host = host
 
@@ -155,6 +168,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument(
         "--tls-client-ca", default=None, help="PEM CA: require client certificates (mutual TLS)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=DTYPE_NAMES,
+        default=None,
+        help="accept KV blocks of this dtype only (default: any)",
     )
 
 
@@ -193,7 +212,9 @@ def start(args: argparse.Namespace) -> tuple[grpc.Server, int]:
     )
     if warning is not None:
         log.warning(warning)
-    server, port, _ = serve_store(int(args.swap_space * GiB), args.host, args.port, keys)
+    server, port, _ = serve_store(
+        int(args.swap_space * GiB), args.host, args.port, keys, args.kv_cache_dtype
+    )
     return server, port
 
 

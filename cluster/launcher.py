@@ -213,9 +213,14 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             )
         infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
         max_model_len = min(i.max_model_len for i in infos)
-        specs = [WorkerSpec(i.worker_id, i.num_blocks, i.block_size) for i in infos]
+        specs = [
+            WorkerSpec(i.worker_id, i.num_blocks, i.block_size, i.dtype, i.kv_cache_dtype)
+            for i in infos
+        ]
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        host_store, swap = await start_host_store(config, workers, infos[0].block_bytes, store_keys)
+        host_store, swap = await start_host_store(
+            config, workers, infos[0].block_bytes, store_keys, infos[0].kv_cache_dtype
+        )
         scheduler: Any = (
             ray.remote(SchedulerActor)
             .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
@@ -267,10 +272,15 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
 
 
 async def start_host_store(
-    config: ClusterConfig, workers: list[Any], block_bytes: int, keys: StoreKeys
+    config: ClusterConfig,
+    workers: list[Any],
+    block_bytes: int,
+    keys: StoreKeys,
+    kv_cache_dtype: str | None = None,
 ) -> tuple[Any, SwapSpec | None]:
     """Start the host block store actor on this node, guarded by ``keys`` (the workers
-    carry their side in ``WorkerConfig.host_store_access``), connect the workers to it and
+    carry their side in ``WorkerConfig.host_store_access``) and accepting blocks of
+    ``kv_cache_dtype`` only, connect the workers to it and
     measure swap bandwidth and prefill cost on worker 0 (the cost model's start).
 
     Returns ``(actor, SwapSpec)``, or ``(None, None)`` when swapping is off
@@ -294,7 +304,7 @@ async def start_host_store(
     store: Any = (
         ray.remote(HostStoreActor)
         .options(num_cpus=0, max_concurrency=4, scheduling_strategy=node)
-        .remote(config.swap_space, keys=keys)
+        .remote(config.swap_space, keys=keys, kv_cache_dtype=kv_cache_dtype)
     )
     address = await store.address.remote()
     await asyncio.gather(*(w.connect_host_store.remote(address) for w in workers))

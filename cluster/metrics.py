@@ -88,7 +88,15 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
     info = gauge(
         "cache_config_info",
         "KV cache configuration of the worker (value 1; the facts are labels).",
-        [*mw, "block_size", "num_blocks", "preemption_mode", "enable_prefix_caching"],
+        [
+            *mw,
+            "block_size",
+            "num_blocks",
+            "cache_dtype",
+            "model_dtype",
+            "preemption_mode",
+            "enable_prefix_caching",
+        ],
     )
     for w in st.workers:
         wl = [model_name, str(w.worker_id)]
@@ -101,6 +109,8 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
                 *wl,
                 str(w.block_size),
                 str(w.num_blocks),
+                w.kv_cache_dtype,
+                w.dtype,
                 snap.preemption_mode,
                 str(snap.enable_prefix_caching).lower(),
             ],

@@ -130,7 +130,8 @@ class LLM:
             # scheduler behind the device, as in serving.
             sched_options["async_scheduling"] = info.device != "cpu"
         config = SchedulerConfig(max_model_len=info.max_model_len, **sched_options)
-        self.scheduler = Scheduler(config, [WorkerSpec(0, info.num_blocks, info.block_size)])
+        spec = WorkerSpec(0, info.num_blocks, info.block_size, info.dtype, info.kv_cache_dtype)
+        self.scheduler = Scheduler(config, [spec])
         # Overlap needs the model on a thread of its own; serial runs it on this thread.
         self._handle: ThreadWorker | InlineWorker = (
             ThreadWorker(self._worker.execute_model)

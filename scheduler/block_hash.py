@@ -11,8 +11,10 @@ process and only 64 bits wide). A collision is still not trusted: the block pool
 cached block's (parent hash, token ids, extra keys) and compares them on every hit, so a hash
 collision can cost a cache miss but never share wrong KV.
 
-The cache salt enters only the first block's extra keys; the chain carries it to every later
-block.
+The cache salt and the KV cache's dtype enter only the first block's extra keys; the chain
+carries them to every later block. The dtype is there because a block's bytes mean K/V only
+in the dtype they were written in: a bf16 pool and an fp32 pool never share a hash (vLLM
+keys its caches by ``cache_dtype`` for the same reason).
 """
 
 from __future__ import annotations
@@ -30,20 +32,25 @@ _HAS_PARENT = b"\x01"
 _U32 = struct.Struct("<I")
 
 
-def extra_keys_for_block(block_index: int, cache_salt: str | None) -> tuple[str, ...]:
+def extra_keys_for_block(
+    block_index: int, cache_salt: str | None, kv_cache_dtype: str = ""
+) -> tuple[str, ...]:
     """Extra keys mixed into block ``block_index`` of a sequence.
 
     Args:
         block_index: logical block index (0 = first block of the sequence).
         cache_salt: optional per-request salt; requests with different salts never share
             blocks. Only block 0 carries it (the chain propagates it).
+        kv_cache_dtype: the pool's KV dtype name, ``""`` for none; block 0 carries it as
+            ``"kv_dtype=<name>"`` ahead of the salt.
 
     Returns:
         A tuple of strings (empty when there is nothing extra).
     """
-    if block_index == 0 and cache_salt is not None:
-        return (cache_salt,)
-    return ()
+    if block_index != 0:
+        return ()
+    keys = (f"kv_dtype={kv_cache_dtype}",) if kv_cache_dtype else ()
+    return keys if cache_salt is None else (*keys, cache_salt)
 
 
 def hash_block_tokens(
@@ -93,6 +100,7 @@ def hash_full_blocks(
     cache_salt: str | None = None,
     start_block: int = 0,
     parent_hash: BlockHash | None = None,
+    kv_cache_dtype: str = "",
 ) -> list[BlockHash]:
     """Hashes of full blocks ``start_block .. num_blocks - 1`` of a token sequence.
 
@@ -104,6 +112,7 @@ def hash_full_blocks(
         start_block: first block to hash; ``parent_hash`` must then be block
             ``start_block - 1``'s hash (``None`` when ``start_block == 0``).
         parent_hash: see ``start_block``.
+        kv_cache_dtype: the pool's KV dtype name (enters block 0 only; ``""``: none).
 
     Returns:
         ``num_blocks - start_block`` hashes, in block order.
@@ -114,7 +123,7 @@ def hash_full_blocks(
         parent = hash_block_tokens(
             parent,
             token_ids[i * block_size : (i + 1) * block_size],
-            extra_keys_for_block(i, cache_salt),
+            extra_keys_for_block(i, cache_salt, kv_cache_dtype),
         )
         out.append(parent)
     return out

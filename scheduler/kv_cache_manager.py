@@ -56,16 +56,26 @@ class KVCacheManager:
         num_blocks: physical blocks in the pool (>= 1).
         block_size: token slots per block (>= 1; vLLM's default is 16).
         enable_prefix_caching: hash full blocks so later requests can reuse them.
+        kv_cache_dtype: the pool's KV dtype name (e.g. ``"bfloat16"``), mixed into every
+            block hash (``""``: none), so that equal prompts in pools of different dtypes
+            hash apart and a block never moves to a pool that reads it as another dtype.
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` is not a positive int.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        kv_cache_dtype: str = "",
+    ):
         self._pool = BlockPool(num_blocks, block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.kv_cache_dtype = kv_cache_dtype
         self._seqs: dict[str, _SeqState] = {}
         self._queries_tokens = 0
         self._hits_tokens = 0
@@ -186,7 +196,7 @@ class KVCacheManager:
         parent: BlockHash | None = None
         for i in range(max(0, (len(token_ids) - 1) // bs)):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            extra = extra_keys_for_block(i, cache_salt)
+            extra = extra_keys_for_block(i, cache_salt, self.kv_cache_dtype)
             h = hash_fn(parent, toks, extra)
             block = pool.lookup(h, parent, toks, extra)
             if block is None:
@@ -241,7 +251,7 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else None
         for i in range(start, num_full):
             toks = tuple(token_ids[i * bs : (i + 1) * bs])
-            extra = extra_keys_for_block(i, cache_salt)
+            extra = extra_keys_for_block(i, cache_salt, self.kv_cache_dtype)
             h = hash_fn(parent, toks, extra)
             pool.cache_block(seq.blocks[i], h, parent, toks, extra)
             hashes.append(h)

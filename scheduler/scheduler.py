@@ -151,7 +151,9 @@ class Scheduler:
         self.workers: dict[int, WorkerState] = {
             w.worker_id: WorkerState(
                 spec=w,
-                kv=KVCacheManager(w.num_blocks, w.block_size, config.enable_prefix_caching),
+                kv=KVCacheManager(
+                    w.num_blocks, w.block_size, config.enable_prefix_caching, w.kv_cache_dtype
+                ),
             )
             for w in workers
         }
@@ -978,7 +980,10 @@ class Scheduler:
         if ws.alive or ws.running or ws.waiting:
             raise IntegrityError(f"worker {worker_id} cannot be revived: it is alive or busy")
         ws.kv = KVCacheManager(
-            ws.spec.num_blocks, ws.spec.block_size, self.config.enable_prefix_caching
+            ws.spec.num_blocks,
+            ws.spec.block_size,
+            self.config.enable_prefix_caching,
+            ws.spec.kv_cache_dtype,
         )
         ws.resident.clear()
         ws.pending_finished.clear()

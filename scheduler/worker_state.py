@@ -25,11 +25,17 @@ class WorkerSpec:
         worker_id: the worker's index.
         num_blocks: physical KV blocks in its pool.
         block_size: tokens per block.
+        dtype: the worker's model dtype name, e.g. ``"bfloat16"`` (reported in stats).
+        kv_cache_dtype: its KV pool's dtype name; it enters the prefix-cache block hashes
+            (:func:`~pagedserve.scheduler.block_hash.extra_keys_for_block`), so pools of
+            different dtypes never share a hit. ``""``: unknown (simulated workers).
     """
 
     worker_id: int
     num_blocks: int
     block_size: int
+    dtype: str = ""
+    kv_cache_dtype: str = ""
 
 
 @dataclass
@@ -168,6 +174,8 @@ class WorkerStats:
         num_preemptions: running sequences preempted on this worker, since start.
         num_recomputed_tokens: tokens this worker computed again after a preemption had
             discarded their K/V (prefix-cache hits are not recomputed), since start.
+        dtype: the model's dtype name (:class:`WorkerSpec`).
+        kv_cache_dtype: the KV pool's dtype name.
     """
 
     worker_id: int
@@ -181,6 +189,8 @@ class WorkerStats:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     num_recomputed_tokens: int = 0
+    dtype: str = ""
+    kv_cache_dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -223,4 +233,6 @@ def worker_stats(ws: WorkerState) -> WorkerStats:
         prefix_cache_hit_rate=ws.kv.prefix_cache_stats.hit_rate,
         num_preemptions=ws.num_preemptions,
         num_recomputed_tokens=ws.num_recomputed_tokens,
+        dtype=ws.spec.dtype,
+        kv_cache_dtype=ws.spec.kv_cache_dtype,
     )

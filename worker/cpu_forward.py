@@ -156,8 +156,10 @@ class CpuLayerForward:
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> CpuLayerForward | None:
-        """This forward, or ``None`` when :func:`cpu_kernels_apply` does not hold."""
-        return cls() if cpu_kernels_apply(model) else None
+        """This forward, or ``None`` when :func:`cpu_kernels_apply` does not hold or a
+        cache is not fp32 (a ``kv_cache_dtype`` other than the model's)."""
+        fp32_caches = all(t.dtype == torch.float32 for cache in kv_caches for t in cache)
+        return cls() if cpu_kernels_apply(model) and fp32_caches else None
 
     def __call__(
         self,

@@ -118,15 +118,19 @@ class HostBlockStore:
 
     Args:
         capacity_bytes: most payload bytes held at once (``--swap-space``).
+        kv_cache_dtype: the dtype name of the cluster's KV pools (e.g. ``"bfloat16"``);
+            a SwapOut chunk of another dtype is refused (FAILED_PRECONDITION), so bytes
+            written as one dtype are never read back as another. ``None``: any dtype.
 
     Raises:
         ValueError: ``capacity_bytes`` < 1.
     """
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, kv_cache_dtype: str | None = None) -> None:
         if capacity_bytes < 1:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
+        self.kv_cache_dtype = kv_cache_dtype
         self._blocks: dict[int, StoredBlock] = {}
         self._used = 0
         self._lock = threading.Lock()
@@ -153,11 +157,19 @@ class HostBlockStore:
             ``(num_blocks, num_bytes)`` written.
 
         Raises:
-            StoreError: a bad chunk (INVALID_ARGUMENT / DATA_LOSS) or not enough room
-                (RESOURCE_EXHAUSTED); nothing is stored then.
+            StoreError: a bad chunk (INVALID_ARGUMENT / DATA_LOSS), a chunk whose dtype
+                is not the store's ``kv_cache_dtype`` (FAILED_PRECONDITION) or not enough
+                room (RESOURCE_EXHAUSTED); nothing is stored then.
         """
         staged: dict[int, StoredBlock] = {}
         for chunk in chunks:
+            if self.kv_cache_dtype is not None and chunk.dtype != self.kv_cache_dtype:
+                raise StoreError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"transfer {chunk.transfer_id!r} carries KV dtype {chunk.dtype!r}; this "
+                    f"store holds {self.kv_cache_dtype!r} blocks (--kv-cache-dtype differs "
+                    "between the worker and the store)",
+                )
             try:
                 views = _check_chunk(chunk)
             except StoreError as exc:
@@ -308,12 +320,14 @@ def serve_host_store(
     store: HostBlockStore | None = None,
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    kv_cache_dtype: str | None = None,
 ) -> tuple[grpc.Server, int, HostBlockStore]:
     """Start a store's gRPC server (threads) on ``host:port``; 0 picks a free port.
 
     ``store`` serves an existing store object instead of a new one of ``capacity_bytes``;
     ``credentials`` serve TLS (plaintext without); ``interceptors`` see every call first
-    (the API key check of :mod:`pagedserve.cluster.auth`).
+    (the API key check of :mod:`pagedserve.cluster.auth`); ``kv_cache_dtype`` is the one
+    dtype a new store accepts (:class:`HostBlockStore`).
 
     Returns:
         ``(server, port, store)``; stop with ``server.stop(grace)``.
@@ -323,7 +337,7 @@ def serve_host_store(
         RuntimeError: the port cannot be bound.
     """
     if store is None:
-        store = HostBlockStore(capacity_bytes)
+        store = HostBlockStore(capacity_bytes, kv_cache_dtype)
     opts = [
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -80,6 +80,11 @@ class KVPool:
         return int(self.key_caches[0].shape[0])
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of every K and V tensor."""
+        return self.key_caches[0].dtype
+
+    @property
     def num_layers(self) -> int:
         """Layers (pairs of K/V tensors)."""
         return len(self.key_caches)

@@ -37,6 +37,7 @@ from pagedserve.scheduler.outputs import (
     SwapResult,
 )
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.worker import precision
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
@@ -66,9 +67,10 @@ class WorkerInfo:
         vocab_size: rows of the LM head.
         eos_token_ids: end-of-sequence ids of the model.
         device: ``"cpu"`` or ``"cuda:N"``.
-        dtype: model and KV dtype name, e.g. ``"float32"``.
+        dtype: the model's dtype name, e.g. ``"float32"``.
         model_path: the resolved Hugging Face folder.
         block_bytes: bytes of one KV block, all layers, K and V.
+        kv_cache_dtype: the KV pool's dtype name (the model's unless ``kv_cache_dtype`` says).
     """
 
     worker_id: int
@@ -81,6 +83,7 @@ class WorkerInfo:
     dtype: str
     model_path: str
     block_bytes: int = 0
+    kv_cache_dtype: str = "float32"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,11 +95,28 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``"auto"`` -> float32 on CPU, bfloat16 on CUDA; else the named dtype."""
-    if name == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return _DTYPES[name]
+def resolve_dtypes(
+    config: WorkerConfig, model_path: str, device: torch.device
+) -> tuple[torch.dtype, torch.dtype]:
+    """``(model dtype, KV cache dtype)`` for ``config`` on ``device``, by the rules of
+    :mod:`pagedserve.worker.precision` (``auto``: the checkpoint's 16-bit dtype where the
+    device's forward runs it fast; bf16 on CUDA for an fp32 checkpoint; fp32 on CPU)."""
+    if device.type == "cuda":
+        native = precision.native_dtypes(
+            "cuda", frozenset(), cuda_bf16=torch.cuda.is_bf16_supported()
+        )
+    else:
+        native = precision.native_dtypes(device.type, precision.read_cpu_flags())
+    model = precision.resolve_model_dtype(
+        config.model.dtype, precision.checkpoint_dtype(model_path), native
+    )
+    kv = precision.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, model)
+    return _DTYPES[model], _DTYPES[kv]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 class ModelRunner:
@@ -119,8 +139,8 @@ class ModelRunner:
         self.thread_governor: ThreadGovernor | None = None
         if config.adaptive_threads and config.num_threads > 0 and self.device.type == "cpu":
             self.thread_governor = ThreadGovernor(config.num_threads, torch.set_num_threads)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.model_path = resolve_model(config.model)
+        self.dtype, self.kv_cache_dtype = resolve_dtypes(config, str(self.model_path), self.device)
         self.arch = ModelArch.from_pretrained(self.model_path, config.model.max_model_len)
         self.max_model_len = config.model.max_model_len or self.arch.max_position_embeddings
         if self.max_model_len > self.arch.max_position_embeddings:
@@ -137,7 +157,7 @@ class ModelRunner:
             self._make_batch_invariant()
         else:
             self._pack_weights()
-        self.kv_pool = KVPool.allocate(config.cache, self.arch, self.dtype, self.device)
+        self.kv_pool = KVPool.allocate(config.cache, self.arch, self.kv_cache_dtype, self.device)
         # The forward every step runs, chosen once for these weights and this pool.
         self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
         self.sampler = Sampler()
@@ -151,11 +171,13 @@ class ModelRunner:
             ValueError: the model does not run on the fused fp32 CPU kernels, whose
                 attention and norms are the ones known to be batch-invariant.
         """
-        if not cpu_kernels_apply(self.model):
+        if not cpu_kernels_apply(self.model) or self.kv_cache_dtype != torch.float32:
             raise ValueError(
-                "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype "
-                f"float32, attention backend auto or cpu); got device {self.device}, dtype "
-                f"{self.dtype}, backend {self.backend}"
+                "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype and "
+                "kv_cache_dtype float32, attention backend auto or cpu); got device "
+                f"{self.device}, dtype {dtype_name(self.dtype)}, kv_cache_dtype "
+                f"{dtype_name(self.kv_cache_dtype)}, "
+                f"backend {self.backend}"
             )
         if self._pack_weights():
             # The packed GEMM sums each output over K in order: rows are independent.
@@ -184,9 +206,10 @@ class ModelRunner:
             vocab_size=self.arch.vocab_size,
             eos_token_ids=self.arch.eos_token_ids,
             device=str(self.device),
-            dtype=str(self.dtype).removeprefix("torch."),
+            dtype=dtype_name(self.dtype),
             model_path=str(self.model_path),
-            block_bytes=bytes_per_block(self.arch, self.kv_pool.block_size, self.dtype),
+            block_bytes=bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype),
+            kv_cache_dtype=dtype_name(self.kv_cache_dtype),
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -363,7 +386,7 @@ class ModelRunner:
         client = self.swapper.client
         if client is None:
             raise SwapError("no host block store is connected")
-        per_block = bytes_per_block(self.arch, self.kv_pool.block_size, self.dtype)
+        per_block = bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype)
         n = max(1, min(self.kv_pool.num_blocks, num_bytes // per_block))
         ids = list(range(n))
         t0 = time.perf_counter()

@@ -81,3 +81,17 @@ def test_hash_full_blocks_matches_manual_chain():
 def test_out_of_range_token_raises():
     with pytest.raises(struct.error):
         hash_block_tokens(None, [2**63])
+
+
+def test_kv_cache_dtype_enters_the_first_block_ahead_of_the_salt():
+    assert extra_keys_for_block(0, None, "bfloat16") == ("kv_dtype=bfloat16",)
+    assert extra_keys_for_block(0, "s", "float32") == ("kv_dtype=float32", "s")
+    assert extra_keys_for_block(0, "s") == ("s",)
+    assert extra_keys_for_block(1, "s", "float32") == ()
+    tokens = list(range(12))
+    fp32 = hash_full_blocks(tokens, 4, 3, kv_cache_dtype="float32")
+    bf16 = hash_full_blocks(tokens, 4, 3, kv_cache_dtype="bfloat16")
+    plain = hash_full_blocks(tokens, 4, 3)
+    # The chain carries block 0's key: no block of one dtype hashes like the other's.
+    assert not set(fp32) & set(bf16) and not set(fp32) & set(plain)
+    assert fp32[0] == hash_block_tokens(None, tokens[:4], ("kv_dtype=float32",))

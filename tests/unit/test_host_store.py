@@ -156,6 +156,25 @@ def test_unreachable_store_raises_swap_error() -> None:
         client.swap_out("t", torch.zeros((1, 1, 2, 1, 1, 8)), [0])
 
 
+def test_a_transfer_of_another_kv_dtype_is_refused() -> None:
+    server, port, store = serve_host_store(1 << 20, kv_cache_dtype="float32")
+    try:
+        with HostStoreClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            bf16 = random_blocks(2, (1, 2, 4, 1, 8), torch.bfloat16, 3)
+            with pytest.raises(SwapError, match="FAILED_PRECONDITION") as err:
+                client.swap_out("mixed", bf16, [0, 1])
+            assert "KV dtype 'bfloat16'" in str(err.value) and "'float32'" in str(err.value)
+            assert store.num_blocks_stored == 0
+            fp32 = random_blocks(2, (1, 2, 4, 1, 8), torch.float32, 3)
+            assert client.swap_out("same", fp32, [0, 1]) == fp32.numel() * 4
+            # Reading blocks back into a pool of another dtype is refused by the client.
+            with pytest.raises(SwapError, match="does not match the request"):
+                client.swap_in("back", [0, 1], torch.empty_like(bf16))
+    finally:
+        server.stop(0)
+    assert HostBlockStore(1 << 20).kv_cache_dtype is None  # a store of its own: any dtype
+
+
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostBlockStore(0)
@@ -173,5 +192,8 @@ def test_serve_flags_and_host_store_command_parse() -> None:
     assert (cfg.scheduler.preemption_mode, cfg.swap_space) == ("auto", 4 << 30)
     args = parser.parse_args(["host-store", "--port", "0", "--swap-space", "0.5"])
     assert (args.command, args.port, args.swap_space) == ("host-store", 0, 0.5)
+    assert args.kv_cache_dtype is None
+    args = parser.parse_args(["host-store", "--kv-cache-dtype", "bfloat16"])
+    assert args.kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--preemption-mode", "sometimes"])

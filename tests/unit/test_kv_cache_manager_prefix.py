@@ -118,6 +118,23 @@ def test_cache_salt_isolates_requests():
     assert m.get_computed_blocks(P40) == ([3, 4], 32)
 
 
+def test_pools_of_other_kv_dtypes_never_share_a_hit():
+    fp32 = Checked(12, 16, kv_cache_dtype="float32")
+    bf16 = Checked(12, 16, kv_cache_dtype="bfloat16")
+    run_prompt(fp32, "a", P40)
+    run_prompt(bf16, "a", P40)
+    assert fp32.get_computed_blocks(P40) == ([0, 1], 32)
+    # The same pool looked up as another dtype (the hashes a bf16 pool computes): no hit.
+    fp32.m.kv_cache_dtype = "bfloat16"
+    assert fp32.get_computed_blocks(P40) == ([], 0)
+    fp32.m.kv_cache_dtype = ""
+    assert fp32.get_computed_blocks(P40) == ([], 0)
+    fp32.m.kv_cache_dtype = "float32"
+    assert fp32.get_computed_blocks(P40) == ([0, 1], 32)
+    want = block_hash.hash_full_blocks(P40, 16, 2, kv_cache_dtype="bfloat16")
+    assert bf16.m._seqs["a"].block_hashes == want
+
+
 def test_caching_disabled():
     m = Checked(10, 16, enable_prefix_caching=False)
     run_prompt(m, "a", P40)

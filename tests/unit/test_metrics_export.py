@@ -22,7 +22,11 @@ from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
 def two_worker_scheduler() -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=1, max_model_len=128)
-    s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 16, 4)])
+    specs = [
+        WorkerSpec(0, 8, 4, "bfloat16", "bfloat16"),
+        WorkerSpec(1, 16, 4, "float32", "float16"),
+    ]
+    s = Scheduler(cfg, specs)
     s.add_request(
         EngineRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0), [])
     )
@@ -65,6 +69,8 @@ def test_snapshot_renders_the_schedulers_values():
     info = [dict(k[1]) for k in got if k[0] == "pagedserve:cache_config_info"]
     assert {i["num_blocks"] for i in info} == {"8", "16"}
     assert {i["preemption_mode"] for i in info} == {"recompute"}
+    dtypes = {(i["worker"], i["model_dtype"], i["cache_dtype"]) for i in info}
+    assert dtypes == {("0", "bfloat16", "bfloat16"), ("1", "float32", "float16")}
     # Histogram: vLLM's bounds, cumulative buckets, +Inf == count.
     ttft = snap.histograms["time_to_first_token_seconds"]
     buckets = [

@@ -51,7 +51,8 @@ def _preempted_scheduler() -> Scheduler:
         max_model_len=64, admission="fits-now", preemption_victim="latest",
         enable_prefix_caching=False, routing="round-robin", async_scheduling=False,
     )  # fmt: skip
-    s = Scheduler(cfg, [WorkerSpec(0, 8, 4), WorkerSpec(1, 4, 4)])
+    specs = [WorkerSpec(0, 8, 4, "float32", "bfloat16"), WorkerSpec(1, 4, 4, "float32", "float32")]
+    s = Scheduler(cfg, specs)
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     for rid in ("x", "a", "y", "b"):
         s.add_request(EngineRequest(rid, [1] * 6 if rid in "ab" else [7], sp))
@@ -84,11 +85,14 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         w0, w1 = st["workers"]
         assert (w0["num_preemptions"], w0["num_recomputed_tokens"]) == (0, 0)
         assert (w1["num_preemptions"], w1["num_recomputed_tokens"]) == (1, 8)
+        assert (w0["dtype"], w0["kv_cache_dtype"]) == ("float32", "bfloat16")
+        assert (w1["dtype"], w1["kv_cache_dtype"]) == ("float32", "float32")
         assert main(["stats", "--address", address, "--output", "json"]) == 0
         assert json.loads(capsys.readouterr().out) == st
         assert main(["stats", "--address", address]) == 0
         text = capsys.readouterr().out
         assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
+        assert "float32 / bfloat16" in text and "float32 / float32" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
