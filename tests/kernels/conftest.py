@@ -1,10 +1,12 @@
 """Kernel tests run the Triton kernels under the interpreter when no GPU is present.
 
 TRITON_INTERPRET must be set before the ``pagedserve.kernels.*_triton`` modules are
-imported (``@triton.jit`` picks interpreter or compiler at decoration time). Those modules
-are only imported lazily, on the first Triton-backend call, so setting it when this
-conftest is loaded (before any test module here is imported) is early enough even if
-other test directories imported ``pagedserve.kernels`` or Triton itself already.
+imported (``@triton.jit`` picks interpreter or compiler at decoration time), and before
+``triton`` itself is first imported: Triton 3.9's own jitted helpers (``tl`` builtins)
+take the mode then, and a kernel interpreted after them fails with "Cannot call
+@triton.jit'd outside of the scope of a kernel". transformers imports triton when it loads
+a model, so tests/e2e/conftest.py sets it at load time too; setting it here, when this
+conftest is loaded, is early enough as long as no earlier test directory imported triton.
 """
 
 from __future__ import annotations
