@@ -223,11 +223,14 @@ class FlightTable:
 
     def mark_aborted(self, request_id: str) -> Flight | None:
         """Mark the flight aborted; returns it, or None when the id was aborted already
-        or is not in flight. An id not in flight is remembered (``abort_memory_s``): a
-        request admitted with it in that time starts aborted."""
+        or is not in flight. An id neither in flight nor released within
+        ``abort_memory_s`` is remembered for that long: a request admitted with it in that
+        time starts aborted. (An Abort for a request that just finished is a late one:
+        remembering it would abort the next request to reuse the id.)"""
         flight = self._flights.get(request_id)
         if flight is None:
-            self._aborted_early.add(request_id)
+            if request_id not in self._released:
+                self._aborted_early.add(request_id)
             return None
         if flight.aborted:
             return None

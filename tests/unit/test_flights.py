@@ -54,6 +54,18 @@ def test_flight_table_starts_an_early_aborted_id_aborted_once():
     asyncio.run(scenario())
 
 
+def test_a_late_abort_of_a_finished_request_does_not_abort_the_next_use_of_its_id():
+    async def scenario():
+        table = FlightTable(FlightConfig(abort_memory_s=2.0, max_remembered_ids=8), Clock())
+        first = await table.admit("x")
+        table.release(first)  # finished
+        assert table.mark_aborted("x") is None  # the client's cancel arrives after the end
+        again = await table.admit("x")  # the client reuses the id for a new request
+        assert again.aborted is False
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize(
     "kwargs, field",
     [
