@@ -191,6 +191,138 @@ def test_kuberay_rayservice():
     # rayStartParams.resources is a quoted JSON string (KubeRay passes it to `ray start`).
     assert res in json.loads(json.loads(head["rayStartParams"]["resources"]))
     ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
-    grpc = yaml.safe_load((DEPLOY / "kuberay" / "grpc-service.yaml").read_text())
-    assert {p["targetPort"] for p in grpc["spec"]["ports"]} <= ports
-    assert "--port 50051" in serve_cfg["applications"][0]["args"]["serve_args"]
+    front = yaml.safe_load((DEPLOY / "kuberay" / "frontend-service.yaml").read_text())
+    # gRPC and HTTP both from the head: the GPU pods are Ready but run no Serve proxy.
+    assert front["spec"]["selector"] == {"ray.io/node-type": "head", "ray.io/serve": "true"}
+    assert {p["targetPort"] for p in front["spec"]["ports"]} == {50051, 8000} <= ports
+    args = serve_cfg["applications"][0]["args"]["serve_args"]
+    assert "--port 50051" in args
+    assert serve_cfg["http_options"]["port"] == 8000
+
+
+def _rayservice() -> dict:
+    return yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+
+
+def _cluster_specs() -> dict[str, dict]:
+    """The RayClusterSpec of each KubeRay manifest, by file name."""
+    job = yaml.safe_load((DEPLOY / "kuberay" / "rayjob.yaml").read_text())
+    return {
+        "rayservice.yaml": _rayservice()["spec"]["rayClusterConfig"],
+        "rayjob.yaml": job["spec"]["rayClusterSpec"],
+    }
+
+
+def _pod_templates() -> list[tuple[str, dict]]:
+    """(where, pod template) of every Ray pod the manifests create."""
+    out = []
+    for name, spec in _cluster_specs().items():
+        out.append((f"{name} head", spec["headGroupSpec"]["template"]))
+        out += [(f"{name} {g['groupName']}", g["template"]) for g in spec["workerGroupSpecs"]]
+    return out
+
+
+def _serve_config() -> dict:
+    return yaml.safe_load(_rayservice()["spec"]["serveConfigV2"])
+
+
+def test_rayservice_gpu_pods_become_ready():
+    # Serve starts a proxy only on the head and on nodes with a Serve replica; the GPU pods
+    # host none, so KubeRay's default worker probe (raylet and a local proxy on 8000) would
+    # never pass. The override checks the raylet only.
+    assert _serve_config()["proxy_location"] == "EveryNode"
+    for group in _rayservice()["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        (container,) = group["template"]["spec"]["containers"]
+        probe = " ".join(container["readinessProbe"]["exec"]["command"])
+        assert "localhost:52365/api/local_raylet_healthz" in probe
+        assert ":8000" not in probe and "healthz | grep success" in probe
+
+
+def test_gpu_groups_tolerate_the_gpu_taint_and_ask_for_gpus():
+    for name, spec in _cluster_specs().items():
+        for group in spec["workerGroupSpecs"]:
+            pod = group["template"]["spec"]
+            (container,) = pod["containers"]
+            res = container["resources"]
+            assert int(res["limits"]["nvidia.com/gpu"]) >= 1, name
+            assert res["requests"]["nvidia.com/gpu"] == res["limits"]["nvidia.com/gpu"], name
+            tol = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+            assert tol in pod["tolerations"], name
+        # The head needs no GPU (and so no toleration): it schedules anywhere.
+        head = spec["headGroupSpec"]["template"]["spec"]
+        assert "nvidia.com/gpu" not in head["containers"][0]["resources"]["limits"]
+
+
+def _bytes(quantity: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30}
+    return int(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_every_ray_pod_mounts_a_memory_backed_dev_shm():
+    for where, tmpl in _pod_templates():
+        pod = tmpl["spec"]
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert vol["emptyDir"]["medium"] == "Memory", where
+        # Memory-backed: it counts against the container's limit, so it must leave room.
+        shm, limit = (
+            _bytes(vol["emptyDir"]["sizeLimit"]),
+            _bytes(container["resources"]["limits"]["memory"]),
+        )
+        assert 1 << 30 <= shm <= limit // 4, where
+
+
+def test_rayservice_api_key_comes_from_a_secret():
+    from pagedserve.cluster.auth import API_KEY_ENV
+
+    head = _rayservice()["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]
+    (env,) = [e for e in head["containers"][0]["env"] if e["name"] == API_KEY_ENV]
+    assert env["valueFrom"]["secretKeyRef"] == {"name": "pagedserve-api-key", "key": "api-key"}
+    assert "value" not in env
+    serve_args = _serve_config()["applications"][0]["args"]["serve_args"]
+    assert "--api-key" not in serve_args  # a flag would put the key in the manifest
+
+
+def test_rayservice_serves_on_cuda_with_the_sized_kv_cache():
+    from pagedserve.cluster.serve_app import cluster_config_from_args
+
+    serve_args = _serve_config()["applications"][0]["args"]["serve_args"]
+    config = cluster_config_from_args(serve_args)
+    assert config.device == "cuda"
+    assert config.cache.kv_cache_memory == 18 << 30  # the table's L4 row for SmolLM2
+
+
+def test_rayservice_kv_sizing_table_adds_up():
+    # Rows "GPU (M GiB)  M-w-1-a-r = KV: NG ...": each difference and its floor as given.
+    text = (DEPLOY / "kuberay" / "rayservice.yaml").read_text()
+    sums = re.findall(r"([\d.]+(?:-[\d.]+){4}) = ([\d.]+): (\d+)G", text)
+    assert len(sums) == 8  # 4 GPUs x 2 models
+    for expr, result, kv in sums:
+        total, *minus = (float(x) for x in expr.split("-"))
+        assert abs(total - sum(minus) - float(result)) < 0.06, expr
+        assert int(kv) == int(float(result)), expr
+        assert minus[-1] == pytest.approx(total / 10, abs=0.01), expr  # the 10% margin
+
+
+def test_pod_templates_validate_against_the_kubernetes_schema():
+    kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    version = kv.latest_version()
+    for where, tmpl in _pod_templates():
+        doc = {
+            "apiVersion": "v1",
+            "kind": "PodTemplate",
+            "metadata": {"name": "t"},
+            "template": tmpl,
+        }
+        try:
+            kv.validate(doc, version, strict=True)  # strict: unknown fields fail too
+        except kv.ValidationError as e:
+            pytest.fail(f"{where}: {e}")
+    front = yaml.safe_load((DEPLOY / "kuberay" / "frontend-service.yaml").read_text())
+    kv.validate(front, version, strict=True)
+    # A pod-level field put on the container is caught.
+    broken = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"},
+              "template": {"spec": {"containers": [{"name": "c", "tolerations": []}]}}}  # fmt: skip
+    with pytest.raises(kv.ValidationError):
+        kv.validate(broken, version, strict=True)
