@@ -12,6 +12,7 @@ import promql_parser
 import pytest
 import yaml
 
+from pagedserve.cluster.cli import build_parser
 from pagedserve.cluster.metrics import snapshot_families
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -133,7 +134,12 @@ def test_kuberay_rayjob():
     allowed = {"entrypoint", "runtimeEnvYAML", "submissionMode", "shutdownAfterJobFinishes",
                "ttlSecondsAfterFinished", "activeDeadlineSeconds", "rayClusterSpec"}  # fmt: skip
     assert set(spec) <= allowed, set(spec) - allowed
-    assert spec["entrypoint"].startswith("python -m pagedserve.cluster.job ")
+    assert spec["entrypoint"].startswith("python -m pagedserve.cluster.job bench ")
+    # The rest are the job's bench flags and `pagedserve serve` options.
+    argv = spec["entrypoint"].split()[4:]
+    args, job_flags = build_parser().parse_known_args(["serve", *argv])
+    assert job_flags[::2] == ["--concurrency", "--requests", "--max-tokens"]
+    assert args.device == "cuda"  # GPU workers, or a clear error; never CPU ones by default
     assert spec["submissionMode"] in ("K8sJobMode", "HTTPMode")
     assert isinstance(yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"], dict)
     _check_ray_cluster_spec(spec["rayClusterSpec"])
