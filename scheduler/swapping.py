@@ -286,9 +286,7 @@ class SwapManager:
             worker_id=wid,
             late={sid: v for sid, v in late.items() if tables[sid]},
         )
-        self._inflight.setdefault(wid, []).append(
-            InFlight("out", tid, g, host, ws.next_step_id)
-        )
+        self._inflight.setdefault(wid, []).append(InFlight("out", tid, g, host, ws.next_step_id))
         for s in group:
             self.groups[s.seq_id] = g
         return group, SwapTransfer(tid, unique, host, [s.seq_id for s in group])
