@@ -348,16 +348,16 @@ async def _start_node_store(
         address = await store.address.remote()
     except Exception as exc:  # any cause: that node's workers recompute
         for wid in workers:
-            _warn_no_swap(wid, node_id, f"its node's host block store did not start: {exc}")
+            _warn_no_swap(wid, node_id, "its node's host block store did not start", exc)
         ray.kill(store)
         return None, specs
     # NOTE: one probe at a time per store: every probe writes host blocks 0.., and
     # concurrent probes would measure each other's traffic.
     for wid, worker in workers.items():
         try:
-            bandwidth, prefill = await _probe_swap(worker, address)
+            bandwidth, prefill = await _probe_swap(wid, worker, address)
         except Exception as exc:  # any cause: this worker recomputes
-            _warn_no_swap(wid, node_id, f"the swap bandwidth probe through {address} failed: {exc}")
+            _warn_no_swap(wid, node_id, f"the swap bandwidth probe through {address} failed", exc)
             continue
         specs[wid] = SwapSpec(
             num_host_blocks, block_bytes, bandwidth, prefill, address, store_id=node_id
@@ -378,22 +378,27 @@ async def _start_node_store(
     return store, specs
 
 
-async def _probe_swap(worker: Any, address: str) -> tuple[float, float]:
-    """Connect ``worker`` to the store at ``address``; its ``(swap bytes/s, prefill
-    s/token)`` (``Worker.measure_swap_costs``). Raises whatever the probe raised."""
+async def _probe_swap(worker_id: int, worker: Any, address: str) -> tuple[float, float]:
+    """Connect worker ``worker_id`` (``worker``: its actor) to the store at ``address``;
+    its ``(swap bytes/s, prefill s/token)`` (``Worker.measure_swap_costs``). Raises
+    whatever the probe raised."""
     await worker.connect_host_store.remote(address)
     bandwidth, prefill = await worker.measure_swap_costs.remote()
     return float(bandwidth), float(prefill)
 
 
-def _warn_no_swap(worker_id: int, node_id: str, cause: str) -> None:
-    """The one line a worker that cannot swap gets; the cause's first line only."""
-    first = cause.strip().splitlines()[0] if cause.strip() else "unknown cause"
+def _warn_no_swap(worker_id: int, node_id: str, what: str, exc: BaseException) -> None:
+    """The one line a worker that cannot swap gets: ``what`` failed, and the first line of
+    the exception the actor raised (``RayTaskError.cause``, not Ray's traceback)."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = str(cause).strip().splitlines()
     log.warning(
-        "worker %d on node %s: swap disabled (preempts by recompute): %s",
+        "worker %d on node %s: swap disabled (preempts by recompute): %s: %s: %s",
         worker_id,
         node_id or "?",
-        first,
+        what,
+        type(cause).__name__,
+        lines[0] if lines else "no message",
     )
 
 
