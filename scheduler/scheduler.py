@@ -924,7 +924,10 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
-        workers = tuple(worker_stats(ws) for _, ws in sorted(self.workers.items()))
+        workers = tuple(
+            worker_stats(ws, self._swaps.worker_stats(wid))
+            for wid, ws in sorted(self.workers.items())
+        )
         queries = hits = 0
         for ws in self.workers.values():
             st = ws.kv.prefix_cache_stats

@@ -205,6 +205,22 @@ class InFlight:
 
 
 @dataclass(frozen=True)
+class WorkerSwapStats:
+    """One worker's swap counters since start (``GetStats`` per worker).
+
+    Attributes:
+        can_swap: it has a host block store (False: it preempts by recompute only).
+        num_swap_outs, num_swap_ins: its finished transfers (groups).
+        num_swap_failures: its transfers that failed.
+    """
+
+    can_swap: bool = False
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_failures: int = 0
+
+
+@dataclass(frozen=True)
 class SwapStats:
     """Swap counters since start (``GetStats``, ``pagedserve stats``, metrics).
 

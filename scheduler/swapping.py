@@ -82,6 +82,7 @@ from pagedserve.scheduler.swap import (
     SwapGroup,
     SwapSpec,
     SwapStats,
+    WorkerSwapStats,
     swap_specs,
 )
 from pagedserve.scheduler.worker_state import WorkerState
@@ -173,6 +174,8 @@ class SwapManager:
         self._next_transfer = 0
         self._backoff_until: dict[int, float] = {}  # worker_id -> recompute until then
         self._counts = {"out_bytes": 0, "in_bytes": 0, "outs": 0, "ins": 0, "failures": 0}
+        # worker_id -> its finished swap-outs, swap-ins and failed transfers
+        self._worker_counts = {wid: {"outs": 0, "ins": 0, "failures": 0} for wid in self.specs}
 
     # ------------------------------------------------------------------ queries
     def is_swapped(self, seq: Sequence) -> bool:
@@ -424,7 +427,7 @@ class SwapManager:
 
     def _resolve(self, worker_id: int, f: InFlight, r: SwapResult, res: SwapResolution) -> None:
         """Apply the result ``r`` of ``worker_id``'s transfer ``f`` (on that worker's store)."""
-        counts = self._counts
+        counts, mine = self._counts, self._worker_counts[worker_id]
         store = self.specs[worker_id].store_id
         pool = self.host_pools[store]
         if f.kind == "free":
@@ -435,6 +438,7 @@ class SwapManager:
             raise IntegrityError(f"transfer {f.transfer_id} has no group")
         if not r.ok:
             counts["failures"] += 1
+            mine["failures"] += 1
             # NOTE: only this worker backs off: another's store (or link) may be healthy.
             self._backoff_until[worker_id] = time.monotonic() + _BACKOFF_S
         else:
@@ -442,6 +446,7 @@ class SwapManager:
         if f.kind == "out":
             if r.ok:
                 counts["outs"] += 1
+                mine["outs"] += 1
                 counts["out_bytes"] += r.num_bytes
                 g.pending = False
                 self._queue_free(store, sorted(set(f.host_ids) - g.host_ids()))
@@ -456,6 +461,7 @@ class SwapManager:
         pool.free(f.host_ids)
         if r.ok:
             counts["ins"] += 1
+            mine["ins"] += 1
             counts["in_bytes"] += r.num_bytes
             return
         res.requeue.extend(f.seq_ids)
@@ -504,6 +510,13 @@ class SwapManager:
             prefill_s_per_token=_mean([m.prefill_s_per_token for m in costs]),
             preemptions_by_mode=preemptions_by_mode,
         )
+
+    def worker_stats(self, worker_id: int) -> WorkerSwapStats:
+        """``worker_id``'s swap counters (see :class:`WorkerSwapStats`)."""
+        c = self._worker_counts.get(worker_id)
+        if c is None:
+            return WorkerSwapStats()
+        return WorkerSwapStats(True, c["outs"], c["ins"], c["failures"])
 
     def check_integrity(self, sequences: Mapping[str, Sequence]) -> None:
         """Every swapped sequence waits in a queue; in each store, host blocks held by

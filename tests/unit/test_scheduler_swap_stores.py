@@ -19,7 +19,7 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
-from pagedserve.scheduler.swap import SwapSpec, swap_specs
+from pagedserve.scheduler.swap import SwapSpec, WorkerSwapStats, swap_specs
 
 NUM_BLOCKS = 10
 
@@ -109,6 +109,10 @@ def test_a_worker_without_a_spec_preempts_by_recompute() -> None:
     assert sched.workers[1].num_preemptions > 0
     assert sched.workers[0].num_preemptions == 0
     assert sched.swap_stats().preemption_mode == "swap" and host == {}
+    w0, w1 = sched.stats().workers
+    assert w1.swap == WorkerSwapStats()  # can_swap False, nothing moved
+    assert w0.swap.can_swap and w0.swap.num_swap_outs == sched.swap_stats().num_swap_outs > 0
+    assert w0.swap.num_swap_ins == w0.swap.num_swap_outs
 
 
 def test_a_failed_transfer_backs_off_only_its_worker(monkeypatch) -> None:
@@ -131,6 +135,9 @@ def test_a_failed_transfer_backs_off_only_its_worker(monkeypatch) -> None:
     assert moves[0] and 1 not in moves  # 1 backs off; 0 does not
     assert sched.workers[0].num_preemptions == 0
     assert sched.swap_stats().num_swap_failures == 1
+    w0, w1 = sched.stats().workers
+    assert (w0.swap.num_swap_failures, w1.swap.num_swap_failures) == (0, 1)
+    assert w0.swap.num_swap_outs > 0 and w1.swap.num_swap_outs == 0
     assert hosts == {"a": {}, "b": {}}
 
 
