@@ -305,6 +305,10 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
                 "prefix_cache_hit_rate": w.prefix_cache_hit_rate,
                 "num_preemptions": w.num_preemptions,
                 "num_recomputed_tokens": w.num_recomputed_tokens,
+                "can_swap": w.can_swap,
+                "num_swap_outs": w.num_swap_outs,
+                "num_swap_ins": w.num_swap_ins,
+                "num_swap_failures": w.num_swap_failures,
                 "alive": w.alive,
             }
             for w in r.workers

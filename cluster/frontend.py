@@ -243,6 +243,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_recomputed_tokens=w.num_recomputed_tokens,
                 dtype=w.dtype,
                 kv_cache_dtype=w.kv_cache_dtype,
+                can_swap=w.swap.can_swap,
+                num_swap_outs=w.swap.num_swap_outs,
+                num_swap_ins=w.swap.num_swap_ins,
+                num_swap_failures=w.swap.num_swap_failures,
             )
         return resp
 

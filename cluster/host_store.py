@@ -2,8 +2,9 @@
 
 Both serve :mod:`pagedserve.worker.host_store` (``pagedserve.v1.HostBlockStore``) with
 ``swap_space`` bytes of CPU memory for swapped-out KV blocks. The launcher starts one actor
-on the driver's node, on 127.0.0.1 (the workers of that node reach it on loopback); the
-standalone command is for running and measuring a store by hand.
+on every node that runs workers, on 127.0.0.1 (the workers of that node reach it on
+loopback; no other node uses it); the standalone command is for running and measuring a
+store by hand.
 
 Who may call it (:mod:`pagedserve.cluster.auth`): with an API key, every call needs
 ``authorization: Bearer <key>`` (else ``UNAUTHENTICATED``); with a certificate it serves

@@ -85,7 +85,7 @@ class ClusterHandle:
     pipeline: RequestPipeline | None = None
     servicer: GenerationServicer | None = None
     watch_task: asyncio.Task[None] | None = None
-    host_store: Any = None
+    host_stores: dict[str, Any] = dataclasses.field(default_factory=dict)  # node id -> store
 
     @property
     def address(self) -> str:
@@ -140,8 +140,8 @@ class ClusterHandle:
             log.debug("scheduler shutdown failed", exc_info=True)
         for actor in [self.scheduler, *self.workers]:
             ray.kill(actor)
-        if self.host_store is not None:
-            ray.kill(self.host_store)
+        for store in self.host_stores.values():
+            ray.kill(store)
         if self.owns_ray:
             ray.shutdown()
 
@@ -277,46 +277,129 @@ async def start_host_store(
     block_bytes: int,
     keys: StoreKeys,
     kv_cache_dtype: str | None = None,
-) -> tuple[Any, SwapSpec | None]:
-    """Start the host block store actor on this node, guarded by ``keys`` (the workers
-    carry their side in ``WorkerConfig.host_store_access``) and accepting blocks of
-    ``kv_cache_dtype`` only, connect the workers to it and
-    measure swap bandwidth and prefill cost on worker 0 (the cost model's start).
+) -> tuple[dict[str, Any], dict[int, SwapSpec] | None]:
+    """Start one host block store actor on every node that runs workers (Ray node
+    affinity; ``WorkerInfo.node_id``), each guarded by ``keys`` (the workers carry their
+    side in ``WorkerConfig.host_store_access``) and accepting blocks of
+    ``kv_cache_dtype`` only; connect every worker to its own node's store and measure its
+    swap bandwidth (to that store) and prefill cost, the nodes in parallel.
 
-    Returns ``(actor, SwapSpec)``, or ``(None, None)`` when swapping is off
-    (``preemption_mode`` recompute or ``swap_space`` 0).
+    A worker whose probe fails (or whose node's store does not start) gets no spec: it
+    preempts by recompute, with one warning naming the worker, its node and the cause;
+    start-up goes on.
+
+    Returns ``(node id -> store actor, worker id -> SwapSpec)``, or ``({}, None)`` when
+    swapping is off (``preemption_mode`` recompute or ``swap_space`` 0).
 
     Raises:
         ValueError: ``swap_space`` holds no KV block.
     """
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     if config.scheduler.preemption_mode == "recompute" or config.swap_space == 0:
-        return None, None
+        return {}, None
     num_host_blocks = config.swap_space // block_bytes
     if num_host_blocks < 1:
         raise ValueError(
             f"swap space of {config.swap_space} bytes holds no KV block ({block_bytes} bytes)"
         )
-    # NOTE: one store, on the driver's node: workers on this node reach it on loopback.
-    node = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
+    by_node: dict[str, dict[int, Any]] = {}
+    for wid, info in enumerate(infos):
+        by_node.setdefault(info.node_id, {})[wid] = workers[wid]
+    size = (config.swap_space, num_host_blocks, block_bytes)
+    started = await asyncio.gather(
+        *(
+            _start_node_store(node, members, size, keys, kv_cache_dtype)
+            for node, members in by_node.items()
+        )
+    )
+    stores: dict[str, Any] = {}
+    specs: dict[int, SwapSpec] = {}
+    for node, (store, node_specs) in zip(by_node, started):
+        if store is not None:
+            stores[node] = store
+        specs.update(node_specs)
+    return stores, specs
+
+
+async def _start_node_store(
+    node_id: str,
+    workers: dict[int, Any],
+    size: tuple[int, int, int],
+    keys: StoreKeys,
+    kv_cache_dtype: str | None,
+) -> tuple[Any, dict[int, SwapSpec]]:
+    """The store of one node and the specs of its ``workers`` (worker id -> actor) whose
+    probe succeeded; ``(None, {})`` when none can swap (the store is then stopped).
+    ``size``: ``(swap_space bytes, host blocks, bytes per block)``."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    swap_space, num_host_blocks, block_bytes = size
+    # NOTE: bound to the node's loopback: only that node's workers use it (a group swapped
+    # out there resumes on a worker of that node, or is recomputed).
+    node = NodeAffinitySchedulingStrategy(node_id, soft=False)
     store: Any = (
         ray.remote(HostStoreActor)
         .options(num_cpus=0, max_concurrency=4, scheduling_strategy=node)
-        .remote(config.swap_space, keys=keys, kv_cache_dtype=kv_cache_dtype)
+        .remote(swap_space, keys=keys, kv_cache_dtype=kv_cache_dtype)
     )
-    address = await store.address.remote()
-    await asyncio.gather(*(w.connect_host_store.remote(address) for w in workers))
-    bandwidth, prefill = await workers[0].measure_swap_costs.remote()
-    log.info(
-        "host block store %s: %d blocks; swap %.1f MB/s, prefill %.2f ms/token",
-        address,
-        num_host_blocks,
-        bandwidth / 1e6,
-        prefill * 1e3,
+    specs: dict[int, SwapSpec] = {}
+    try:
+        address = await store.address.remote()
+    except Exception as exc:  # any cause: that node's workers recompute
+        for wid in workers:
+            _warn_no_swap(wid, node_id, "its node's host block store did not start", exc)
+        ray.kill(store)
+        return None, specs
+    # NOTE: one probe at a time per store: every probe writes host blocks 0.., and
+    # concurrent probes would measure each other's traffic.
+    for wid, worker in workers.items():
+        try:
+            bandwidth, prefill = await _probe_swap(wid, worker, address)
+        except Exception as exc:  # any cause: this worker recomputes
+            _warn_no_swap(wid, node_id, f"the swap bandwidth probe through {address} failed", exc)
+            continue
+        specs[wid] = SwapSpec(
+            num_host_blocks, block_bytes, bandwidth, prefill, address, store_id=node_id
+        )
+        log.info(
+            "worker %d on node %s: host block store %s, %d blocks; swap %.1f MB/s, "
+            "prefill %.2f ms/token",
+            wid,
+            node_id,
+            address,
+            num_host_blocks,
+            bandwidth / 1e6,
+            prefill * 1e3,
+        )
+    if not specs:
+        ray.kill(store)
+        return None, specs
+    return store, specs
+
+
+async def _probe_swap(worker_id: int, worker: Any, address: str) -> tuple[float, float]:
+    """Connect worker ``worker_id`` (``worker``: its actor) to the store at ``address``;
+    its ``(swap bytes/s, prefill s/token)`` (``Worker.measure_swap_costs``). Raises
+    whatever the probe raised."""
+    await worker.connect_host_store.remote(address)
+    bandwidth, prefill = await worker.measure_swap_costs.remote()
+    return float(bandwidth), float(prefill)
+
+
+def _warn_no_swap(worker_id: int, node_id: str, what: str, exc: BaseException) -> None:
+    """The one line a worker that cannot swap gets: ``what`` failed, and the first line of
+    the exception the actor raised (``RayTaskError.cause``, not Ray's traceback)."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = str(cause).strip().splitlines()
+    log.warning(
+        "worker %d on node %s: swap disabled (preempts by recompute): %s: %s: %s",
+        worker_id,
+        node_id or "?",
+        what,
+        type(cause).__name__,
+        lines[0] if lines else "no message",
     )
-    return store, SwapSpec(num_host_blocks, block_bytes, bandwidth, prefill, address)
 
 
 def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,7 +89,8 @@ class SchedulerActor:
             restarted scheduler then looks its workers up again.
         specs: the KV pool of each worker (from the workers' ``get_info``).
         probe_interval_s: how often idle workers are pinged (seconds).
-        swap: the host block store for swap preemption (None: recompute only).
+        swap: the host block stores for swap preemption: one spec for every worker, or
+            one per worker that may swap (see :class:`Scheduler`); None: recompute only.
         tune_gc: apply :func:`pagedserve.scheduler.gc_tuning.tune_gc` to this process
             (the launcher does: the actor has its process to itself; in-process tests
             leave the test process's collector alone).
@@ -101,14 +102,13 @@ class SchedulerActor:
         workers: list[Any],
         specs: list[WorkerSpec],
         probe_interval_s: float = 2.0,
-        swap: SwapSpec | None = None,
+        swap: SwapSpec | Mapping[int, SwapSpec] | None = None,
         tune_gc: bool = False,
     ) -> None:
         if tune_gc:
             log.info("gc thresholds %s", gc_tuning.tune_gc(config.max_num_seqs, len(specs)))
         self._probe_interval_s = probe_interval_s
         self._scheduler = Scheduler(config, specs, swap)
-        self._swap = swap
         self._workers = [ray.get_actor(w) if isinstance(w, str) else w for w in workers]
         # subscriber -> its stream's queue of (tag, output); request id -> its route
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
@@ -321,10 +321,11 @@ class SchedulerActor:
         try:
             await asyncio.wait_for(worker.ping.remote(), timeout_s)
             await asyncio.wait_for(worker.reset.remote(), timeout_s)
-            if self._swap is not None and self._swap.host_store_address is not None:
-                # A restarted actor is a new process: connect it to the host store again.
+            swap = self._scheduler.swap_spec(worker_id)
+            if swap is not None and swap.host_store_address is not None:
+                # A restarted actor is a new process: connect it to its host store again.
                 await asyncio.wait_for(
-                    worker.connect_host_store.remote(self._swap.host_store_address), timeout_s
+                    worker.connect_host_store.remote(swap.host_store_address), timeout_s
                 )
         except (TimeoutError, ray.exceptions.RayActorError):
             return  # still dead (or restarting)

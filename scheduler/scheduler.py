@@ -62,7 +62,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,18 +131,21 @@ class Scheduler:
         config: token budget, batch limits, prefix caching and ``max_model_len`` (which
             must be set).
         workers: one spec per worker (the size of its KV pool).
-        swap: the host block store (size, measured costs) for ``preemption_mode`` swap
-            or auto; None preempts by recompute only.
+        swap: the host block stores (size, measured costs) for ``preemption_mode`` swap
+            or auto: one :class:`SwapSpec` shared by every worker, or one per worker that
+            may swap (:func:`~pagedserve.scheduler.swap.swap_specs`; workers left out
+            preempt by recompute); None preempts by recompute only.
 
     Raises:
-        ValueError: when no workers are given or ``config.max_model_len`` is unset.
+        ValueError: when no workers are given, ``config.max_model_len`` is unset, or the
+            swap specs are inconsistent.
     """
 
     def __init__(
         self,
         config: SchedulerConfig,
         workers: Iterable[WorkerSpec],
-        swap: SwapSpec | None = None,
+        swap: SwapSpec | Mapping[int, SwapSpec] | None = None,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be set for a Scheduler")
@@ -161,7 +164,7 @@ class Scheduler:
             raise ValueError("at least one worker is required")
         self._router = Router(config)
         self._admission = AdmissionPolicy(config, self.max_model_len)
-        self._swaps = SwapManager(config, swap)
+        self._swaps = SwapManager(config, swap, self.workers)
         self._forks = ForkManager()
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
@@ -248,7 +251,7 @@ class Scheduler:
         ws = self.workers[worker_id]
         if not ws.alive:
             return False
-        if ws.running or ws.pending_finished or ws.waiting or self._swaps.has_frees:
+        if ws.running or ws.pending_finished or ws.waiting or self._swaps.has_frees(worker_id):
             return True
         return any(w.waiting for w in self.workers.values() if w.alive)
 
@@ -353,7 +356,10 @@ class Scheduler:
             # one that does not fit stays queued here (this worker is then not idle).
             while not ws.waiting and budget > 0:
                 found = self._router.find_stealable(
-                    ws, self.workers, self._pinned, self._admission.projection_admits
+                    ws,
+                    self.workers,
+                    lambda s: self._pinned(s, ws),
+                    self._admission.projection_admits,
                 )
                 if found is None:
                     break
@@ -626,10 +632,11 @@ class Scheduler:
             raise IntegrityError(f"waiting sequence {seq.seq_id!r} is in no queue")
         return self.workers[seq.queued_on]
 
-    def _pinned(self, seq: Sequence) -> bool:
-        """A queued sequence no other worker may steal: its swap-out is in flight, or it
-        is a beam whose request has a beam running."""
-        return self._swaps.pinned(seq) or self._forks.pinned(seq)
+    def _pinned(self, seq: Sequence, thief: WorkerState) -> bool:
+        """A queued sequence ``thief`` may not steal: its swap-out is in flight, its KV is
+        in a store ``thief`` does not use, or it is a beam whose request has a beam
+        running."""
+        return self._swaps.pinned(seq, thief) or self._forks.pinned(seq)
 
     def _preempt(
         self,
@@ -917,7 +924,10 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
-        workers = tuple(worker_stats(ws) for _, ws in sorted(self.workers.items()))
+        workers = tuple(
+            worker_stats(ws, self._swaps.worker_stats(wid))
+            for wid, ws in sorted(self.workers.items())
+        )
         queries = hits = 0
         for ws in self.workers.values():
             st = ws.kv.prefix_cache_stats
@@ -1016,6 +1026,11 @@ class Scheduler:
         worker drop the group (see :mod:`.swapping`)."""
         swap = sched_out.swap_plan
         return swap is None or not swap.blocks_to_swap_in
+
+    def swap_spec(self, worker_id: int) -> SwapSpec | None:
+        """``worker_id``'s host block store and start-up costs; None: it preempts by
+        recompute only."""
+        return self._swaps.specs.get(worker_id)
 
     def swap_stats(self) -> SwapStats:
         """Swap counters and host pool occupancy (see :class:`SwapStats`)."""

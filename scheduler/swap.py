@@ -14,6 +14,7 @@ exponential moving average from observed transfers and steps.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.errors import IntegrityError
@@ -24,15 +25,19 @@ _MIN_STEP_TOKENS = 64  # steps this large are prefill-dominated: they refine s/t
 
 @dataclass(frozen=True)
 class SwapSpec:
-    """What the scheduler knows about the host block store, measured at startup.
+    """What the scheduler knows about one worker's host block store, measured at startup
+    by that worker.
 
     Attributes:
         num_host_blocks: KV blocks the store holds (``swap_space // block_bytes``).
         block_bytes: bytes of one KV block, all layers, K and V.
-        bandwidth_bytes_per_s: measured one-way swap bandwidth through the store (> 0).
-        prefill_s_per_token: measured prefill cost, seconds per token (> 0).
+        bandwidth_bytes_per_s: measured one-way swap bandwidth between the worker and the
+            store (> 0).
+        prefill_s_per_token: measured prefill cost of the worker, seconds per token (> 0).
         host_store_address: ``host:port`` of the store, for reconnecting a worker that
             Ray restarted (None: not known).
+        store_id: names the store; workers whose specs share it share one host block pool
+            (the launcher uses the Ray node id: one store per node).
     """
 
     num_host_blocks: int
@@ -40,6 +45,7 @@ class SwapSpec:
     bandwidth_bytes_per_s: float
     prefill_s_per_token: float
     host_store_address: str | None = None
+    store_id: str = ""
 
     def __post_init__(self) -> None:
         if self.num_host_blocks < 0 or self.block_bytes < 1:
@@ -49,6 +55,35 @@ class SwapSpec:
             )
         if not (self.bandwidth_bytes_per_s > 0 and self.prefill_s_per_token > 0):
             raise ValueError("bandwidth_bytes_per_s and prefill_s_per_token must be > 0")
+
+
+def swap_specs(
+    swap: SwapSpec | Mapping[int, SwapSpec] | None, worker_ids: Iterable[int]
+) -> dict[int, SwapSpec]:
+    """Each worker's :class:`SwapSpec`: one spec is every worker's (one shared store); a
+    mapping names the workers that may swap (the others preempt by recompute only).
+
+    Raises:
+        ValueError: a mapping names an unknown worker, or two specs of one ``store_id``
+            disagree on the store's size (``num_host_blocks``, ``block_bytes``).
+    """
+    ids = list(worker_ids)
+    if swap is None:
+        return {}
+    if isinstance(swap, SwapSpec):
+        return dict.fromkeys(ids, swap)
+    unknown = sorted(set(swap) - set(ids))
+    if unknown:
+        raise ValueError(f"swap specs name unknown workers {unknown}")
+    sizes: dict[str, tuple[int, int]] = {}
+    for wid, spec in swap.items():
+        size = (spec.num_host_blocks, spec.block_bytes)
+        if sizes.setdefault(spec.store_id, size) != size:
+            raise ValueError(
+                f"worker {wid}: store {spec.store_id!r} is {size} (blocks, bytes) here and "
+                f"{sizes[spec.store_id]} for another worker"
+            )
+    return dict(swap)
 
 
 class CostModel:
@@ -130,7 +165,7 @@ class SwapGroup:
             several tables under the same id).
         num_tokens: seq_id -> KV slots of its table that hold computed tokens (its table
             may cover more: slots of a step in flight, see ``late``).
-        worker_id: the worker that swapped it out.
+        worker_id: the worker that swapped it out (its store holds the group).
         pending: the swap-out is in flight (the group cannot be resumed yet).
         late: overlapped scheduling: seq_id -> ``(step_id, num_tokens)`` of the step that
             was in flight for that member when it was swapped out. The swap-out runs after
@@ -167,6 +202,22 @@ class InFlight:
     host_ids: list[int]
     step_id: int
     seq_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class WorkerSwapStats:
+    """One worker's swap counters since start (``GetStats`` per worker).
+
+    Attributes:
+        can_swap: it has a host block store (False: it preempts by recompute only).
+        num_swap_outs, num_swap_ins: its finished transfers (groups).
+        num_swap_failures: its transfers that failed.
+    """
+
+    can_swap: bool = False
+    num_swap_outs: int = 0
+    num_swap_ins: int = 0
+    num_swap_failures: int = 0
 
 
 @dataclass(frozen=True)

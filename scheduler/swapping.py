@@ -14,12 +14,22 @@ group gets one host block; the device blocks are freed at once (another sequence
 them in this very step: the worker packs them before anything writes). The group waits at
 the front of the queue, keeping its computed tokens, and cannot resume until the worker
 reports the transfer (``pending``). The policy declines (the victim is recomputed
-instead) when the mode is ``recompute``, the store is missing, full, or failed within the
-last second, a member already has tokens scheduled in this step, or, under ``auto``, the
-cost model estimates recompute cheaper.
+instead) when the mode is ``recompute``, the worker has no store, its store is full, a
+transfer of this worker failed within the last second, a member already has tokens
+scheduled in this step, or, under ``auto``, the worker's cost model estimates recompute
+cheaper.
 
-Swap-in (:meth:`SwapManager.plan_swap_in`, from admission, on whichever worker admits it:
-its own, a thief's, or a live one after its worker died): the whole group is admitted at
+Stores (:func:`pagedserve.scheduler.swap.swap_specs`): each worker that may swap has a
+:class:`SwapSpec`; workers whose specs name one ``store_id`` share that store's host
+block pool (the launcher starts one store per node), and each worker has its own cost
+model (its bandwidth to its store, its prefill cost) and its own backoff. A group lives in
+the store of the worker that swapped it out and resumes only on a worker of that store: a
+worker of another store never steals it (:meth:`SwapManager.pinned`), and a group queued
+on one (its worker died and routing moved it) is dissolved and recomputed there. Host
+blocks are freed on a store by the next step of any worker of that store.
+
+Swap-in (:meth:`SwapManager.plan_swap_in`, from admission, on whichever worker of its
+store admits it: its own, a thief's, or a live one after its worker died): the whole group is admitted at
 once. Tables are rebuilt as they were shared: each member forks the longest run of full
 blocks it shared with a member restored before it and takes fresh blocks for the rest (a
 partial block that was shared becomes one copy per holder, so no copy-on-write is needed
@@ -58,7 +68,7 @@ worker runs its steps one at a time, in order):
 from __future__ import annotations
 
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.config import SchedulerConfig
@@ -72,14 +82,20 @@ from pagedserve.scheduler.swap import (
     SwapGroup,
     SwapSpec,
     SwapStats,
+    WorkerSwapStats,
+    swap_specs,
 )
 from pagedserve.scheduler.worker_state import WorkerState
 
-_BACKOFF_S = 1.0  # after a failed transfer, recompute for this long before swapping again
+_BACKOFF_S = 1.0  # after a worker's failed transfer, it recomputes for this long
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,22 +144,38 @@ class SwapManager:
 
     Args:
         config: the preemption mode and batch limits.
-        spec: the host block store; None preempts by recompute only.
+        swap: the host block stores (:func:`~pagedserve.scheduler.swap.swap_specs`: one
+            spec for every worker, or one per worker that may swap); None preempts by
+            recompute only.
+        worker_ids: every worker's id.
+
+    Raises:
+        ValueError: see :func:`~pagedserve.scheduler.swap.swap_specs`.
     """
 
-    def __init__(self, config: SchedulerConfig, spec: SwapSpec | None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        swap: SwapSpec | Mapping[int, SwapSpec] | None,
+        worker_ids: Iterable[int],
+    ) -> None:
         self.config = config
-        self.spec = spec
-        self.host_pool = HostBlockPool(spec.num_host_blocks if spec else 0)
-        self.cost = (
-            CostModel(spec.bandwidth_bytes_per_s, spec.prefill_s_per_token) if spec else None
-        )
+        self.specs = swap_specs(swap, worker_ids)  # worker_id -> its store and costs
+        self.host_pools: dict[str, HostBlockPool] = {}  # store_id -> its host blocks
+        for spec in self.specs.values():
+            self.host_pools.setdefault(spec.store_id, HostBlockPool(spec.num_host_blocks))
+        self.costs = {
+            wid: CostModel(spec.bandwidth_bytes_per_s, spec.prefill_s_per_token)
+            for wid, spec in self.specs.items()
+        }
         self.groups: dict[str, SwapGroup] = {}  # seq_id -> its group while swapped
         self._inflight: dict[int, list[InFlight]] = {}  # worker_id -> sent, not answered
-        self._host_free_queue: list[int] = []
+        self._host_free_queue: dict[str, list[int]] = {}  # store_id -> ids to free there
         self._next_transfer = 0
-        self._backoff_until = 0.0
+        self._backoff_until: dict[int, float] = {}  # worker_id -> recompute until then
         self._counts = {"out_bytes": 0, "in_bytes": 0, "outs": 0, "ins": 0, "failures": 0}
+        # worker_id -> its finished swap-outs, swap-ins and failed transfers
+        self._worker_counts = {wid: {"outs": 0, "ins": 0, "failures": 0} for wid in self.specs}
 
     # ------------------------------------------------------------------ queries
     def is_swapped(self, seq: Sequence) -> bool:
@@ -154,21 +186,40 @@ class SwapManager:
         """The ids of the sequences swapped in one group with ``seq``, in running order."""
         return list(self.groups[seq.seq_id].host_tables)
 
-    def pinned(self, seq: Sequence) -> bool:
-        """Its swap-out is in flight: only its own worker sees the result."""
+    def pinned(self, seq: Sequence, thief: WorkerState | None = None) -> bool:
+        """``seq`` may not move to another worker (``thief``, when known): its swap-out is
+        in flight (only its own worker sees the result), or its group lives in a store
+        ``thief`` does not use."""
         g = self.groups.get(seq.seq_id)
-        return g is not None and g.pending
+        if g is None:
+            return False
+        if g.pending:
+            return True
+        return thief is not None and self.store_of(thief.spec.worker_id) != self._home(g)
 
-    @property
-    def has_frees(self) -> bool:
-        """Host blocks wait to be freed on the store (by any worker's next step)."""
-        return bool(self._host_free_queue)
+    def store_of(self, worker_id: int) -> str | None:
+        """The ``store_id`` of ``worker_id``'s store; None: it preempts by recompute only."""
+        spec = self.specs.get(worker_id)
+        return None if spec is None else spec.store_id
 
-    def _allowed(self) -> bool:
+    def _home(self, g: SwapGroup) -> str:
+        """The store holding ``g``: the one of the worker that swapped it out."""
+        return self.specs[g.worker_id].store_id
+
+    def has_frees(self, worker_id: int) -> bool:
+        """Host blocks wait to be freed on ``worker_id``'s store (by the next step of any
+        worker of that store)."""
+        store = self.store_of(worker_id)
+        return store is not None and bool(self._host_free_queue.get(store))
+
+    def _queue_free(self, store: str, host_ids: Iterable[int]) -> None:
+        self._host_free_queue.setdefault(store, []).extend(host_ids)
+
+    def _allowed(self, worker_id: int) -> bool:
         return (
-            self.cost is not None
+            worker_id in self.costs
             and self.config.preemption_mode != "recompute"
-            and time.monotonic() >= self._backoff_until
+            and time.monotonic() >= self._backoff_until.get(worker_id, 0.0)
         )
 
     def _transfer_id(self, kind: str) -> str:
@@ -186,7 +237,8 @@ class SwapManager:
         as swapped and its transfer in flight; None, with nothing changed, when the policy
         declines. The caller takes the group off the worker and queues it at the front.
         """
-        if not (ws.alive and self._allowed()):
+        wid = ws.spec.worker_id
+        if not (ws.alive and self._allowed(wid)):
             return None
         group = [s for s in ws.running if s.request_id == victim.request_id]
         if any(s.seq_id in scheduled for s in group):
@@ -218,14 +270,13 @@ class SwapManager:
             # NOTE: a group resumes whole; one that may not fit even an empty pool (forked
             # choices that grew apart) is recomputed one sequence at a time instead.
             return None
-        if self.cost is None or self.spec is None:
-            return None
+        spec, cost = self.specs[wid], self.costs[wid]
         if self.config.preemption_mode == "auto":
-            nbytes = len(unique) * self.spec.block_bytes
+            nbytes = len(unique) * spec.block_bytes
             tokens = sum(tokens_of.values())
-            if self.cost.swap_s(nbytes) >= self.cost.recompute_s(tokens):
+            if cost.swap_s(nbytes) >= cost.recompute_s(tokens):
                 return None
-        host = self.host_pool.allocate(len(unique))
+        host = self.host_pools[spec.store_id].allocate(len(unique))
         if host is None:
             return None  # host pool full: recompute
         to_host = dict(zip(unique, host))
@@ -235,12 +286,10 @@ class SwapManager:
             request_id=victim.request_id,
             host_tables={sid: [to_host[b] for b in t] for sid, t in tables.items()},
             num_tokens={s.seq_id: s.num_computed_tokens if tables[s.seq_id] else 0 for s in group},
-            worker_id=ws.spec.worker_id,
+            worker_id=wid,
             late={sid: v for sid, v in late.items() if tables[sid]},
         )
-        self._inflight.setdefault(ws.spec.worker_id, []).append(
-            InFlight("out", tid, g, host, ws.next_step_id)
-        )
+        self._inflight.setdefault(wid, []).append(InFlight("out", tid, g, host, ws.next_step_id))
         for s in group:
             self.groups[s.seq_id] = g
         return group, SwapTransfer(tid, unique, host, [s.seq_id for s in group])
@@ -257,11 +306,15 @@ class SwapManager:
         """How ``seq``'s whole group (``members``: the sequences of its host tables, see
         :meth:`members_of`) would be restored on ``ws`` within ``budget`` tokens and
         ``seats`` taken; None when it does not fit now. A group that can never fit ``ws``
-        is dissolved instead: the resolution names its members to recompute.
+        (a smaller pool than it left, or ``ws`` does not use the group's store) is
+        dissolved instead: the resolution names its members to recompute.
         """
         g = self.groups[seq.seq_id]
         if g.pending:
             return None
+        if self.store_of(ws.spec.worker_id) != self._home(g):
+            # NOTE: no store-to-store transfer: its worker died and routing moved it here.
+            return self._dissolve(g)
         width = len(members) + sum(len(m.fork_children) for m in members)
         if seats + width > self.config.max_num_seqs and seats > 0:
             return None
@@ -325,10 +378,10 @@ class SwapManager:
     def host_frees(self, ws: WorkerState) -> tuple[list[int], str]:
         """The host blocks ``ws``'s next step should free on the store, and the transfer
         id naming that free (empty when there are none)."""
-        free = self._host_free_queue
+        store = self.store_of(ws.spec.worker_id)
+        free = [] if store is None else self._host_free_queue.pop(store, [])
         if not free:
             return free, ""
-        self._host_free_queue = []
         tid = self._transfer_id("free")
         self._inflight.setdefault(ws.spec.worker_id, []).append(
             InFlight("free", tid, None, free, ws.next_step_id)
@@ -355,10 +408,11 @@ class SwapManager:
         res = SwapResolution()
         for f in self._take_inflight(worker_id, sched_out.step_id):
             r = runner_out.swap_results.get(f.transfer_id)
-            self._resolve(f, r or SwapResult(False, error="no result"), res)
-        if self.cost is not None:
+            self._resolve(worker_id, f, r or SwapResult(False, error="no result"), res)
+        cost = self.costs.get(worker_id)
+        if cost is not None:
             spent = sum(r.seconds for r in runner_out.swap_results.values())
-            self.cost.observe_step(
+            cost.observe_step(
                 sched_out.total_num_scheduled_tokens, runner_out.execute_time_s - spent
             )
         return res
@@ -368,39 +422,46 @@ class SwapManager:
         that step and earlier ones (None: all) count as failed."""
         res = SwapResolution()
         for f in self._take_inflight(worker_id, step_id):
-            self._resolve(f, SwapResult(False, error="step failed"), res)
+            self._resolve(worker_id, f, SwapResult(False, error="step failed"), res)
         return res
 
-    def _resolve(self, f: InFlight, r: SwapResult, res: SwapResolution) -> None:
-        counts = self._counts
+    def _resolve(self, worker_id: int, f: InFlight, r: SwapResult, res: SwapResolution) -> None:
+        """Apply the result ``r`` of ``worker_id``'s transfer ``f`` (on that worker's store)."""
+        counts, mine = self._counts, self._worker_counts[worker_id]
+        store = self.specs[worker_id].store_id
+        pool = self.host_pools[store]
         if f.kind == "free":
-            self.host_pool.free(f.host_ids)
+            pool.free(f.host_ids)
             return
         g = f.group
         if g is None:
             raise IntegrityError(f"transfer {f.transfer_id} has no group")
         if not r.ok:
             counts["failures"] += 1
-            self._backoff_until = time.monotonic() + _BACKOFF_S
-        elif self.cost is not None:
-            self.cost.observe_transfer(r.num_bytes, r.seconds)
+            mine["failures"] += 1
+            # NOTE: only this worker backs off: another's store (or link) may be healthy.
+            self._backoff_until[worker_id] = time.monotonic() + _BACKOFF_S
+        else:
+            self.costs[worker_id].observe_transfer(r.num_bytes, r.seconds)
         if f.kind == "out":
             if r.ok:
                 counts["outs"] += 1
+                mine["outs"] += 1
                 counts["out_bytes"] += r.num_bytes
                 g.pending = False
-                self._host_free_queue.extend(sorted(set(f.host_ids) - g.host_ids()))
+                self._queue_free(store, sorted(set(f.host_ids) - g.host_ids()))
                 return
             for sid in list(g.host_tables):
                 del self.groups[sid]
                 res.recompute.append(sid)
-            self._host_free_queue.extend(f.host_ids)  # every id of the transfer
+            self._queue_free(store, f.host_ids)  # every id of the transfer
             res.wake = True
             return
         # swap-in: the worker freed the host blocks (or the store is gone)
-        self.host_pool.free(f.host_ids)
+        pool.free(f.host_ids)
         if r.ok:
             counts["ins"] += 1
+            mine["ins"] += 1
             counts["in_bytes"] += r.num_bytes
             return
         res.requeue.extend(f.seq_ids)
@@ -411,7 +472,7 @@ class SwapManager:
         members = list(g.host_tables)
         for sid in members:
             del self.groups[sid]
-        self._host_free_queue.extend(sorted(g.host_ids()))
+        self._queue_free(self._home(g), sorted(g.host_ids()))
         g.host_tables.clear()
         g.num_tokens.clear()
         return SwapResolution(recompute=members)
@@ -425,47 +486,59 @@ class SwapManager:
         g.host_tables.pop(seq.seq_id, None)
         g.num_tokens.pop(seq.seq_id, None)
         if not g.pending:  # else the swap-out's result frees them
-            self._host_free_queue.extend(sorted(before - g.host_ids()))
+            self._queue_free(self._home(g), sorted(before - g.host_ids()))
 
     # ------------------------------------------------------------------ introspection
     def stats(self, preemptions_by_mode: dict[str, int]) -> SwapStats:
-        """Swap counters and host pool occupancy (see :class:`SwapStats`)."""
+        """Swap counters and host pool occupancy, summed over the stores; the cost
+        model's rates are the means over the workers that may swap (see
+        :class:`SwapStats`)."""
         c = self._counts
-        cost = self.cost
+        costs = list(self.costs.values())
+        pools = self.host_pools.values()
         return SwapStats(
-            preemption_mode=self.config.preemption_mode if cost else "recompute",
+            preemption_mode=self.config.preemption_mode if costs else "recompute",
             num_requests_swapped=len(self.groups),
-            host_blocks_total=self.host_pool.num_blocks,
-            host_blocks_free=self.host_pool.num_free_blocks,
+            host_blocks_total=sum(p.num_blocks for p in pools),
+            host_blocks_free=sum(p.num_free_blocks for p in pools),
             swap_out_bytes=c["out_bytes"],
             swap_in_bytes=c["in_bytes"],
             num_swap_outs=c["outs"],
             num_swap_ins=c["ins"],
             num_swap_failures=c["failures"],
-            bandwidth_bytes_per_s=cost.bandwidth_bytes_per_s if cost else 0.0,
-            prefill_s_per_token=cost.prefill_s_per_token if cost else 0.0,
+            bandwidth_bytes_per_s=_mean([m.bandwidth_bytes_per_s for m in costs]),
+            prefill_s_per_token=_mean([m.prefill_s_per_token for m in costs]),
             preemptions_by_mode=preemptions_by_mode,
         )
 
+    def worker_stats(self, worker_id: int) -> WorkerSwapStats:
+        """``worker_id``'s swap counters (see :class:`WorkerSwapStats`)."""
+        c = self._worker_counts.get(worker_id)
+        if c is None:
+            return WorkerSwapStats()
+        return WorkerSwapStats(True, c["outs"], c["ins"], c["failures"])
+
     def check_integrity(self, sequences: Mapping[str, Sequence]) -> None:
-        """Every swapped sequence waits in a queue; host blocks held by groups, in flight
-        or queued for freeing are exactly the ones not free in the host pool.
+        """Every swapped sequence waits in a queue; in each store, host blocks held by
+        groups, in flight or queued for freeing are exactly the ones not free in its pool.
 
         Raises:
             IntegrityError: on the first violation.
         """
-        held: set[int] = set()
+        held: dict[str, set[int]] = {store: set() for store in self.host_pools}
         for sid, g in self.groups.items():
             seq = sequences.get(sid)
             if seq is None or seq.status is not SequenceStatus.WAITING:
                 raise IntegrityError(f"swapped sequence {sid!r} is not waiting")
-            held |= g.host_ids()
-        for flights in self._inflight.values():
+            held[self._home(g)] |= g.host_ids()
+        for wid, flights in self._inflight.items():
             for f in flights:
-                held |= set(f.host_ids)
-        held |= set(self._host_free_queue)
-        if len(held) + self.host_pool.num_free_blocks != self.host_pool.num_blocks:
-            raise IntegrityError(
-                f"host pool: {len(held)} blocks held + {self.host_pool.num_free_blocks} free "
-                f"!= {self.host_pool.num_blocks}"
-            )
+                held[self.specs[wid].store_id] |= set(f.host_ids)
+        for store, ids in self._host_free_queue.items():
+            held[store] |= set(ids)
+        for store, pool in self.host_pools.items():
+            if len(held[store]) + pool.num_free_blocks != pool.num_blocks:
+                raise IntegrityError(
+                    f"host pool of store {store!r}: {len(held[store])} blocks held + "
+                    f"{pool.num_free_blocks} free != {pool.num_blocks}"
+                )

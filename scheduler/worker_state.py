@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.request import Sequence, SequenceStatus
-from pagedserve.scheduler.swap import SwapStats
+from pagedserve.scheduler.swap import SwapStats, WorkerSwapStats
 
 
 @dataclass(frozen=True)
@@ -176,6 +176,7 @@ class WorkerStats:
             discarded their K/V (prefix-cache hits are not recomputed), since start.
         dtype: the model's dtype name (:class:`WorkerSpec`).
         kv_cache_dtype: the KV pool's dtype name.
+        swap: its swap counters (its own store's transfers).
     """
 
     worker_id: int
@@ -191,6 +192,7 @@ class WorkerStats:
     num_recomputed_tokens: int = 0
     dtype: str = ""
     kv_cache_dtype: str = ""
+    swap: WorkerSwapStats = field(default_factory=WorkerSwapStats)
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,8 @@ class SchedulerStats:
     num_recomputed_tokens: int = 0
 
 
-def worker_stats(ws: WorkerState) -> WorkerStats:
-    """The stats snapshot of one worker."""
+def worker_stats(ws: WorkerState, swap: WorkerSwapStats | None = None) -> WorkerStats:
+    """The stats snapshot of one worker (``swap``: its swap counters; None: none)."""
     return WorkerStats(
         worker_id=ws.spec.worker_id,
         num_blocks=ws.spec.num_blocks,
@@ -235,4 +237,5 @@ def worker_stats(ws: WorkerState) -> WorkerStats:
         num_recomputed_tokens=ws.num_recomputed_tokens,
         dtype=ws.spec.dtype,
         kv_cache_dtype=ws.spec.kv_cache_dtype,
+        swap=swap or WorkerSwapStats(),
     )

@@ -71,6 +71,8 @@ class WorkerInfo:
         model_path: the resolved Hugging Face folder.
         block_bytes: bytes of one KV block, all layers, K and V.
         kv_cache_dtype: the KV pool's dtype name (the model's unless ``kv_cache_dtype`` says).
+        node_id: the Ray node id (hex) of the worker's process; ``""`` outside Ray. The
+            launcher starts one host block store per node id.
     """
 
     worker_id: int
@@ -84,6 +86,7 @@ class WorkerInfo:
     model_path: str
     block_bytes: int = 0
     kv_cache_dtype: str = "float32"
+    node_id: str = ""
 
 
 def resolve_device(name: str) -> torch.device:

@@ -7,9 +7,21 @@ tests construct it directly. All model and cache work is delegated to
 
 from __future__ import annotations
 
+import dataclasses
+import sys
+
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
+
+
+def ray_node_id() -> str:
+    """The Ray node id (hex) of this process when it runs inside Ray, else ``""`` (Ray is
+    not imported here: a worker constructed directly stays Ray-free)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return ""
+    return str(ray.get_runtime_context().get_node_id())
 
 
 class Worker:
@@ -32,8 +44,9 @@ class Worker:
         return self.runner.execute_model(so)
 
     def get_info(self) -> WorkerInfo:
-        """Pool size, block size, context length, vocabulary, EOS ids, device, dtype."""
-        return self.runner.get_info()
+        """Pool size, block size, context length, vocabulary, EOS ids, device, dtype and
+        the Ray node it runs on (:func:`ray_node_id`)."""
+        return dataclasses.replace(self.runner.get_info(), node_id=ray_node_id())
 
     def reset(self) -> None:
         """Forget every sequence's state (the KV pool's contents become garbage): a

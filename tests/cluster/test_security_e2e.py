@@ -54,7 +54,8 @@ def server(tiny_llama_dir, tls):
             assert_all_blocks_free(handle, c)
             swap = c.stats()["swap"]
         assert swap["host_blocks_free"] == swap["host_blocks_total"] > 0
-        assert ray.get(handle.host_store.used_bytes.remote(), timeout=30) == 0
+        (store,) = handle.host_stores.values()  # one node: one store
+        assert ray.get(store.used_bytes.remote(), timeout=30) == 0
 
 
 def _client(server, tls, **kwargs) -> Client:
@@ -105,7 +106,8 @@ def test_preempted_requests_swap_through_the_authenticated_store(server, tls):
     assert sw["swap_in_bytes"] == sw["swap_out_bytes"] > 0
     assert sw["num_swap_failures"] == 0  # every transfer got through the key and TLS
     # The store is TLS only, with a certificate of its own, and needs the server's key.
-    store_address = ray.get(server.host_store.address.remote(), timeout=30)
+    (store,) = server.host_stores.values()
+    store_address = ray.get(store.address.remote(), timeout=30)
     host, port = store_address.rsplit(":", 1)
     assert host == "127.0.0.1"
     request = kv_pb.HostStoreStatsRequest()

@@ -103,10 +103,11 @@ def test_swap_preemption_through_the_server(swap_cluster) -> None:
     assert sw["host_blocks_free"] == sw["host_blocks_total"]
     (w,) = st["workers"]
     assert w["num_free_blocks"] == w["num_blocks"]
-    assert ray.get(handle.host_store.used_bytes.remote()) == 0
+    (store,) = handle.host_stores.values()  # one node: one store
+    assert ray.get(store.used_bytes.remote()) == 0
 
     # The store dies: swapping fails, every request recovers by recompute.
-    ray.kill(handle.host_store)
+    ray.kill(store)
     assert run_all(address) == alone
     st = wait_idle(address)
     sw = st["swap"]

@@ -264,7 +264,7 @@ def test_auto_mode_follows_the_cost_model(tiny_llama_dir: Path, expected, store)
     for bandwidth, swaps in ((1e12, True), (1.0, False)):
         workers = make_workers(tiny_llama_dir, 1, 14, address)
         sched = make_scheduler(workers, "auto", 64, bandwidth=bandwidth, prefill=1e-3)
-        sched._swaps.cost.observe_step = lambda *a: None  # type: ignore[union-attr,method-assign]
+        sched._swaps.costs[0].observe_step = lambda *a: None  # type: ignore[method-assign]
         add_all(sched, PROMPTS)
         tokens = drive(sched, workers)
         for i, ref in enumerate(expected):
