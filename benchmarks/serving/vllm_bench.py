@@ -315,6 +315,18 @@ def run_client(
 
 
 # ---------------------------------------------------------------------- main
+def code_version() -> str:
+    """The short commit of the repository, with ``+dirty`` when tracked files differ."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -331,7 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV memory of every server")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--startup-timeout", type=float, default=900, help="seconds for /health")
+    ap.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=1800,
+        help="seconds for /health (vLLM compiles its model at its first start)",
+    )
     ap.add_argument("--client-timeout", type=float, default=3600, help="seconds per workload")
     ap.add_argument("--out", default=None, help="the JSON (the plot goes next to it)")
     return ap
@@ -380,6 +397,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from pagedserve.worker.model_store import resolve_model
 
+    commit = code_version()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     ctx: dict[str, Any] = {
         "model_dir": str(resolve_model(args.model, progress=True)),
@@ -400,8 +418,6 @@ def main(argv: list[str] | None = None) -> None:
         f"cores, load avg {load_before:.2f} at the start, {os.getloadavg()[0]:.2f} at the end"
     )
     command = " ".join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True, check=False).stdout.strip()  # fmt: skip
     md = markdown(summary, f"{time.strftime('%Y-%m-%d')}, {machine}, code {commit}: `{command}`")
     print("\n" + md)
     out = Path(args.out) if args.out else (
@@ -422,6 +438,10 @@ def main(argv: list[str] | None = None) -> None:
         "systems": [vars(s) for s in systems],
         "workloads": [vars(w) | {"dataset_args": list(w.dataset_args)} for w in loads],
         "raw_results_dir": ctx["run_dir"],
+        "servers": {  # per system, one entry per round: start-up, resolved dtype, errors
+            name: [{k: v for k, v in r.items() if k != "results"} for r in rs]
+            for name, rs in runs.items()
+        },
         **summary,
         "markdown": md,
     }

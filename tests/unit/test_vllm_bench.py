@@ -214,9 +214,8 @@ def test_main_writes_the_json_from_each_round(tmp_path, monkeypatch):
     def fake_run_system(system, loads, args, ctx):
         calls.append((ctx["round"], system.name))
         assert [w.name for w in loads] == ["random-512-128"] and args.kv_cache_gib == 1
-        return {
-            "results": {"random-512-128": runs[system.name][ctx["round"] - 1]["results"]["rnd"]}
-        }
+        res = runs[system.name][ctx["round"] - 1]["results"]["rnd"]
+        return {"results": {"random-512-128": res}, "startup_s": 2.0 + ctx["round"]}
 
     import pagedserve.worker.model_store as model_store
 
@@ -236,6 +235,10 @@ def test_main_writes_the_json_from_each_round(tmp_path, monkeypatch):
         "output_throughput"
     ] == pytest.approx(0.55)
     assert data["workloads"][0]["dataset_args"][:2] == ["--dataset-name", "random"]
+    assert [r["startup_s"] for r in data["servers"]["pagedserve-auto"]] == [3.0, 4.0, 5.0]
+    assert data["commit"] and "random-512-128" in data["markdown"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert out.with_suffix(".png").stat().st_size > 0
 
 
 # ---------------------------------------------------------------------- ShareGPT
