@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     ctx: dict[str, Any] = {
         "model_dir": str(resolve_model(args.model, progress=True)),
-        "vllm_python": str(ensure_vllm_venv()) if any(s.kind == "vllm" for s in systems) else None,
+        "vllm_python": str(ensure_vllm_venv()),  # vLLM's servers and the client, always
         "run_dir": str(DATA_DIR / "vllm_bench_runs" / stamp),
     }
     load_before = os.getloadavg()[0]
@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     if plot(summary, png):
         print(f"wrote {out} and {png}")
     else:
-        print(f"wrote {out} (no plot: matplotlib is not importable)")
+        print(f"wrote {out} (no plot: no run counted, or no matplotlib)")
 
 
 if __name__ == "__main__":

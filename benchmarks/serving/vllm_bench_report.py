@@ -170,7 +170,10 @@ def markdown(summary: dict[str, Any], head: str) -> str:
 
 def plot(summary: dict[str, Any], path: Path) -> bool:
     """Output tok/s, TTFT mean and TPOT mean per workload and system (bars: medians; dots:
-    rounds). Returns False, writing nothing, when matplotlib is not importable."""
+    rounds). Returns False, writing nothing, when no run counted or matplotlib is not
+    importable."""
+    if not any(summary["medians"].values()):
+        return False
     try:
         import matplotlib
 
@@ -196,7 +199,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         ax.set_xticks(range(len(workloads)), workloads, rotation=20, fontsize=8)
         ax.set_ylabel(label)
         if k != "output_throughput":
-            ax.set_yscale("log")
+            ax.set_yscale("log", nonpositive="clip")  # a missing median is a 0 bar
     axes[0].legend(fontsize=7)
     fig.suptitle("vllm bench serve against each server (medians over rounds)")
     fig.tight_layout()

@@ -241,6 +241,23 @@ def test_main_writes_the_json_from_each_round(tmp_path, monkeypatch):
         assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_pagedserve_alone_still_gets_the_vllm_client(tmp_path, monkeypatch):
+    seen: list[Any] = []
+
+    def fake_run_system(system, loads, args, ctx):
+        seen.append(ctx["vllm_python"])  # the client runs in the vLLM venv
+        return {"results": {}}
+
+    import pagedserve.worker.model_store as model_store
+
+    monkeypatch.setattr(vllm_bench, "run_system", fake_run_system)
+    monkeypatch.setattr(vllm_bench, "ensure_vllm_venv", lambda: Path("/venv/bin/python"))
+    monkeypatch.setattr(model_store, "resolve_model", lambda *a, **k: Path(MODEL))
+    vllm_bench.main(["--quick", "--systems", "pagedserve-auto", "--out", str(tmp_path / "q.json")])
+    assert seen == ["/venv/bin/python"]
+    assert json.loads((tmp_path / "q.json").read_text())["medians"] == {"pagedserve-auto": {}}
+
+
 # ---------------------------------------------------------------------- ShareGPT
 def test_truncated_sharegpt_list_is_cut_and_closed():
     entries = [{"id": str(i), "conversations": [{"from": "human", "value": "hi }, {"}]}
