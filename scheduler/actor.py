@@ -145,6 +145,7 @@ class SchedulerActor:
             self._scheduler,
             {wid: RayWorker(self, wid) for wid in range(len(self._workers))},
             self._dispatch,
+            step_deadlines=True,
         )
         self._loops: dict[int, asyncio.Task[None]] = {}
         self._monitor: asyncio.Task[None] | None = None

@@ -22,7 +22,8 @@ are aborted and the loop goes on). A step unanswered past its deadline,
 ``max(step_deadline_floor_s, step_deadline_factor x the worker's moving-average step
 time)`` (``SchedulerConfig``; the clock starts when the worker can start the step: when
 it is sent or when the previous step is answered, whichever is later), marks the worker
-suspect: handled as a death (sequences requeued, the loop ends), the late answer is
+suspect (when the loop enforces deadlines, ``step_deadlines``: the scheduler actor's
+does): handled as a death (sequences requeued, the loop ends), the late answer is
 discarded when it comes, and :meth:`EngineLoop.rejoin` puts the worker back once it
 answers again (the scheduler actor's liveness probe calls it). Idle loops sleep until
 :meth:`EngineLoop.wake_all`;
@@ -140,6 +141,10 @@ class EngineLoop:
             the step still running, overlapped loop only) — for tests.
         on_step: ``(worker_id, sched_out, runner_out)`` after an answer is applied and
             its deltas sunk — for tests (integrity checks) and benchmarks (timings).
+        step_deadlines: enforce the step deadline of ``scheduler.config``
+            (``step_deadline_floor_s``, ``step_deadline_factor``): for remote workers (the
+            scheduler actor's), whose link can stall; in-process drivers (the offline
+            ``LLM``, benchmarks) leave it off, as a slow local step is no lost worker.
 
     Attributes:
         overlapped: the loop kind (``scheduler.config.async_scheduling``).
@@ -157,6 +162,7 @@ class EngineLoop:
         sink: Sink,
         on_plan: PlanHook | None = None,
         on_step: StepHook | None = None,
+        step_deadlines: bool = False,
     ) -> None:
         missing = set(scheduler.workers) - set(workers)
         if missing:
@@ -166,6 +172,7 @@ class EngineLoop:
         self._sink = sink
         self._on_plan = on_plan
         self._on_step = on_step
+        self._step_deadlines = step_deadlines
         self._wakeups = {wid: asyncio.Event() for wid in scheduler.workers}
         self._running: set[int] = set()  # workers whose loop has not ended
         self._waiting: set[int] = set()  # ... of those, the ones asleep
@@ -354,7 +361,7 @@ class EngineLoop:
         """The current step deadline of ``worker_id``, seconds (None: no deadline)."""
         cfg = self._scheduler.config
         floor = cfg.step_deadline_floor_s
-        if floor <= 0:
+        if not self._step_deadlines or floor <= 0:
             return None
         avg = self.step_time_s.get(worker_id)
         return floor if avg is None else max(floor, cfg.step_deadline_factor * avg)

@@ -351,6 +351,7 @@ def test_a_step_past_its_deadline_requeues_and_the_worker_rejoins(overlap: bool)
         {0: slow, 1: other},
         sink,
         on_step=lambda w, so, ro: applied.append((w, so.step_id)),
+        step_deadlines=True,
     )
 
     async def scenario() -> None:
@@ -392,12 +393,13 @@ def test_a_step_past_its_deadline_requeues_and_the_worker_rejoins(overlap: bool)
     assert 0 < engine.step_time_s[1] < 0.3
 
 
-def test_no_deadline_when_the_floor_is_zero() -> None:
+def test_no_deadline_when_the_floor_is_zero_or_the_loop_is_local() -> None:
+    handles = {0: InProcessWorker(ScriptedWorker().execute)}
     sched = make(step_deadline_floor_s=0)
-    engine = EngineLoop(sched, {0: InProcessWorker(ScriptedWorker().execute)}, lambda o: None)
-    assert engine.deadline_s(0) is None
+    assert EngineLoop(sched, handles, lambda o: None, step_deadlines=True).deadline_s(0) is None
     sched = make(step_deadline_floor_s=2.0, step_deadline_factor=10)
-    engine = EngineLoop(sched, {0: InProcessWorker(ScriptedWorker().execute)}, lambda o: None)
+    assert EngineLoop(sched, handles, lambda o: None).deadline_s(0) is None  # in-process
+    engine = EngineLoop(sched, handles, lambda o: None, step_deadlines=True)
     assert engine.deadline_s(0) == 2.0  # no step timed yet: the floor
     engine.step_time_s[0] = 0.5
     assert engine.deadline_s(0) == 5.0
