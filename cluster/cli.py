@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import sys
@@ -178,6 +179,35 @@ def _add_serve(sub: Any) -> None:
     )
     p.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
     p.add_argument(
+        "--attach",
+        default=None,
+        metavar="RAY_ADDRESS",
+        help="start one more gRPC + HTTP frontend of the running cluster --cluster-name on "
+        "the Ray cluster at this address (its scheduler, workers and KV are shared; the "
+        "model options are not used)",
+    )
+    p.add_argument(
+        "--cluster-name",
+        default="default",
+        help="names this cluster's scheduler actor so that frontends can attach "
+        "(Ray namespace 'pagedserve'; default: %(default)s)",
+    )
+    p.add_argument(
+        "--step-deadline-floor",
+        type=float,
+        default=30.0,
+        help="seconds: a step unanswered after max(this, --step-deadline-factor x the "
+        "worker's mean step time) requeues the worker's sequences until it answers "
+        "again; 0 disables (default: %(default)s)",
+    )
+    p.add_argument(
+        "--step-deadline-factor",
+        type=float,
+        default=20.0,
+        help="multiple of the worker's moving-average step time in the step deadline "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
         "--no-async-scheduling",
         action="store_true",
         help="plan each step after the previous one's answer (no overlap of scheduling "
@@ -279,8 +309,11 @@ def _serve(args: argparse.Namespace) -> int:
     from pagedserve.cluster.launcher import serve_forever
 
     config = serve_config(args)
+    attach = args.attach is not None
+    if attach:
+        config = dataclasses.replace(config, ray_address=args.attach)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(config))
+        asyncio.run(serve_forever(config, attach=attach))
     return 0
 
 
@@ -321,6 +354,8 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             admission_growth_ratio=args.admission_growth_ratio,
             preemption_victim=args.preemption_victim,
             async_scheduling=not args.no_async_scheduling,
+            step_deadline_floor_s=getattr(args, "step_deadline_floor", 30.0),
+            step_deadline_factor=getattr(args, "step_deadline_factor", 20.0),
         ),
         server=ServerConfig(
             host=args.host,
@@ -343,6 +378,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         scheduler_max_restarts=args.scheduler_max_restarts,
         swap_space=int(args.swap_space * (1 << 30)),
         adaptive_threads=not args.no_adaptive_threads,
+        cluster_name=getattr(args, "cluster_name", None),
     )
     return config
 

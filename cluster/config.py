@@ -8,6 +8,7 @@ with the launcher's own settings. Frozen dataclasses validated in ``__post_init_
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.config import SchedulerConfig
@@ -106,6 +107,10 @@ class ClusterConfig:
             preempts by recompute only.
         adaptive_threads: CPU workers use fewer torch threads while other processes keep
             cores busy (see :mod:`pagedserve.worker.cpu_threads`).
+        cluster_name: names the scheduler actor (``pagedserve-scheduler-NAME`` in the Ray
+            namespace ``pagedserve``) so that more frontends can attach to this cluster
+            (``pagedserve serve --attach``); None leaves it anonymous. Letters, digits,
+            ``.``, ``_`` and ``-``, at most 64.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -121,6 +126,7 @@ class ClusterConfig:
     scheduler_max_restarts: int = 3
     swap_space: int = 0
     adaptive_threads: bool = True
+    cluster_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:
@@ -131,6 +137,13 @@ class ClusterConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker}")
+        if self.cluster_name is not None and not re.fullmatch(
+            r"[A-Za-z0-9._-]{1,64}", self.cluster_name
+        ):
+            raise ValueError(
+                "cluster_name must be 1-64 letters, digits, '.', '_' or '-', "
+                f"got {self.cluster_name!r}"
+            )
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         """The :class:`WorkerConfig` of worker ``worker_id``."""

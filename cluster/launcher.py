@@ -221,12 +221,6 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         host_store, swap = await start_host_store(
             config, workers, infos[0].block_bytes, store_keys, infos[0].kv_cache_dtype
         )
-        scheduler: Any = (
-            ray.remote(SchedulerActor)
-            .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
-            .remote(sched_cfg, names, specs, swap=swap, tune_gc=True)  # names: see SchedulerActor
-        )
-        await scheduler.ready.remote()
         info = ModelInfo(
             name=str(model_dir),
             max_model_len=max_model_len,
@@ -235,6 +229,25 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             max_kv_slots=max(s.num_blocks * s.block_size for s in specs),
             block_size=max(specs, key=lambda s: s.num_blocks * s.block_size).block_size,
         )
+        scheduler: Any = (
+            ray.remote(SchedulerActor)
+            .options(
+                num_cpus=0,
+                max_concurrency=10_000,
+                max_restarts=config.scheduler_max_restarts,
+                **scheduler_actor_options(config.cluster_name),
+            )
+            .remote(  # names: see SchedulerActor
+                sched_cfg,
+                names,
+                specs,
+                swap=swap,
+                tune_gc=True,
+                namespace=ray.get_runtime_context().namespace,
+                frontend_info=frontend_info(info, tokenizer),
+            )
+        )
+        await scheduler.ready.remote()
         pipeline = RequestPipeline(
             scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
         )
@@ -268,6 +281,163 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         servicer,
         watch_task,
         host_store,
+    )
+
+
+CLUSTER_NAMESPACE = "pagedserve"
+
+
+def scheduler_actor_name(cluster_name: str) -> str:
+    """The Ray name of a named cluster's scheduler actor (in :data:`CLUSTER_NAMESPACE`)."""
+    return f"pagedserve-scheduler-{cluster_name}"
+
+
+def scheduler_actor_options(cluster_name: str | None) -> dict[str, Any]:
+    """Ray actor options naming the scheduler of cluster ``cluster_name`` (none: anonymous).
+
+    Raises:
+        RuntimeError: a live cluster of that name already runs on this Ray cluster.
+    """
+    import ray
+
+    if cluster_name is None:
+        return {}
+    name = scheduler_actor_name(cluster_name)
+    try:
+        ray.get_actor(name, namespace=CLUSTER_NAMESPACE)
+    except ValueError:
+        return {"name": name, "namespace": CLUSTER_NAMESPACE}
+    raise RuntimeError(
+        f"a pagedserve cluster named {cluster_name!r} already runs on this Ray cluster: "
+        "attach to it (serve --attach) or pick another --cluster-name"
+    )
+
+
+def frontend_info(info: ModelInfo, tokenizer: Any) -> dict[str, Any]:
+    """What an attached frontend needs, as plain data the scheduler actor holds for it
+    (:meth:`SchedulerActor.get_frontend_info`): ``model_info`` (the :class:`ModelInfo`
+    fields) and ``tokenizer_files`` (file name -> bytes, from ``save_pretrained``), so
+    the frontend needs no model files of its own."""
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="pagedserve-tokenizer-") as tmp:
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    return {"model_info": dataclasses.asdict(info), "tokenizer_files": files}
+
+
+def _frontend_from_info(data: dict[str, Any]) -> tuple[ModelInfo, Any]:
+    """:func:`frontend_info`'s inverse: ``(ModelInfo, tokenizer)``."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    fields = dict(data["model_info"])
+    fields["eos_token_ids"] = tuple(fields["eos_token_ids"])
+    with tempfile.TemporaryDirectory(prefix="pagedserve-tokenizer-") as tmp:
+        for name, blob in data["tokenizer_files"].items():
+            (Path(tmp) / Path(name).name).write_bytes(blob)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
+    return ModelInfo(**fields), tokenizer
+
+
+@dataclass
+class AttachedFrontend(ClusterHandle):
+    """A frontend attached to a running cluster (:func:`attach_frontend`): :meth:`stop`
+    stops this frontend only; the scheduler, the workers and the other frontends go on
+    (the scheduler aborts this frontend's requests still running when its output stream
+    closes)."""
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Stop this frontend's servers and output stream (and leave Ray if joined)."""
+        import ray
+
+        for task in (self.watch_task, self.health_task):
+            if task is not None:
+                task.cancel()
+        if self.http is not None:
+            await self.http.stop(grace_s)
+        await self.server.stop(grace_s)
+        if self.pipeline is not None:
+            await self.pipeline.router.close()
+        if self.owns_ray:
+            ray.shutdown()
+
+
+async def attach_frontend(config: ClusterConfig) -> AttachedFrontend:
+    """Start another gRPC (+ HTTP) frontend against the running cluster named
+    ``config.cluster_name`` on the Ray cluster at ``config.ray_address`` (joined unless
+    this process is in it already). It shares the cluster's scheduler, workers, KV and
+    routing; the model description and tokenizer come from the scheduler actor. The
+    frontend's own settings are ``config.server``'s; the model, worker and scheduler
+    settings of ``config`` are not used.
+
+    Raises:
+        ValueError: no ``cluster_name``.
+        RuntimeError: no cluster of that name runs there.
+        PortUnavailable: a port is taken.
+    """
+    import ray
+
+    if config.cluster_name is None:
+        raise ValueError("attaching needs the cluster's name (cluster_name)")
+    warning = exposure_warning(config.server.host, config.server.api_key)
+    if warning is not None:
+        log.warning(warning)
+    check_tls_files(config.server.tls_cert, config.server.tls_key, config.server.tls_client_ca)
+    check_port_free(config.server.host, config.server.port)
+    if config.server.http_port is not None:
+        check_port_free(config.server.host, config.server.http_port)
+    owns_ray = init_ray(config)
+    try:
+        try:
+            scheduler = ray.get_actor(
+                scheduler_actor_name(config.cluster_name), namespace=CLUSTER_NAMESPACE
+            )
+        except ValueError:
+            raise RuntimeError(
+                f"no pagedserve cluster named {config.cluster_name!r} runs on the Ray cluster "
+                f"at {config.ray_address or 'this process'}"
+            ) from None
+        await scheduler.ready.remote()
+        data = await scheduler.get_frontend_info.remote()
+        if data is None:
+            raise RuntimeError(f"cluster {config.cluster_name!r} serves no attached frontends")
+        info, tokenizer = _frontend_from_info(data)
+        pipeline = RequestPipeline(
+            scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
+        )
+        servicer = GenerationServicer(pipeline)
+        http = await _start_http(config, pipeline)
+        try:
+            server, port = await start_server(config.server, servicer)
+        except BaseException:
+            if http is not None:
+                await http.stop()
+            raise
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+    log.info(
+        "attached to cluster %r: serving on %s:%d", config.cluster_name, config.server.host, port
+    )
+    loop = asyncio.get_running_loop()
+    return AttachedFrontend(
+        config,
+        scheduler,
+        [],
+        server,
+        port,
+        info,
+        owns_ray,
+        loop.create_task(servicer.watch_health()),
+        http,
+        pipeline,
+        servicer,
+        loop.create_task(watch_scheduler(scheduler, pipeline.flights)),
     )
 
 
@@ -449,15 +619,27 @@ async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpS
     return http
 
 
-async def serve_forever(config: ClusterConfig, grace_s: float = 2.0) -> None:
-    """Run the cluster until Ctrl-C / SIGTERM, then shut down gracefully: refuse new
+async def serve_forever(config: ClusterConfig, grace_s: float = 2.0, attach: bool = False) -> None:
+    """Run the cluster (``attach``: one more frontend of the running cluster
+    ``config.cluster_name``, :func:`attach_frontend`) until Ctrl-C / SIGTERM, then shut
+    down gracefully: refuse new
     requests (UNAVAILABLE, health NOT_SERVING), let the ones in flight finish for up to
     ``config.server.drain_timeout_s`` seconds (a second signal cuts that short), abort
-    the rest (ABORT), and stop the frontends (``grace_s`` seconds), the actors and Ray."""
+    the rest (ABORT), and stop the frontends (``grace_s`` seconds), the actors and Ray
+    (an attached frontend: its own requests and servers only)."""
     import signal
 
-    handle = await start_cluster(config)
+    handle = await (attach_frontend(config) if attach else start_cluster(config))
     print(f"pagedserve: serving on {handle.address} (Ctrl-C to stop)", flush=True)
+    if config.cluster_name is not None and not attach:
+        import ray
+
+        ray_address = ray.get_runtime_context().gcs_address
+        print(
+            f"pagedserve: cluster {config.cluster_name!r}; attach more frontends with "
+            f"`pagedserve serve --attach {ray_address} --cluster-name {config.cluster_name}`",
+            flush=True,
+        )
     if handle.http_address is not None:
         scheme = "https" if config.server.tls else "http"
         print(f"pagedserve: metrics on {scheme}://{handle.http_address}/metrics", flush=True)

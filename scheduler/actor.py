@@ -59,14 +59,23 @@ class RequestRoute:
 
 class RayWorker:
     """A worker actor as the engine loop's :class:`~pagedserve.scheduler.engine_loop.
-    WorkerHandle`: ``execute_model.remote`` is sent at once, and a dead actor
+    WorkerHandle`: ``execute_model.remote`` is sent at once to the actor's current handle
+    (the owner's, which a revival may look up again), and a dead or missing actor
     (``RayActorError``) surfaces as :class:`WorkerDied`."""
 
-    def __init__(self, actor: Any) -> None:
-        self.actor = actor
+    def __init__(self, owner: SchedulerActor, worker_id: int) -> None:
+        self._owner = owner
+        self._worker_id = worker_id
 
     def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
-        return self._answer(self.actor.execute_model.remote(sched_out))
+        actor = self._owner._workers[self._worker_id]
+        if actor is None:
+            return self._gone()
+        return self._answer(actor.execute_model.remote(sched_out))
+
+    @staticmethod
+    async def _gone() -> RunnerOutput:
+        raise WorkerDied("no actor of that name")
 
     @staticmethod
     async def _answer(ref: Any) -> RunnerOutput:
@@ -94,6 +103,14 @@ class SchedulerActor:
         tune_gc: apply :func:`pagedserve.scheduler.gc_tuning.tune_gc` to this process
             (the launcher does: the actor has its process to itself; in-process tests
             leave the test process's collector alone).
+        reset_timeout_s: how long the start (first or after a restart) waits for each
+            worker's ``reset`` (seconds). A worker that is not found by name, or does not
+            answer in time, is taken out of service as after a death and the actor serves
+            with the others; the probe brings it back if it answers later.
+        namespace: the Ray namespace of the named workers (None: this job's).
+        frontend_info: what an attached frontend needs to serve this cluster (the
+            launcher's model description and tokenizer files), returned as given by
+            :meth:`get_frontend_info`; opaque to the scheduler.
     """
 
     def __init__(
@@ -104,19 +121,31 @@ class SchedulerActor:
         probe_interval_s: float = 2.0,
         swap: SwapSpec | Mapping[int, SwapSpec] | None = None,
         tune_gc: bool = False,
+        reset_timeout_s: float = 10.0,
+        namespace: str | None = None,
+        frontend_info: dict[str, Any] | None = None,
     ) -> None:
         if tune_gc:
             log.info("gc thresholds %s", gc_tuning.tune_gc(config.max_num_seqs, len(specs)))
         self._probe_interval_s = probe_interval_s
+        self._frontend_info = frontend_info
         self._scheduler = Scheduler(config, specs, swap)
-        self._workers = [ray.get_actor(w) if isinstance(w, str) else w for w in workers]
+        self._reset_timeout_s = reset_timeout_s
+        self._names = [w if isinstance(w, str) else None for w in workers]
+        self._namespace = namespace
+        # None: a named worker not found (gone for good): taken out of service at start.
+        self._workers: list[Any] = [w if not isinstance(w, str) else None for w in workers]
+        for wid in range(len(workers)):
+            if self._workers[wid] is None:
+                self._workers[wid] = self._lookup(wid)
         # subscriber -> its stream's queue of (tag, output); request id -> its route
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
         self._routes: dict[str, RequestRoute] = {}
         self._engine = EngineLoop(
             self._scheduler,
-            {wid: RayWorker(w) for wid, w in enumerate(self._workers)},
+            {wid: RayWorker(self, wid) for wid in range(len(self._workers))},
             self._dispatch,
+            step_deadlines=True,
         )
         self._loops: dict[int, asyncio.Task[None]] = {}
         self._monitor: asyncio.Task[None] | None = None
@@ -128,14 +157,13 @@ class SchedulerActor:
 
         The first call also clears every worker's per-sequence state (``Worker.reset``):
         a scheduler restarted by Ray starts empty, and the workers must not keep the
-        sequences of its previous life. The step loops wait for that before stepping.
+        sequences of its previous life. Each worker's loop starts once its reset is
+        answered; a worker missing (killed for good) or silent for ``reset_timeout_s``
+        is taken out of service instead, so a restart serves with the workers left.
         """
         loop = asyncio.get_running_loop()
         if self._workers_reset is None:
-            self._workers_reset = loop.create_task(self._reset_workers())
-        for wid in self._scheduler.workers:
-            if wid not in self._loops:
-                self._loops[wid] = self._engine.start(wid, after=self._workers_reset)
+            self._workers_reset = loop.create_task(self._start_workers())
         if self._monitor is None:
             self._monitor = loop.create_task(self._probe_idle_workers(self._probe_interval_s))
         await self._workers_reset  # no request is added before the workers are clean
@@ -154,14 +182,44 @@ class SchedulerActor:
         """(Ray node id, process id) of this actor, so the frontend can watch it."""
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    async def _reset_workers(self) -> None:
-        async def one(worker: Any) -> None:
-            try:
-                await asyncio.wait_for(worker.reset.remote(), 30)
-            except Exception:  # a dead worker is found by its first step or the probe
-                log.warning("could not reset a worker", exc_info=True)
+    async def _start_workers(self) -> None:
+        """Reset every worker (bounded by ``reset_timeout_s``), take out of service the
+        ones missing or not answering, and start the step loops of the others."""
 
-        await asyncio.gather(*(one(w) for w in self._workers))
+        async def one(wid: int, worker: Any) -> bool:
+            if worker is None:
+                return False
+            try:
+                await asyncio.wait_for(worker.reset.remote(), self._reset_timeout_s)
+            except Exception:
+                log.warning("worker %d did not answer its reset", wid, exc_info=True)
+                return False
+            return True
+
+        answered = await asyncio.gather(*(one(w, h) for w, h in enumerate(self._workers)))
+        for wid, ok in enumerate(answered):
+            if not ok:
+                log.error("worker %d is out of service until it answers the probe", wid)
+                self._dispatch(self._scheduler.mark_worker_dead(wid))
+        for wid, ws in self._scheduler.workers.items():
+            if ws.alive and wid not in self._loops:
+                self._loops[wid] = self._engine.start(wid)
+
+    def _lookup(self, worker_id: int) -> Any:
+        """The handle of a named worker, or None when no actor has that name (anymore)."""
+        name = self._names[worker_id]
+        if name is None:
+            return None
+        try:
+            handle = ray.get_actor(name, namespace=self._namespace)
+        except ValueError:
+            return None
+        self._workers[worker_id] = handle
+        return handle
+
+    async def get_frontend_info(self) -> dict[str, Any] | None:
+        """What an attached frontend needs (the ``frontend_info`` given at creation)."""
+        return self._frontend_info
 
     async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[int, SequenceOutput]]]:
         """The output stream of every request ``subscriber`` adds with :meth:`add_request`.
@@ -317,7 +375,9 @@ class SchedulerActor:
         """Bring a worker taken out of service back when it answers again (Ray restarted
         its actor, ``max_restarts``): its state is cleared, its pool starts empty, and it
         rejoins routing with a new step loop."""
-        worker = self._workers[worker_id]
+        worker = self._workers[worker_id] or self._lookup(worker_id)
+        if worker is None:
+            return  # gone for good (or not restarted yet)
         try:
             await asyncio.wait_for(worker.ping.remote(), timeout_s)
             await asyncio.wait_for(worker.reset.remote(), timeout_s)
@@ -331,10 +391,9 @@ class SchedulerActor:
             return  # still dead (or restarting)
         if self._scheduler.workers[worker_id].alive:
             return  # revived meanwhile
-        self._scheduler.revive_worker(worker_id)
-        old = self._loops.get(worker_id)
-        if old is None or old.done():  # its loop ended at the death (a probe's: it idles)
-            self._loops[worker_id] = self._engine.start(worker_id)
+        task = self._engine.rejoin(worker_id)  # its loop ended at the death (a probe's: idles)
+        if task is not None:
+            self._loops[worker_id] = task
         log.warning("worker %d is back in service (empty pool)", worker_id)
         self._wake_all()
 

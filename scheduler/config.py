@@ -65,6 +65,15 @@ class SchedulerConfig:
             worker's step t+1 while step t runs (assuming each decode of t yields one
             token; reconciled when t's answer arrives), so the worker does not idle
             between steps. False: plan each step after the previous answer.
+        step_deadline_floor_s: the step deadline's floor, seconds. A step unanswered
+            after ``max(step_deadline_floor_s, step_deadline_factor x the worker's
+            moving-average step time)`` marks its worker suspect: its sequences are
+            requeued as after a death, the late answer is discarded, and the worker
+            rejoins when it answers the liveness probe (see
+            :mod:`pagedserve.scheduler.engine_loop`). 0 disables the deadline. The
+            default is generous: a first step (warm-up, compilation) may be slow.
+        step_deadline_factor: the multiple of the moving-average step time (0: the
+            floor alone).
     """
 
     max_num_seqs: int = 64
@@ -81,6 +90,8 @@ class SchedulerConfig:
     admission_growth_ratio: float = 1.0
     preemption_victim: str = "least-waste"
     async_scheduling: bool = True
+    step_deadline_floor_s: float = 30.0
+    step_deadline_factor: float = 20.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -119,6 +130,13 @@ class SchedulerConfig:
             raise ValueError(
                 f"admission_growth_ratio must be in (0, 1], got {self.admission_growth_ratio}"
             )
+        if not self.step_deadline_floor_s >= 0.0:
+            raise ValueError(
+                f"step_deadline_floor_s must be >= 0 (0: no deadline), "
+                f"got {self.step_deadline_floor_s}"
+            )
+        if not self.step_deadline_factor >= 0.0:
+            raise ValueError(f"step_deadline_factor must be >= 0, got {self.step_deadline_factor}")
         if self.preemption_victim not in PREEMPTION_VICTIMS:
             raise ValueError(
                 f"preemption_victim must be one of {PREEMPTION_VICTIMS}, "

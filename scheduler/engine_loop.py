@@ -18,7 +18,15 @@ A worker is anything with ``execute(sched_out) -> Awaitable[RunnerOutput]``
 (:class:`WorkerHandle`). The call must send the step at once (overlap relies on it); the
 awaitable raises :class:`WorkerDied` when the worker is gone (its sequences are requeued
 on the live workers and the loop ends) and anything else for a failed step (its requests
-are aborted and the loop goes on). Idle loops sleep until :meth:`EngineLoop.wake_all`;
+are aborted and the loop goes on). A step unanswered past its deadline,
+``max(step_deadline_floor_s, step_deadline_factor x the worker's moving-average step
+time)`` (``SchedulerConfig``; the clock starts when the worker can start the step: when
+it is sent or when the previous step is answered, whichever is later), marks the worker
+suspect (when the loop enforces deadlines, ``step_deadlines``: the scheduler actor's
+does): handled as a death (sequences requeued, the loop ends), the late answer is
+discarded when it comes, and :meth:`EngineLoop.rejoin` puts the worker back once it
+answers again (the scheduler actor's liveness probe calls it). Idle loops sleep until
+:meth:`EngineLoop.wake_all`;
 the loop itself wakes the others when a plan or an update says so (``wake_others``), and
 after a death or a failed step.
 
@@ -30,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,6 +59,14 @@ StepHook = Callable[[int, SchedulerOutput, RunnerOutput], None]
 class WorkerDied(Exception):
     """Raised by a :class:`WorkerHandle`'s awaitable when the worker process is gone
     (a Ray actor's ``RayActorError``); any other exception is a failed step."""
+
+
+class StepDeadlineExceeded(Exception):
+    """A step went unanswered past its deadline (raised inside the loop only)."""
+
+
+# Weight of the newest step in a worker's moving-average step time.
+STEP_TIME_EMA_ALPHA = 0.2
 
 
 class WorkerHandle(Protocol):
@@ -124,11 +141,18 @@ class EngineLoop:
             the step still running, overlapped loop only) — for tests.
         on_step: ``(worker_id, sched_out, runner_out)`` after an answer is applied and
             its deltas sunk — for tests (integrity checks) and benchmarks (timings).
+        step_deadlines: enforce the step deadline of ``scheduler.config``
+            (``step_deadline_floor_s``, ``step_deadline_factor``): for remote workers (the
+            scheduler actor's), whose link can stall; in-process drivers (the offline
+            ``LLM``, benchmarks) leave it off, as a slow local step is no lost worker.
 
     Attributes:
         overlapped: the loop kind (``scheduler.config.async_scheduling``).
         in_step: ids of the workers with a step in flight (a liveness probe skips them:
             a ping would queue behind the step).
+        step_time_s: worker id -> moving average of its step time, seconds (from the
+            moment the worker could start a step to its answer; absent before the first).
+        deadline_misses: worker id -> how many steps missed their deadline.
     """
 
     def __init__(
@@ -138,6 +162,7 @@ class EngineLoop:
         sink: Sink,
         on_plan: PlanHook | None = None,
         on_step: StepHook | None = None,
+        step_deadlines: bool = False,
     ) -> None:
         missing = set(scheduler.workers) - set(workers)
         if missing:
@@ -147,12 +172,16 @@ class EngineLoop:
         self._sink = sink
         self._on_plan = on_plan
         self._on_step = on_step
+        self._step_deadlines = step_deadlines
         self._wakeups = {wid: asyncio.Event() for wid in scheduler.workers}
         self._running: set[int] = set()  # workers whose loop has not ended
         self._waiting: set[int] = set()  # ... of those, the ones asleep
         self._idle = asyncio.Event()
         self._until: Callable[[], bool] | None = None
         self.in_step: set[int] = set()
+        self.step_time_s: dict[int, float] = {}
+        self.deadline_misses: dict[int, int] = {}
+        self._last_answer: dict[int, float] = {}
         self.overlapped = scheduler.config.async_scheduling
         self._step_loop = self._overlapped if self.overlapped else self._serial
 
@@ -224,6 +253,23 @@ class EngineLoop:
         for ev in self._wakeups.values():
             ev.set()
 
+    def rejoin(self, worker_id: int) -> asyncio.Task[None] | None:
+        """Put a worker taken out of service (dead, or suspect after a missed deadline)
+        back once it answers again and its state is cleared: a fresh pool
+        (:meth:`Scheduler.revive_worker`), its moving-average step time forgotten, and
+        its loop started unless it still runs. Returns the new loop's task, or None.
+
+        Raises:
+            IntegrityError: the worker is alive or still holds sequences.
+        """
+        self._scheduler.revive_worker(worker_id)
+        self.step_time_s.pop(worker_id, None)
+        self._last_answer.pop(worker_id, None)
+        self.wake_all()
+        if worker_id in self._running:
+            return None
+        return self.start(worker_id)
+
     # ------------------------------------------------------------------ the loops
     def _has_work(self, worker_id: int) -> bool:
         if self._until is not None and self._until():
@@ -247,13 +293,17 @@ class EngineLoop:
                 await self._sleep(worker_id)
                 continue
             self.in_step.add(worker_id)
+            sent_at = time.monotonic()
             pending = worker.execute(sched_out)
             if self._on_plan is not None:
                 self._on_plan(worker_id, sched_out, None)
             try:
-                runner_out = await pending
+                runner_out = await self._answer(worker_id, pending, sent_at)
             except WorkerDied:
                 self._died(worker_id)
+                return
+            except StepDeadlineExceeded:
+                self._suspect(worker_id)
                 return
             except Exception:
                 self._failed(worker_id, sched_out)
@@ -265,9 +315,9 @@ class EngineLoop:
     async def _overlapped(self, worker_id: int) -> None:
         worker = self._workers[worker_id]
         sched = self._scheduler
-        inflight: tuple[SchedulerOutput, Awaitable[RunnerOutput]] | None = None
+        inflight: tuple[SchedulerOutput, Awaitable[RunnerOutput], float] | None = None
         while True:
-            nxt: tuple[SchedulerOutput, Awaitable[RunnerOutput]] | None = None
+            nxt: tuple[SchedulerOutput, Awaitable[RunnerOutput], float] | None = None
             ahead = inflight is None or sched.can_plan_past(inflight[0])
             if ahead and self._has_work(worker_id):
                 plan = sched.schedule(worker_id)
@@ -275,7 +325,8 @@ class EngineLoop:
                     self.wake_all()
                 if not plan.output.is_empty:
                     self.in_step.add(worker_id)
-                    nxt = (plan.output, worker.execute(plan.output))
+                    sent_at = time.monotonic()
+                    nxt = (plan.output, worker.execute(plan.output), sent_at)
                     if self._on_plan is not None:
                         self._on_plan(worker_id, plan.output, inflight[0] if inflight else None)
             if inflight is None:
@@ -284,13 +335,16 @@ class EngineLoop:
                 else:
                     inflight = nxt  # plan the next step while this one runs
                 continue
-            sched_out, pending = inflight
+            sched_out, pending, sent_at = inflight
             try:
-                runner_out = await pending
-            except WorkerDied:
+                runner_out = await self._answer(worker_id, pending, sent_at)
+            except (WorkerDied, StepDeadlineExceeded) as exc:
                 if nxt is not None:
                     _discard(nxt[1])
-                self._died(worker_id)
+                if isinstance(exc, WorkerDied):
+                    self._died(worker_id)
+                else:
+                    self._suspect(worker_id)
                 return
             except Exception:
                 self._failed(worker_id, sched_out)
@@ -303,6 +357,49 @@ class EngineLoop:
             self._apply(worker_id, sched_out, runner_out)
 
     # ------------------------------------------------------------------ one place each
+    def deadline_s(self, worker_id: int) -> float | None:
+        """The current step deadline of ``worker_id``, seconds (None: no deadline)."""
+        cfg = self._scheduler.config
+        floor = cfg.step_deadline_floor_s
+        if not self._step_deadlines or floor <= 0:
+            return None
+        avg = self.step_time_s.get(worker_id)
+        return floor if avg is None else max(floor, cfg.step_deadline_factor * avg)
+
+    async def _answer(
+        self, worker_id: int, pending: Awaitable[RunnerOutput], sent_at: float
+    ) -> RunnerOutput:
+        """Await a step's answer within its deadline and fold its time into the worker's
+        moving average. The clock starts when the worker can start the step: at
+        ``sent_at`` or at the previous step's answer, whichever is later.
+
+        Raises:
+            StepDeadlineExceeded: no answer in time (the answer is discarded).
+            WorkerDied / Exception: from ``pending``.
+        """
+        start = max(sent_at, self._last_answer.get(worker_id, sent_at))
+        deadline = self.deadline_s(worker_id)
+        if deadline is None:
+            out = await pending
+        else:
+            answer = asyncio.ensure_future(pending)
+            try:
+                await asyncio.wait({answer}, timeout=max(0.0, start + deadline - time.monotonic()))
+            finally:
+                if not answer.done():
+                    _discard(answer)
+            if not answer.done():
+                raise StepDeadlineExceeded(f"worker {worker_id}: no answer in {deadline:.3g} s")
+            out = answer.result()
+        now = time.monotonic()
+        self._last_answer[worker_id] = now
+        took = now - start
+        avg = self.step_time_s.get(worker_id)
+        self.step_time_s[worker_id] = (
+            took if avg is None else avg + STEP_TIME_EMA_ALPHA * (took - avg)
+        )
+        return out
+
     def _apply(self, worker_id: int, sched_out: SchedulerOutput, runner_out: RunnerOutput) -> None:
         upd = self._scheduler.update(worker_id, sched_out, runner_out)
         self._sink(upd.outputs)
@@ -316,6 +413,18 @@ class EngineLoop:
         self.in_step.discard(worker_id)
         self._sink(self._scheduler.mark_worker_dead(worker_id))
         self.wake_all()  # live workers pick up what was requeued
+
+    def _suspect(self, worker_id: int) -> None:
+        log.warning(
+            "worker %d missed its step deadline (%.3g s); requeueing its sequences until "
+            "it answers again",
+            worker_id,
+            self.deadline_s(worker_id) or 0.0,
+        )
+        self.deadline_misses[worker_id] = self.deadline_misses.get(worker_id, 0) + 1
+        self.in_step.discard(worker_id)
+        self._sink(self._scheduler.mark_worker_dead(worker_id))
+        self.wake_all()
 
     def _failed(self, worker_id: int, sched_out: SchedulerOutput) -> None:
         log.exception("worker %d failed a step; aborting its requests", worker_id)
@@ -345,4 +454,11 @@ def _discard(pending: Awaitable[Any]) -> None:
         pending.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
-__all__ = ["EngineLoop", "InlineWorker", "ThreadWorker", "WorkerDied", "WorkerHandle"]
+__all__ = [
+    "EngineLoop",
+    "InlineWorker",
+    "StepDeadlineExceeded",
+    "ThreadWorker",
+    "WorkerDied",
+    "WorkerHandle",
+]

@@ -33,6 +33,7 @@ def running_cluster(
     max_model_len: int = 256,
     scheduler: SchedulerConfig | None = None,
     swap_space: int = 0,
+    cluster_name: str | None = None,
     **server: Any,
 ) -> Iterator[tuple[ClusterHandle, LoopThread]]:
     """Start a one-worker cluster on 127.0.0.1 (free ports; ``server`` goes to
@@ -51,6 +52,7 @@ def running_cluster(
         # CPU) when another module started it; the tiny model needs one thread.
         cpus_per_worker=0,
         device="cpu",
+        cluster_name=cluster_name,
     )
     lt = LoopThread()
     handle = lt.run(start_cluster(config))

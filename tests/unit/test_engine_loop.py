@@ -1,6 +1,7 @@
 """The step loop (scheduler/engine_loop.py) over fake workers: serial and overlapped give
 the same tokens, a worker that dies mid-step has its sequences requeued on the other, a
-failed step aborts only its requests, no step is planned past one ``can_plan_past``
+failed step aborts only its requests, a step past its deadline requeues the
+worker's sequences (the late answer discarded) until the worker rejoins, no step is planned past one ``can_plan_past``
 refuses, wake-ups reach a sleeping worker, a thread worker really overlaps, and a run
 with work nobody can do ends instead of hanging. Every test is bounded by a timeout.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -28,7 +30,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [20, 21, 22], [30] * 9, [40, 41]]
 
 
-def make(workers: int = 1, overlap: bool = True, num_blocks: int = 64) -> Scheduler:
+def make(
+    workers: int = 1, overlap: bool = True, num_blocks: int = 64, **config: float
+) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=8,
@@ -36,6 +40,7 @@ def make(workers: int = 1, overlap: bool = True, num_blocks: int = 64) -> Schedu
             max_num_seqs=4,
             async_scheduling=overlap,
             routing="round-robin",
+            **config,  # type: ignore[arg-type]
         ),
         [WorkerSpec(i, num_blocks, 4) for i in range(workers)],
     )
@@ -297,3 +302,110 @@ def test_handles_for_every_worker_and_one_loop_each() -> None:
 
 def test_worker_died_is_what_a_dead_handle_raises() -> None:
     assert issubclass(WorkerDied, Exception)
+
+
+class SlowWorker:
+    """A fake worker whose answer to step ``slow_step`` comes ``delay_s`` late (the step
+    itself ran when sent, as on a worker whose link stalls); records the late answer."""
+
+    def __init__(self, fake: ScriptedWorker, slow_step: int, delay_s: float) -> None:
+        self.fake = fake
+        self.slow_step = slow_step
+        self.delay_s = delay_s
+        self.late_answered = asyncio.Event()
+        self.sent: list[int] = []
+
+    def execute(self, so: SchedulerOutput) -> asyncio.Task[RunnerOutput]:
+        self.sent.append(so.step_id)
+        out = self.fake.execute(so)
+        return asyncio.ensure_future(self._answer(so.step_id, out))
+
+    async def _answer(self, step_id: int, out: RunnerOutput) -> RunnerOutput:
+        if step_id == self.slow_step:
+            await asyncio.sleep(self.delay_s)
+            self.late_answered.set()
+        else:
+            await asyncio.sleep(0)
+        return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_past_its_deadline_requeues_and_the_worker_rejoins(overlap: bool) -> None:
+    ref = reference()
+    sched = make(workers=2, overlap=overlap, step_deadline_floor_s=0.3, step_deadline_factor=20)
+    add_all(sched)  # round-robin: r0, r2 on worker 0; r1, r3 on worker 1
+    slow = SlowWorker(ScriptedWorker(), slow_step=2, delay_s=1.0)
+    other = InProcessWorker(ScriptedWorker().execute)
+    tokens: dict[tuple[str, int], list[int]] = {}
+    finished: dict[str, FinishReason] = {}
+    applied: list[tuple[int, int]] = []
+
+    def sink(outputs: list) -> None:
+        for o in outputs:
+            tokens.setdefault((o.request_id, o.choice_index), []).extend(o.new_token_ids)
+            if o.finish_reason is not None:
+                finished[o.request_id] = o.finish_reason
+
+    engine = EngineLoop(
+        sched,
+        {0: slow, 1: other},
+        sink,
+        on_step=lambda w, so, ro: applied.append((w, so.step_id)),
+        step_deadlines=True,
+    )
+
+    async def scenario() -> None:
+        t0 = time.monotonic()
+        await engine.run_until_idle()
+        # The requeued sequences finished on worker 1 before the late answer came.
+        assert time.monotonic() - t0 < slow.delay_s
+        assert not slow.late_answered.is_set()
+        assert not sched.workers[0].alive and engine.deadline_misses == {0: 1}
+        assert len(finished) == len(PROMPTS)
+        await asyncio.wait_for(slow.late_answered.wait(), 5)
+        await asyncio.sleep(0.05)  # the late answer's callbacks ran
+        assert (0, slow.slow_step) not in applied  # discarded
+        # The worker answers again (the probe's ping): state cleared, it rejoins.
+        slow.fake = ScriptedWorker()
+        task = engine.rejoin(0)
+        assert task is not None and sched.workers[0].alive
+        done_before = len(applied)
+        for i, p in enumerate(PROMPTS):
+            sched.add_request(EngineRequest(f"s{i}", p, GREEDY))
+        other_task = engine.start(1)
+        engine.wake_all()
+        deadline = time.monotonic() + 10
+        while len(finished) < 2 * len(PROMPTS) or not engine.idle:
+            assert time.monotonic() < deadline, finished
+            await asyncio.sleep(0.01)
+        task.cancel()
+        other_task.cancel()
+        await asyncio.gather(task, other_task, return_exceptions=True)
+        assert any(w == 0 for w, _ in applied[done_before:])  # worker 0 served again
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+    for i in range(len(PROMPTS)):
+        assert tokens[(f"r{i}", 0)] == ref[(f"r{i}", 0)]  # requeued: the same tokens
+        assert tokens[(f"s{i}", 0)] == ref[(f"r{i}", 0)]
+    assert all(f == FinishReason.LENGTH for f in finished.values())
+    assert sched.workers[0].kv.num_free_blocks == 64
+    assert sched.workers[1].kv.num_free_blocks == 64
+    assert 0 < engine.step_time_s[1] < 0.3
+
+
+def test_no_deadline_when_the_floor_is_zero_or_the_loop_is_local() -> None:
+    handles = {0: InProcessWorker(ScriptedWorker().execute)}
+    sched = make(step_deadline_floor_s=0)
+    assert EngineLoop(sched, handles, lambda o: None, step_deadlines=True).deadline_s(0) is None
+    sched = make(step_deadline_floor_s=2.0, step_deadline_factor=10)
+    assert EngineLoop(sched, handles, lambda o: None).deadline_s(0) is None  # in-process
+    engine = EngineLoop(sched, handles, lambda o: None, step_deadlines=True)
+    assert engine.deadline_s(0) == 2.0  # no step timed yet: the floor
+    engine.step_time_s[0] = 0.5
+    assert engine.deadline_s(0) == 5.0
+
+
+@pytest.mark.parametrize("field", [{"step_deadline_floor_s": -1.0}, {"step_deadline_factor": -0.5}])
+def test_step_deadline_config_is_validated(field: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match=next(iter(field))):
+        SchedulerConfig(**field)  # type: ignore[arg-type]

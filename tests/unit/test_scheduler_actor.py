@@ -4,8 +4,9 @@ Requests go in as the frontend sends them (``subscribe`` + ``add_request``, thro
 :class:`helpers.ActorStreams`). Covers request-id reuse after a cancel (a stale stream
 must not get the new request's outputs), a worker that dies (its sequences are recomputed
 elsewhere; with none left, every request is aborted and new ones are refused), a worker
-that raises on a step, and routing across two workers (cached prefixes, an even burst, no
-idle worker while work waits).
+that raises on a step, a worker past its step deadline (requeued, back after the probe), a
+start with workers dead or silent (served by the others), and routing across two workers
+(cached prefixes, an even burst, no idle worker while work waits).
 """
 
 from __future__ import annotations
@@ -324,5 +325,104 @@ def test_wait_stopped_returns_at_shutdown():
         assert not waiter.done()
         await actor.shutdown()
         assert await asyncio.wait_for(waiter, 1) is True
+
+    run(scenario())
+
+
+class SerialHandle(FakeHandle):
+    """A FakeHandle that runs its calls one at a time, as a Ray actor with
+    ``max_concurrency=1`` does (a ping queues behind a step), and whose step ``slow_step``
+    answers ``delay_s`` late."""
+
+    def __init__(self, slow_step: int, delay_s: float) -> None:
+        super().__init__()
+        self.lock = asyncio.Lock()
+        self.slow_step = slow_step
+        self.delay_s = delay_s
+        inner_execute, inner_ping, inner_reset = self._execute, self._ping, self._reset
+
+        async def execute(so):
+            async with self.lock:
+                out = await inner_execute(so)
+                if self.steps == self.slow_step:
+                    await asyncio.sleep(self.delay_s)
+                return out
+
+        async def serial(fn):
+            async with self.lock:
+                return await fn()
+
+        self.execute_model = Remote(execute)
+        self.ping = Remote(lambda: serial(inner_ping))
+        self.reset = Remote(lambda: serial(inner_reset))
+
+
+def test_a_worker_past_its_step_deadline_is_requeued_and_rejoins_after_the_probe():
+    async def scenario():
+        handles = [SerialHandle(slow_step=3, delay_s=0.6), FakeHandle()]
+        specs = [WorkerSpec(i, 32, 4) for i in range(2)]
+        cfg = SchedulerConfig(
+            max_num_batched_tokens=64,
+            max_model_len=256,
+            routing="round-robin",
+            step_deadline_floor_s=0.15,
+        )
+        actor = SchedulerActor(cfg, handles, specs, probe_interval_s=0.05)
+        gen = ActorStreams(actor).generate
+        streams = [gen(f"r{i}", [1, 2, 3, i + 5], greedy(6)) for i in range(4)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        for res in results:  # requeued on worker 1: the same greedy tokens
+            assert [t for o in res for t in o.new_token_ids] == [104, 105, 106, 107, 108, 109]
+            assert res[-1].finish_reason is FinishReason.LENGTH
+        assert actor._engine.deadline_misses == {0: 1}
+        for _ in range(300):  # the late step ends, the probe's ping is answered
+            if await actor.num_live_workers() == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert await actor.num_live_workers() == 2
+        assert handles[0].resets == 2  # at start, and before it rejoined
+        handles[0].admitted.clear()
+        streams = [gen(f"u{i}", [9 * i + 1, 2, 3, 4], greedy(3)) for i in range(4)]
+        await asyncio.gather(*(collect(s) for s in streams))
+        assert len(handles[0].admitted) == 2  # routed to again
+        await actor.check_integrity()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+class HungHandle(FakeHandle):
+    """A worker whose reset never answers (a node that is partitioned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+        async def never():
+            await asyncio.sleep(3600)
+
+        self.reset = Remote(never)
+
+
+def test_start_serves_with_the_workers_that_answer_their_reset():
+    """A (re)started scheduler whose worker 0 is dead for good and worker 1 silent takes
+    both out of service within ``reset_timeout_s`` and serves on worker 2."""
+
+    async def scenario():
+        dead = FakeHandle()
+        dead.dead = True
+        handles = [dead, HungHandle(), FakeHandle()]
+        specs = [WorkerSpec(i, 32, 4) for i in range(3)]
+        cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=256)
+        actor = SchedulerActor(cfg, handles, specs, probe_interval_s=0.05, reset_timeout_s=0.2)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await actor.ready()
+        assert loop.time() - t0 < 2.0
+        assert [w.alive for w in (await actor.get_stats()).workers] == [False, False, True]
+        gen = ActorStreams(actor).generate
+        res = await collect(gen("r", [1, 2, 3, 4], greedy(3)))
+        assert [t for o in res for t in o.new_token_ids] == [104, 105, 106]
+        assert len(handles[2].admitted) == 1
+        await actor.shutdown()
 
     run(scenario())
