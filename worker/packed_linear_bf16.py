@@ -29,12 +29,13 @@ from torch import nn
 from pagedserve.kernels import cpu_native
 
 # Token rows from which oneDNN's prepacked bf16 linear beats the packed kernel, over
-# SmolLM2-135M's four layer shapes with weights from memory, 2 threads
-# (benchmarks/kernels/cpu_gemm_bf16.py; benchmarks/RESULTS.md).
-ONEDNN_MIN_ROWS = 32
-# The batch size oneDNN is told when reordering a weight (it picks its layout by it): the
-# crossover, the smallest M the reordered weight is used for.
-ONEDNN_BATCH_HINT = ONEDNN_MIN_ROWS
+# SmolLM2-135M's four layer shapes with weights from memory, 2 threads: the kernel is
+# 1.05-1.4x oneDNN's speed at M = 1-8, even at 16, about half of it at 32 and beyond
+# (benchmarks/kernels/cpu_gemm_bf16.py; benchmarks/RESULTS.md "Linear layers in bf16").
+ONEDNN_MIN_ROWS = 16
+# The batch size oneDNN is told when reordering a weight (it picks its layout by it): one
+# reordered copy serves every M from the crossover up; the benchmark measures with it.
+ONEDNN_BATCH_HINT = 128
 
 
 def onednn_bf16_available() -> bool:
@@ -167,6 +168,7 @@ def packed_logits_bf16(
 
 
 __all__ = [
+    "ONEDNN_BATCH_HINT",
     "ONEDNN_MIN_ROWS",
     "PackedLinearBf16",
     "onednn_bf16_available",

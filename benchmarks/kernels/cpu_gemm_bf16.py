@@ -39,6 +39,7 @@ import torch
 from torch.nn import functional as F
 
 from pagedserve.kernels import cpu_native
+from pagedserve.worker.packed_linear_bf16 import ONEDNN_BATCH_HINT
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
@@ -93,7 +94,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--onednn-hint", type=int, default=128)
+    parser.add_argument("--onednn-hint", type=int, default=ONEDNN_BATCH_HINT)
     parser.add_argument("--out", type=Path, default=RESULTS / "cpu_gemm_bf16.json")
     args = parser.parse_args()
     if not cpu_native.has_bf16_gemm():
