@@ -354,6 +354,66 @@ def check_packed_linear(
         raise ValueError(f"bias must be a contiguous [{out_features}] tensor")
 
 
+def check_linear_weight_bf16(weight: torch.Tensor) -> None:
+    """A weight :func:`~pagedserve.kernels.cpu_native.pack_bf16_linear_weight` can pack:
+    2-D fp32 or bf16 on CPU."""
+    if (
+        not isinstance(weight, torch.Tensor)
+        or weight.dim() != 2
+        or weight.dtype not in (torch.float32, torch.bfloat16)
+        or weight.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"weight must be a 2-D fp32 or bf16 CPU tensor, got {getattr(weight, 'dtype', None)} "
+            f"{tuple(getattr(weight, 'shape', ()))} on {getattr(weight, 'device', None)}"
+        )
+
+
+def check_packed_linear_bf16(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    panel_width: int,
+) -> None:
+    """Arguments of :func:`~pagedserve.kernels.cpu_native.linear_packed_bf16`: ``x`` 2-D
+    fp32 or bf16 ``[M, K]`` on CPU, ``packed`` a contiguous bf16 CPU tensor of
+    ``ceil(out_features / panel_width) * ceil(K / 2) * 2 * panel_width`` values, ``bias``
+    contiguous fp32 ``[out_features]`` or ``None``."""
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() != 2
+        or x.dtype not in (torch.float32, torch.bfloat16)
+        or x.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"x must be a 2-D fp32 or bf16 CPU tensor [M, K], got "
+            f"{getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
+        )
+    if out_features < 1:
+        raise ValueError(f"out_features must be >= 1, got {out_features}")
+    if (
+        not isinstance(packed, torch.Tensor)
+        or packed.dtype != torch.bfloat16
+        or packed.device.type != "cpu"
+        or not packed.is_contiguous()
+    ):
+        raise ValueError("packed must be a contiguous bf16 CPU tensor from pack_bf16_linear_weight")
+    packed_numel = -(-out_features // panel_width) * -(-x.shape[1] // 2) * 2 * panel_width
+    if packed.numel() != packed_numel:
+        raise ValueError(
+            f"packed weight ({packed.numel()} values) does not hold a "
+            f"[{out_features}, {x.shape[1]}] matrix ({packed_numel})"
+        )
+    if bias is not None and (
+        bias.dtype != torch.float32
+        or bias.device.type != "cpu"
+        or bias.numel() != out_features
+        or not bias.is_contiguous()
+    ):
+        raise ValueError(f"bias must be a contiguous fp32 CPU [{out_features}] tensor")
+
+
 def packed_shape(key_caches: Sequence[torch.Tensor], n: int) -> tuple[int, ...]:
     """Shape of the :func:`~pagedserve.kernels.gather_blocks` buffer for ``n`` blocks."""
     _, block_size, num_kv_heads, head_dim = key_caches[0].shape

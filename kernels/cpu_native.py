@@ -23,7 +23,11 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
   layers' GEMM on weights packed once into column panels, each streamed from memory once
   per call (a BLAS sgemm re-packs the weight on every small-M call; vLLM's CPU backend
   uses prepacked oneDNN weights for the same reason). Each output element is one in-order
-  sum over K, so a row's result does not depend on the other rows (batch invariant).
+  sum over K, so a row's result does not depend on the other rows (batch invariant);
+* :func:`pack_bf16_linear_weight` / :func:`linear_packed_bf16` (``csrc/cpu_gemm_bf16.c``):
+  the same on weights packed into panels of bf16 pairs, fp32 or bf16 activations rounded to
+  bf16, products summed in fp32 by AVX512-BF16's ``VDPBF16PS``, fp32 out; compiled in only
+  where the compiler targets AVX512-BF16 (:func:`has_bf16_gemm`).
 
 The library is built with the system C compiler (``$CC``, default ``gcc``) into
 ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by a hash of
@@ -56,12 +60,22 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels._checks import check_linear_weight, check_packed_linear
+from pagedserve.kernels._checks import (
+    check_linear_weight,
+    check_linear_weight_bf16,
+    check_packed_linear,
+    check_packed_linear_bf16,
+)
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "cpu_gemm.c", CSRC / "cpu_decoder.c")
+SOURCES = (
+    CSRC / "cpu_kernels.c",
+    CSRC / "cpu_gemm.c",
+    CSRC / "cpu_gemm_bf16.c",
+    CSRC / "cpu_decoder.c",
+)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
 _FALSY = ("0", "false", "off", "no")
@@ -78,12 +92,21 @@ _SIGNATURES = {
     "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
     "linear_packed_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64],
     "gemm_panel_width": [],
+    "pack_weight_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64],
+    "linear_packed_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64],
+    "gemm_bf16_panel_width": [],
+    "gemm_bf16_supported": [],
     "argmax_rows_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
     "decoder_layers_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr,
                            _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
                            _ptr, _i64],
 }  # fmt: skip
-_RESTYPES = {"gemm_panel_width": _i64}
+_RESTYPES = {
+    "gemm_panel_width": _i64,
+    "linear_packed_bf16": _i64,
+    "gemm_bf16_panel_width": _i64,
+    "gemm_bf16_supported": _i64,
+}
 
 
 def _cache_dir() -> Path:
@@ -378,6 +401,118 @@ def linear_packed_fn() -> Any:
     per decode step): ``fn(x_ptr, m, k, ldx, packed_ptr, n, bias_ptr_or_None, out_ptr,
     ldo, num_threads)``. Callers must pass what :func:`linear_packed` checks."""
     return _lib().linear_packed_f32
+
+
+@functools.cache
+def has_bf16_gemm() -> bool:
+    """True when the library is built and holds the AVX512-BF16 kernel of
+    ``csrc/cpu_gemm_bf16.c`` (the compiler targets AVX512-BF16: ``-march=native`` on a CPU
+    with ``avx512_bf16``). Where False, :func:`pack_bf16_linear_weight` and
+    :func:`linear_packed_bf16` raise ``RuntimeError``."""
+    lib = load()
+    return lib is not None and bool(lib.gemm_bf16_supported())
+
+
+def _bf16_lib() -> ctypes.CDLL:
+    if not has_bf16_gemm():
+        raise RuntimeError("the AVX512-BF16 GEMM is not available (see cpu_native.has_bf16_gemm)")
+    return _lib()
+
+
+@functools.cache
+def bf16_panel_width() -> int:
+    """Output columns per bf16 panel (``NR`` of ``csrc/cpu_gemm_bf16.c``)."""
+    return int(_lib().gemm_bf16_panel_width())
+
+
+def bf16_packed_numel(out_features: int, in_features: int) -> int:
+    """bf16 values in the packed form of an ``[out_features, in_features]`` weight:
+    ``ceil(N / NR) * ceil(K / 2) * 2 * NR``."""
+    width = bf16_panel_width()
+    return -(-out_features // width) * -(-in_features // 2) * 2 * width
+
+
+def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Pack an ``nn.Linear`` weight into panels of bf16 pairs for :func:`linear_packed_bf16`.
+
+    Args:
+        weight: fp32 or bf16 CPU ``[N, K]`` (``out_features x in_features``) with unit
+            column stride; fp32 is rounded to bf16 (nearest even, as ``weight.bfloat16()``).
+
+    Returns:
+        A new contiguous bf16 1-D tensor of :func:`bf16_packed_numel` values:
+        ``packed.view(P, ceil(K / 2), NR, 2)[p, kk, j, e] = weight[p * NR + j, 2 * kk + e]``
+        (``NR`` = :func:`bf16_panel_width`), zero past ``N`` and past ``K``.
+
+    Raises:
+        ValueError: a weight that is not 2-D fp32/bf16 on CPU.
+        RuntimeError: no AVX512-BF16 kernel (:func:`has_bf16_gemm`).
+    """
+    check_linear_weight_bf16(weight)
+    lib = _bf16_lib()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    n, k = weight.shape
+    packed = torch.empty(bf16_packed_numel(n, k), dtype=torch.bfloat16)
+    lib.pack_weight_bf16(
+        weight.data_ptr(), int(weight.dtype is torch.bfloat16), n, k, weight.stride(0),
+        packed.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return packed
+
+
+def linear_packed_bf16(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``bf16(x) @ bf16(weight).T + bias`` in fp32, ``weight`` packed by
+    :func:`pack_bf16_linear_weight`.
+
+    Each output element is an in-order fp32 sum over K of exact bf16 products (see
+    ``csrc/cpu_gemm_bf16.c``), so a row's result does not depend on the other rows.
+
+    Args:
+        x: fp32 or bf16 ``[M, K]`` with unit column stride (rows may be strided); fp32 is
+            rounded to bf16 (nearest even) inside the call.
+        packed: the packed weight of an ``[out_features, K]`` matrix.
+        out_features: ``N``.
+        bias: optional contiguous fp32 ``[N]``.
+
+    Returns:
+        A new contiguous fp32 ``[M, N]``.
+
+    Raises:
+        ValueError: dtypes or shapes that do not match the packed weight.
+        RuntimeError: no AVX512-BF16 kernel, or its scratch could not be allocated.
+    """
+    check_packed_linear_bf16(x, packed, out_features, bias, bf16_panel_width())
+    fn = linear_packed_bf16_fn()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    out = torch.empty((m, out_features), dtype=torch.float32)
+    if m and fn(
+        x.data_ptr(), int(x.dtype is torch.bfloat16), m, k, x.stride(0), packed.data_ptr(),
+        out_features, None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+        torch.get_num_threads(),
+    ):  # fmt: skip
+        raise RuntimeError(f"linear_packed_bf16: no memory for {m} x {k} bf16 activations")
+    return out
+
+
+@functools.cache
+def linear_packed_bf16_fn() -> Any:
+    """The C entry point of :func:`linear_packed_bf16`, looked up once: ``fn(x_ptr, x_is_bf16,
+    m, k, ldx, packed_ptr, n, bias_ptr_or_None, out_ptr, ldo, num_threads) -> 0`` (``-1``
+    when its scratch cannot be allocated). Callers must pass what :func:`linear_packed_bf16`
+    checks.
+
+    Raises:
+        RuntimeError: no AVX512-BF16 kernel (:func:`has_bf16_gemm`).
+    """
+    return _bf16_lib().linear_packed_bf16
 
 
 class DecoderLayerPtrs(ctypes.Structure):

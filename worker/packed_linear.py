@@ -1,4 +1,5 @@
-"""Linear layers on packed weights for the fp32 CPU path (:func:`pack_linears`).
+"""Linear layers on packed weights for the CPU path (:func:`pack_linears`): fp32 here, bf16
+in :mod:`pagedserve.worker.packed_linear_bf16`.
 
 A decode step multiplies a handful of token rows by every weight of the model, so on CPU
 its time is the time to stream the weights from memory, and torch's ``F.linear`` (MKL's
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import cpu_native
+from pagedserve.worker.packed_linear_bf16 import PackedLinearBf16
 
 
 class PackedLinear(nn.Module):
@@ -81,18 +83,27 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place.
+def pack_linears(model: nn.Module, dtype: torch.dtype = torch.float32) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by a packed one, in place.
 
     Args:
-        model: a module whose linear layers are fp32 on CPU.
+        model: a module whose linear layers are on CPU.
+        dtype: ``torch.float32``: :class:`PackedLinear` (fp32 weights only);
+            ``torch.bfloat16``: :class:`~pagedserve.worker.packed_linear_bf16.PackedLinearBf16`
+            (fp32 or bf16 weights, rounded to bf16; fp32 out).
 
     Returns:
         How many layers were replaced.
 
     Raises:
-        ValueError: a linear layer that is not fp32 on CPU (nothing is replaced then).
+        ValueError: another ``dtype``, or a linear layer whose weight that ``dtype`` cannot
+            take (nothing is replaced then).
+        RuntimeError: ``torch.bfloat16`` without the AVX512-BF16 kernel
+            (:func:`cpu_native.has_bf16_gemm`; nothing is replaced then).
     """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"packed linears are fp32 or bf16, got {dtype}")
+    accepted = (torch.float32,) if dtype is torch.float32 else (torch.float32, torch.bfloat16)
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -100,13 +111,17 @@ def pack_linears(model: nn.Module) -> int:
         if type(child) is nn.Linear
     ]
     for _, _, child in targets:
-        if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
+        if child.weight.dtype not in accepted or child.weight.device.type != "cpu":
+            names = "fp32" if dtype is torch.float32 else "fp32 or bf16"
             raise ValueError(
-                f"packed linears need fp32 CPU weights, got {child.weight.dtype} "
+                f"packed linears need {names} CPU weights, got {child.weight.dtype} "
                 f"on {child.weight.device}"
             )
+    if dtype is torch.bfloat16 and targets and not cpu_native.has_bf16_gemm():
+        raise RuntimeError("bf16 packed linears need the AVX512-BF16 kernel (has_bf16_gemm)")
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
+        packed = PackedLinear(child) if dtype is torch.float32 else PackedLinearBf16(child)
+        setattr(parent, name, packed)
     return len(targets)
 
 

@@ -1,0 +1,276 @@
+/*
+ * bf16-weight GEMM for the bf16 CPU path's linear layers: out[M, N] (fp32) = x[M, K] @ W[N, K]^T
+ * (+ bias), x fp32 or bf16, W packed once into column panels of bf16 pairs, products of bf16
+ * values summed in fp32 with AVX512-BF16's VDPBF16PS (_mm512_dpbf16_ps).
+ *
+ * Why: a decode step streams every weight from memory once; bf16 weights halve those bytes
+ * against the fp32 kernel (cpu_gemm.c), and VDPBF16PS does two multiply-adds per fp32 lane
+ * per instruction. The blocking is cpu_gemm.c's (Goto and van de Geijn, ACM TOMS 2008):
+ * panels of NR columns split over the threads, each streamed once per block of MC rows.
+ *
+ * Packed layout: K is padded to an even KP = 2 * ceil(K / 2); panel p holds columns
+ * [p * NR, p * NR + NR) as packed[p][kk][j][e] = bf16(W[p * NR + j][2 * kk + e]) for
+ * kk < KP / 2, e in {0, 1} (zero past N and past K): ceil(N / NR) * (KP / 2) * NR * 2 bf16
+ * values. One k pair of a panel is 3 vectors of 32 bf16 = 16 fp32 lanes each.
+ *
+ * Activations are rounded to bf16 per call, round to nearest even with NaN kept NaN (as
+ * torch's x.to(torch.bfloat16)); a bf16 x is used as is.
+ *
+ * Numerics: each output element starts from 0 and takes, for kk = 0 .. KP/2 - 1 in order,
+ * the two exact bf16 x bf16 products of pair kk, each added with one fp32 rounding (the
+ * instruction's order); bias added last. A row's result depends only on that row and W, not
+ * on M or on the other rows: batch invariant by construction. VDPBF16PS treats denormal
+ * inputs as zero and flushes denormal results (it ignores MXCSR).
+ *
+ * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
+ * __AVX512BF16__); elsewhere this file gives gemm_bf16_supported() == 0 and stubs that do
+ * nothing, so the library still builds and its fp32 kernels still run.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NR 48  /* output columns per panel: 3 vectors of 16 fp32 lanes */
+#define MR 8   /* rows of x per micro-kernel call */
+#define MC 256 /* rows of x per outer block */
+
+int64_t gemm_bf16_panel_width(void) { return NR; }
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+int64_t gemm_bf16_supported(void) { return 1; }
+
+/* torch's c10::BFloat16 rounding: nearest even, any NaN -> 0x7fc0. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* 16 fp32 -> 16 bf16 bit patterns, the same rounding as to_bf16. */
+static inline __m256i to_bf16_x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* packed as described above, from w (fp32, or bf16 bits when w_bf16), row stride ldw. */
+void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64_t ldw,
+                      uint16_t *packed, int64_t num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t kp2 = (k + 1) / 2;
+    const float *wf = (const float *)w;
+    const uint16_t *wb = (const uint16_t *)w;
+#pragma omp parallel for num_threads(num_threads > 0 ? num_threads : 1) if (panels > 1)
+    for (int64_t p = 0; p < panels; ++p) {
+        uint16_t *dst = packed + p * kp2 * NR * 2;
+        const int64_t cols = (n - p * NR) < NR ? (n - p * NR) : NR;
+        for (int64_t kk = 0; kk < kp2; ++kk) {
+            uint16_t *row = dst + kk * NR * 2;
+            for (int64_t j = 0; j < NR; ++j) {
+                for (int64_t e = 0; e < 2; ++e) {
+                    const int64_t c = 2 * kk + e;
+                    uint16_t v = 0;
+                    if (j < cols && c < k) {
+                        const int64_t at = (p * NR + j) * ldw + c;
+                        v = w_bf16 ? wb[at] : to_bf16(wf[at]);
+                    }
+                    row[2 * j + e] = v;
+                }
+            }
+        }
+    }
+}
+
+/* Row r of x as kp2 bf16 pairs (zero-padded when k is odd) into dst. */
+static void convert_row(const void *x, int64_t x_bf16, int64_t k, uint16_t *dst, int64_t kp2) {
+    if (x_bf16) {
+        memcpy(dst, x, sizeof(uint16_t) * k);
+    } else {
+        const float *xf = (const float *)x;
+        int64_t c = 0;
+        for (; c + 16 <= k; c += 16)
+            _mm256_storeu_si256((__m256i *)(dst + c), to_bf16_x16(_mm512_loadu_ps(xf + c)));
+        for (; c < k; ++c) dst[c] = to_bf16(xf[c]);
+    }
+    if (k < 2 * kp2) dst[k] = 0;
+}
+
+/*
+ * One micro-tile: mr rows of bf16-pair x (row stride ldxb pairs) times np consecutive
+ * panels, into out (row stride ldo), writing cols (<= np * NR) columns. mr and np are
+ * compile-time constants at every call site, so the accumulators live in registers.
+ */
+static inline __attribute__((always_inline)) void micro(const int mr, const int np,
+                                                        const uint32_t *xb, int64_t ldxb,
+                                                        const uint16_t *panel, int64_t kp2,
+                                                        const float *bias, float *out,
+                                                        int64_t ldo, int64_t cols,
+                                                        const char *pf, int64_t pf_lines) {
+    __m512 acc[MR][12];
+    for (int r = 0; r < mr; ++r)
+        for (int v = 0; v < 3 * np; ++v) acc[r][v] = _mm512_setzero_ps();
+    const int64_t stride = kp2 * NR * 2; /* bf16 values between consecutive panels */
+    const int64_t pf_step = (pf_lines + kp2 - 1) / (kp2 > 0 ? kp2 : 1);
+    for (int64_t kk = 0; kk < kp2; ++kk) {
+        if (kk * pf_step < pf_lines)
+            for (int64_t l = 0; l < pf_step && kk * pf_step + l < pf_lines; ++l)
+                __builtin_prefetch(pf + (kk * pf_step + l) * 64, 0, 2);
+        __m512bh b[12];
+        for (int q = 0; q < np; ++q) {
+            const __m512i *bp = (const __m512i *)(panel + q * stride + kk * NR * 2);
+            b[3 * q] = (__m512bh)_mm512_loadu_si512(bp);
+            b[3 * q + 1] = (__m512bh)_mm512_loadu_si512(bp + 1);
+            b[3 * q + 2] = (__m512bh)_mm512_loadu_si512(bp + 2);
+        }
+        for (int r = 0; r < mr; ++r) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[r * ldxb + kk]);
+            for (int v = 0; v < 3 * np; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], a, b[v]);
+        }
+    }
+    float bb[4 * NR];
+    if (bias != NULL) {
+        memcpy(bb, bias, sizeof(float) * cols);
+        for (int64_t j = cols; j < np * NR; ++j) bb[j] = 0.0f;
+        for (int r = 0; r < mr; ++r)
+            for (int v = 0; v < 3 * np; ++v)
+                acc[r][v] = _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bb + 16 * v));
+    }
+    if (cols == np * NR) {
+        for (int r = 0; r < mr; ++r)
+            for (int v = 0; v < 3 * np; ++v) _mm512_storeu_ps(out + r * ldo + 16 * v, acc[r][v]);
+    } else {
+        for (int r = 0; r < mr; ++r) {
+            for (int v = 0; v < 3 * np; ++v) _mm512_storeu_ps(bb + 16 * v, acc[r][v]);
+            memcpy(out + r * ldo, bb, sizeof(float) * cols);
+        }
+    }
+}
+
+static void tile(int64_t mr, int64_t np, const uint32_t *xb, int64_t ldxb,
+                 const uint16_t *panel, int64_t kp2, const float *bias, float *out,
+                 int64_t ldo, int64_t cols, const char *pf, int64_t pf_lines) {
+    if (np == 4) {
+        micro(1, 4, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines);
+        return;
+    }
+    if (np == 2) {
+        if (mr == 4)
+            micro(4, 2, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines);
+        else if (mr == 3)
+            micro(3, 2, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines);
+        else if (mr == 2)
+            micro(2, 2, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines);
+        else
+            micro(1, 2, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines);
+        return;
+    }
+    switch (mr) {
+    case 8: micro(8, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    case 7: micro(7, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    case 6: micro(6, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    case 5: micro(5, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    case 4: micro(4, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    case 3: micro(3, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    case 2: micro(2, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    default: micro(1, 1, xb, ldxb, panel, kp2, bias, out, ldo, cols, pf, pf_lines); break;
+    }
+}
+
+/*
+ * out[M, N] (row stride ldo, fp32) = x[M, K] (row stride ldx elements; fp32, or bf16 bits
+ * when x_bf16) @ W^T + bias (fp32 or NULL), W packed by pack_weight_bf16. Returns 0, or -1
+ * when the activation scratch cannot be allocated (out is then untouched).
+ */
+int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                           const uint16_t *packed, int64_t n, const float *bias, float *out,
+                           int64_t ldo, int64_t num_threads) {
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t kp2 = (k + 1) / 2;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    /* bf16 rows padded to a whole number of 64-byte lines */
+    const int64_t ldxb = (kp2 + 15) / 16 * 16; /* pairs */
+    uint32_t *xb = aligned_alloc(64, (size_t)(m * ldxb) * sizeof(uint32_t));
+    if (xb == NULL) return -1;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    int64_t group = m == 1 ? 4 : (m <= 4 ? 2 : 1);
+    while (group > 1) { /* as in linear_packed_f32: never leave a thread idle */
+        const int64_t busiest = ((panels + group - 1) / group + threads - 1) / threads * group;
+        const int64_t half = group / 2;
+        const int64_t busiest_half = ((panels + half - 1) / half + threads - 1) / threads * half;
+        if (busiest_half >= busiest) break;
+        group = half;
+    }
+    const int64_t groups = (panels + group - 1) / group;
+    const int64_t panel_size = kp2 * NR * 2;
+#pragma omp parallel num_threads(threads) if (threads > 1 && (groups > 1 || m > 1))
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
+                        (uint16_t *)(xb + r * ldxb), kp2);
+        for (int64_t m0 = 0; m0 < m; m0 += MC) {
+            const int64_t mc = (m - m0) < MC ? (m - m0) : MC;
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; ++g) {
+                const int64_t p = g * group;
+                const int64_t np = (panels - p) < group ? (panels - p) : group;
+                const uint16_t *panel = packed + p * panel_size;
+                const int64_t cols = (n - p * NR) < np * NR ? (n - p * NR) : np * NR;
+                const float *bp = bias == NULL ? NULL : bias + p * NR;
+                if (np == group) {
+                    /* the next group is brought into L2 a slice per row block */
+                    const int64_t blocks = (mc + MR - 1) / MR;
+                    const int64_t next_lines = (p + np < panels) ? np * panel_size * 2 / 64 : 0;
+                    const int64_t slice = (next_lines + blocks - 1) / blocks;
+                    const char *next = (const char *)(packed + (p + np) * panel_size);
+                    for (int64_t r0 = 0, j = 0; r0 < mc; r0 += MR, ++j) {
+                        const int64_t mr = (mc - r0) < MR ? (mc - r0) : MR;
+                        int64_t lines = next_lines - j * slice;
+                        lines = lines < 0 ? 0 : (lines < slice ? lines : slice);
+                        tile(mr, np, xb + (m0 + r0) * ldxb, ldxb, panel, kp2, bp,
+                             out + (m0 + r0) * ldo + p * NR, ldo, cols, next + j * slice * 64,
+                             lines);
+                    }
+                } else { /* the last, short group: one panel at a time */
+                    for (int64_t q = 0; q < np; ++q) {
+                        const int64_t c = (n - (p + q) * NR) < NR ? (n - (p + q) * NR) : NR;
+                        for (int64_t r0 = 0; r0 < mc; r0 += MR) {
+                            const int64_t mr = (mc - r0) < MR ? (mc - r0) : MR;
+                            tile(mr, 1, xb + (m0 + r0) * ldxb, ldxb, panel + q * panel_size,
+                                 kp2, bias == NULL ? NULL : bp + q * NR,
+                                 out + (m0 + r0) * ldo + (p + q) * NR, ldo, c, NULL, 0);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+#else /* no AVX512-BF16: callers check gemm_bf16_supported() first */
+
+int64_t gemm_bf16_supported(void) { return 0; }
+
+void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64_t ldw,
+                      uint16_t *packed, int64_t num_threads) {
+    (void)w; (void)w_bf16; (void)n; (void)k; (void)ldw; (void)packed; (void)num_threads;
+}
+
+int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                           const uint16_t *packed, int64_t n, const float *bias, float *out,
+                           int64_t ldo, int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -1;
+}
+
+#endif

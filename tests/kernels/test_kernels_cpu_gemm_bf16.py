@@ -1,0 +1,201 @@
+"""The bf16-pair packed CPU GEMM (``kernels/csrc/cpu_gemm_bf16.c``) against torch on bf16-rounded
+operands, its row (batch) invariance, its argument checks, and :class:`PackedLinearBf16`'s
+dispatch between it and oneDNN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pagedserve.kernels import cpu_native
+from pagedserve.worker.packed_linear import PackedLinear, pack_linears
+from pagedserve.worker.packed_linear_bf16 import (
+    PackedLinearBf16,
+    onednn_bf16_available,
+    pack_head_bf16,
+    packed_logits_bf16,
+)
+
+pytestmark = pytest.mark.skipif(
+    not cpu_native.has_bf16_gemm(),
+    reason="no AVX512-BF16 kernel: the CPU lacks avx512_bf16, the compiler does not target it, "
+    "or the C kernels cannot be built",
+)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """fp32 math on the bf16-rounded operands, as the kernel sees them (float64 sum)."""
+    out = x.bfloat16().double() @ w.bfloat16().double().T
+    return (out if b is None else out + b.double()).float()
+
+
+def close(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """Within fp32 rounding of a K-term sum: |err| <= K * 2^-24 * sum_k |x_k w_k| (+ |b|)."""
+    ref = reference(x, w, b)
+    scale = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
+    if b is not None:
+        scale = scale + b.double().abs()
+    bound = (x.shape[1] + 2) * 2.0**-24 * scale + 1e-30
+    err = (out.double() - ref.double()).abs()
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert bool((err <= bound).all()), float((err / bound).max())
+
+
+def test_packed_layout_is_panels_of_bf16_pairs_zero_padded():
+    width = cpu_native.bf16_panel_width()
+    n, k = width + 3, 5  # a partial second panel; K odd, padded to 6
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    packed = cpu_native.pack_bf16_linear_weight(w).view(2, 3, width, 2)
+    padded = torch.zeros(2 * width, 6)
+    padded[:n, :k] = w
+    want = padded.view(2, width, 3, 2).permute(0, 2, 1, 3).bfloat16()
+    assert torch.equal(packed, want)
+    assert torch.equal(packed[1, :, 3:], torch.zeros(3, width - 3, 2, dtype=torch.bfloat16))
+
+
+def test_fp32_rounds_to_nearest_even_as_torch():
+    """Weights and activations round as ``tensor.bfloat16()`` does, ties and NaN included."""
+    specials = torch.tensor(
+        [1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 3.0e38, float("inf"), float("nan"),
+         1.0 + 2**-8 + 2**-20, 1e-3, -7.25],
+    )  # fmt: skip
+    k = specials.numel()
+    gen = torch.Generator().manual_seed(1)
+    w = torch.cat([specials[None, :], torch.randn(4, k, generator=gen)])
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    width = cpu_native.bf16_panel_width()
+    got = packed.view(1, -1, width, 2)[0, :, 0, :].reshape(-1)[:k]
+    want = specials.bfloat16()
+    assert torch.equal(got.view(torch.int16)[:5], want.view(torch.int16)[:5])
+    assert torch.isnan(got[5]) and torch.equal(got[6:], want[6:])
+    # activations: one-hot weights read back each rounded x exactly
+    eye = torch.eye(k)
+    x = specials.clone()
+    x[5] = 0.5  # keep NaN out of every output
+    x[4] = 2.0
+    out = cpu_native.linear_packed_bf16(x[None], cpu_native.pack_bf16_linear_weight(eye), k)
+    assert torch.equal(out[0], x.bfloat16().float())
+
+
+# M covers the micro-kernels (1-8 rows; 1, 2 and 4 panels at once), row-block tails and more
+# than one outer block of 256 rows; N a partial last panel; K odd and even.
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(1, 1), (7, 13), (100, 64), (250, 97), (576, 1536)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_packed_bf16_matches_torch(m: int, n: int, k: int, bias: bool):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    out = cpu_native.linear_packed_bf16(x, cpu_native.pack_bf16_linear_weight(w), n, b)
+    assert out.is_contiguous()
+    close(out, x, w, b)
+    torch.testing.assert_close(out, F.linear(x.bfloat16().float(), w.bfloat16().float(), b))
+
+
+def test_bf16_input_strided_rows_and_bf16_weight_give_the_same_bits():
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 9, 130, 75
+    base = torch.randn(m, k + 11, generator=gen)
+    x = base[:, 4 : 4 + k]  # strided rows
+    w = torch.randn(n, k, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    out = cpu_native.linear_packed_bf16(x, packed, n)
+    close(out, x, w, None)
+    assert torch.equal(packed, cpu_native.pack_bf16_linear_weight(w.bfloat16()))
+    assert torch.equal(out, cpu_native.linear_packed_bf16(x.contiguous(), packed, n))
+    assert torch.equal(out, cpu_native.linear_packed_bf16(x.bfloat16(), packed, n))
+
+
+def test_rows_do_not_depend_on_the_batch_bitwise():
+    gen = torch.Generator().manual_seed(0)
+    k, n = 576, 960
+    x = torch.randn(70, k, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(torch.randn(n, k, generator=gen) * 0.05)
+    full = cpu_native.linear_packed_bf16(x, packed, n)
+    for start, stop in [(0, 1), (5, 6), (69, 70), (3, 5), (10, 14), (1, 9), (20, 53)]:
+        part = cpu_native.linear_packed_bf16(x[start:stop].clone(), packed, n)
+        assert torch.equal(part, full[start:stop]), (start, stop)
+
+
+def test_bad_arguments_raise_value_error():
+    w = torch.randn(10, 6)
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    x = torch.randn(3, 6)
+    bad_calls = [
+        lambda: cpu_native.pack_bf16_linear_weight(torch.randn(10, 6, dtype=torch.float64)),
+        lambda: cpu_native.pack_bf16_linear_weight(torch.randn(10)),
+        lambda: cpu_native.linear_packed_bf16(x.double(), packed, 10),
+        lambda: cpu_native.linear_packed_bf16(x[0], packed, 10),
+        lambda: cpu_native.linear_packed_bf16(torch.randn(3, 8), packed, 10),
+        lambda: cpu_native.linear_packed_bf16(x, packed, 10 + cpu_native.bf16_panel_width()),
+        lambda: cpu_native.linear_packed_bf16(x, packed, 0),
+        lambda: cpu_native.linear_packed_bf16(x, packed.float(), 10),
+        lambda: cpu_native.linear_packed_bf16(x, packed, 10, torch.randn(9)),
+        lambda: cpu_native.linear_packed_bf16(x, packed, 10, torch.randn(10).bfloat16()),
+        lambda: PackedLinearBf16(nn.Linear(6, 10), onednn_min_rows=0),
+    ]
+    for call in bad_calls:
+        with pytest.raises(ValueError):
+            call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_module_dispatches_by_rows_across_the_crossover(dtype: torch.dtype):
+    """Below ``onednn_min_rows`` the packed kernel's bits; from it, oneDNN's bf16 result
+    (bf16 output rounding: within 2^-8 relative) plus the fp32 bias."""
+    torch.manual_seed(5)
+    linear = nn.Linear(97, 130, bias=True).to(dtype)
+    layer = PackedLinearBf16(linear, onednn_min_rows=8)
+    w = linear.weight.detach().float()
+    b = linear.bias.detach().float()
+    x = torch.randn(2, 6, 97).to(dtype)  # 12 rows: oneDNN
+    out = layer(x)
+    assert out.shape == (2, 6, 130) and out.dtype == torch.float32
+    ref = reference(x.reshape(12, 97).float(), w, b).view(2, 6, 130)
+    if onednn_bf16_available():
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=2**-7)
+    small = x.reshape(12, 97)[:7]  # 7 rows: the packed kernel, exact bits
+    kernel = cpu_native.linear_packed_bf16(small, layer.packed, 130, b)
+    assert torch.equal(layer(small), kernel)
+    close(kernel, small.float(), w, b)
+    only_kernel = PackedLinearBf16(linear, onednn_min_rows=None)
+    assert torch.equal(only_kernel(x).view(12, 130)[:7], kernel)
+    with pytest.raises(ValueError):
+        layer(torch.randn(12, 96))
+
+
+def test_pack_linears_bf16_replaces_every_linear_and_keeps_the_math():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 5, bias=False))
+    x = torch.randn(4, 20)
+    want = model(x)
+    assert pack_linears(model, dtype=torch.bfloat16) == 2
+    assert isinstance(model[0], PackedLinearBf16) and isinstance(model[2], PackedLinearBf16)
+    torch.testing.assert_close(model(x), want, rtol=0.05, atol=0.05)
+    fp32 = nn.Sequential(nn.Linear(4, 4))
+    assert pack_linears(fp32) == 1 and isinstance(fp32[0], PackedLinear)
+
+
+def test_pack_linears_refuses_what_it_cannot_take_and_changes_nothing():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).half())
+    with pytest.raises(ValueError):
+        pack_linears(model, dtype=torch.bfloat16)
+    assert type(model[0]) is nn.Linear
+    with pytest.raises(ValueError):
+        pack_linears(nn.Sequential(nn.Linear(4, 4).bfloat16()))  # fp32 packing
+    with pytest.raises(ValueError):
+        pack_linears(model, dtype=torch.float16)
+
+
+def test_bf16_head_gives_fp32_logits():
+    gen = torch.Generator().manual_seed(2)
+    vocab, hidden = 1000, 64
+    weight = torch.randn(vocab, hidden, generator=gen).bfloat16()
+    packed = pack_head_bf16(weight)
+    h = torch.randn(3, hidden, generator=gen)
+    logits = packed_logits_bf16(h, packed, vocab)
+    assert logits.shape == (3, vocab) and logits.dtype == torch.float32
+    close(logits, h, weight.float(), None)

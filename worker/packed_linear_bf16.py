@@ -1,0 +1,177 @@
+"""Linear layers on bf16 weights for the bf16 CPU path (:class:`PackedLinearBf16`).
+
+Each weight is rounded to bf16 once at load and held in two forms, chosen per call by the
+number of token rows ``M``:
+
+* ``M < onednn_min_rows`` (decode): the bf16-pair packed GEMM of
+  :func:`pagedserve.kernels.cpu_native.linear_packed_bf16` (AVX512-BF16 ``VDPBF16PS``), which
+  streams each weight once per call at half the fp32 kernel's bytes; fp32 or bf16 in, fp32
+  out, every output element an in-order fp32 sum over K of exact bf16 products, so a row's
+  result depends only on that row (batch invariant);
+* ``M >= onednn_min_rows`` (prefill): oneDNN's bf16 inner product on a weight reordered once
+  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what vLLM's CPU
+  backend runs, AMX tiles where the CPU has them), x cast to bf16 first. Its output is bf16
+  (the op gives its input's dtype), cast back to fp32, the fp32 bias added after: it differs
+  from the packed kernel by that rounding (relative 2^-9), and oneDNN chooses its blocking by
+  shape, so this branch is **not** batch invariant.
+
+:data:`ONEDNN_MIN_ROWS` is the measured crossover (``benchmarks/kernels/cpu_gemm_bf16.py``,
+benchmarks/RESULTS.md). Memory: the packed bf16 copy (2 bytes per weight) plus oneDNN's
+reordered bf16 copy (2 bytes), 4 bytes per weight, as much as the fp32 weight they replace
+(the row-major weight is dropped). ``onednn_min_rows=None`` keeps the packed copy alone.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.kernels import cpu_native
+
+# Token rows from which oneDNN's prepacked bf16 linear beats the packed kernel, over
+# SmolLM2-135M's four layer shapes with weights from memory, 2 threads: the kernel is
+# 1.05-1.4x oneDNN's speed at M = 1-8, even at 16, about half of it at 32 and beyond
+# (benchmarks/kernels/cpu_gemm_bf16.py; benchmarks/RESULTS.md "Linear layers in bf16").
+ONEDNN_MIN_ROWS = 16
+# The batch size oneDNN is told when reordering a weight (it picks its layout by it): one
+# reordered copy serves every M from the crossover up; the benchmark measures with it.
+ONEDNN_BATCH_HINT = 128
+
+
+def onednn_bf16_available() -> bool:
+    """True when torch's oneDNN (mkldnn) is built in and runs bf16 on this CPU."""
+    return bool(
+        torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class PackedLinearBf16(nn.Module):
+    """``bf16(x) @ bf16(W).T + b`` with fp32 accumulation and fp32 output, on CPU.
+
+    Args:
+        linear: the ``nn.Linear`` to replace (fp32 or bf16 weight, on CPU); the weight is
+            rounded to bf16 (nearest even) and packed, the bias kept in fp32.
+        onednn_min_rows: rows from which the call runs on oneDNN (see the module
+            docstring); ``None`` never does (one bf16 copy of the weight, every call
+            batch invariant). Ignored (``None``) where oneDNN has no bf16.
+
+    Raises:
+        ValueError: a weight that is not 2-D fp32/bf16 on CPU, or ``onednn_min_rows < 1``.
+        RuntimeError: no AVX512-BF16 kernel (:func:`cpu_native.has_bf16_gemm`).
+    """
+
+    def __init__(self, linear: nn.Linear, onednn_min_rows: int | None = ONEDNN_MIN_ROWS) -> None:
+        super().__init__()
+        if onednn_min_rows is not None and onednn_min_rows < 1:
+            raise ValueError(f"onednn_min_rows must be >= 1 or None, got {onednn_min_rows}")
+        weight = linear.weight.detach()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        packed = cpu_native.pack_bf16_linear_weight(weight)
+        self.packed: torch.Tensor
+        self.register_buffer("packed", packed)
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        if onednn_min_rows is not None and not onednn_bf16_available():
+            onednn_min_rows = None
+        self.onednn_min_rows = onednn_min_rows
+        # oneDNN's reordered weight is an opaque mkldnn tensor: an attribute, not a buffer
+        # (state_dict and .to() cannot handle it).
+        self._onednn = (
+            None
+            if onednn_min_rows is None
+            else torch.ops.mkldnn._reorder_linear_weight(
+                weight.to(torch.bfloat16).contiguous(), ONEDNN_BATCH_HINT
+            )
+        )
+        # The per-call path reads plain attributes (see PackedLinear).
+        self._fast = (cpu_native.linear_packed_bf16_fn(), packed, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 or bf16 ``[..., in_features]`` -> fp32 ``[..., out_features]``.
+
+        Raises:
+            ValueError: ``x`` not fp32/bf16 on CPU or its last dimension not
+                ``in_features``.
+        """
+        n = self.out_features
+        flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        m = flat.shape[0]
+        if self._onednn is not None and m >= self.onednn_min_rows:  # type: ignore[operator]
+            if (
+                flat.dtype not in (torch.float32, torch.bfloat16)
+                or flat.shape[1] != self.in_features
+            ):
+                raise ValueError(
+                    f"x must be fp32 or bf16 [..., {self.in_features}], got {flat.dtype} "
+                    f"{tuple(x.shape)}"
+                )
+            out = torch.ops.mkldnn._linear_pointwise(
+                flat.to(torch.bfloat16), self._onednn, None, "none", [], ""
+            ).float()
+            if self.bias is not None:
+                out.add_(self.bias)
+        elif (
+            flat.dtype in (torch.float32, torch.bfloat16)
+            and flat.stride(1) == 1
+            and flat.shape[1] == self.in_features
+            and m > 0
+        ):  # the serving path: checked once here
+            fn, packed, bias = self._fast
+            out = torch.empty((m, n), dtype=torch.float32)
+            if fn(
+                flat.data_ptr(), int(flat.dtype is torch.bfloat16), m, self.in_features,
+                flat.stride(0), packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                out.data_ptr(), n, torch.get_num_threads(),
+            ):  # fmt: skip
+                raise RuntimeError(f"linear_packed_bf16: no memory for {m} activation rows")
+        else:
+            out = cpu_native.linear_packed_bf16(flat, self.packed, n, self._fast[2])
+        return out.view(*x.shape[:-1], n)
+
+    def pointer_tensors(self, name: str) -> dict[str, torch.Tensor | None]:
+        """``{name: packed bf16 weight, name_bias: fp32 bias or None}``, for a C caller of
+        ``linear_packed_bf16`` (``csrc/cpu_gemm_bf16.c``)."""
+        _, packed, bias = self._fast
+        return {name: packed, f"{name}_bias": bias}
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bf16 packed, "
+            f"onednn_min_rows={self.onednn_min_rows}"
+        )
+
+
+def pack_head_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """An LM head's ``weight [vocab_size, hidden]`` (fp32 or bf16, CPU) packed for
+    :func:`packed_logits_bf16` (:func:`cpu_native.pack_bf16_linear_weight`; one bf16 copy:
+    the head runs on one row per sequence, below the oneDNN crossover in decode).
+
+    Raises:
+        ValueError: a weight that is not 2-D fp32/bf16 on CPU.
+        RuntimeError: no AVX512-BF16 kernel.
+    """
+    return cpu_native.pack_bf16_linear_weight(weight)
+
+
+def packed_logits_bf16(
+    hidden: torch.Tensor, packed_head: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """LM-head logits ``bf16(hidden) @ bf16(W).T`` in fp32 from a head packed by
+    :func:`pack_head_bf16`: fp32 or bf16 ``[N, hidden]`` -> fp32 ``[N, vocab_size]``
+    (batch invariant).
+
+    Raises:
+        ValueError: shapes or dtypes that do not match the packed head.
+    """
+    return cpu_native.linear_packed_bf16(hidden, packed_head, vocab_size)
+
+
+__all__ = [
+    "ONEDNN_BATCH_HINT",
+    "ONEDNN_MIN_ROWS",
+    "PackedLinearBf16",
+    "onednn_bf16_available",
+    "pack_head_bf16",
+    "packed_logits_bf16",
+]
