@@ -38,19 +38,32 @@ from pagedserve.worker.attention import AttentionMetadata
 from pagedserve.worker.batch_invariant import per_token_metadata
 from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.worker.packed_linear import PackedLinear
+from pagedserve.worker.packed_linear_bf16 import onednn_bf16_available
 
 
 def cpu_kernels_apply(model: LlamaForCausalLM) -> bool:
-    """Whether ``model`` can run on the fused CPU kernels: fp32 CPU weights, the library
-    built, attention backend ``auto`` or ``cpu``, the rotary scratch big enough
+    """Whether ``model`` can run on the fused CPU kernels: CPU weights in fp32, or in bf16
+    where the bf16 GEMM is built (:func:`bf16_cpu_path_available`), the library built,
+    attention backend ``auto`` or ``cpu``, the rotary scratch big enough
     (``head_dim <= cpu_native.MAX_HEAD_DIM``), and eval mode (the kernels keep no
-    autograd graph)."""
+    autograd graph). With bf16 weights the activations, norms, rotary and attention
+    arithmetic stay fp32; only the linear layers and the head read bf16."""
     weight = model.embed_tokens.weight
+    dtype = weight.dtype
+    if dtype == torch.bfloat16 and bf16_cpu_path_available():
+        dtype = torch.float32  # the kernels around the GEMMs run fp32 activations
     return (
-        kernels.uses_cpu_kernels(model.backend, weight.device, weight.dtype)
+        kernels.uses_cpu_kernels(model.backend, weight.device, dtype)
         and model.arch.head_dim <= cpu_native.MAX_HEAD_DIM
         and not model.training
     )
+
+
+def bf16_cpu_path_available() -> bool:
+    """True when bf16 weights run fast on this CPU: the AVX512-BF16 GEMM is built
+    (:func:`pagedserve.kernels.cpu_native.has_bf16_gemm`), with oneDNN's bf16 linear for
+    prefill-sized batches (:func:`~pagedserve.worker.packed_linear_bf16.onednn_bf16_available`)."""
+    return cpu_native.has_bf16_gemm() and onednn_bf16_available()
 
 
 def prepare_metadata(
@@ -172,6 +185,7 @@ class CpuLayerForward:
     ) -> torch.Tensor:
         """See :class:`~pagedserve.worker.model.ModelForward`."""
         positions, meta = prepare_metadata(model, hidden.shape[0], positions, kv_caches, meta)
+        hidden = hidden.float()  # bf16 weights: the embedding rows, widened exactly
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(model.layers, kv_caches):
             hidden, residual = decoder_layer(

@@ -36,6 +36,11 @@ from pagedserve.worker.attention import AttentionMetadata, paged_attention
 from pagedserve.worker.batch_invariant import invariant_linear
 from pagedserve.worker.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary
 from pagedserve.worker.packed_linear import PackedLinear, pack_head, pack_linears, packed_logits
+from pagedserve.worker.packed_linear_bf16 import (
+    PackedLinearBf16,
+    pack_head_bf16,
+    packed_logits_bf16,
+)
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -190,28 +195,46 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_logits(self.norm(hidden)).float()
 
     def pack_weights(self) -> int:
-        """Move every linear layer and the LM head to the packed CPU GEMM
-        (:mod:`pagedserve.worker.packed_linear`), in place; returns the layers packed.
+        """Move every linear layer and the LM head to the packed CPU GEMM, in place; returns
+        the layers packed.
+
+        fp32 weights: :class:`~pagedserve.worker.packed_linear.PackedLinear`. bf16 weights:
+        :class:`~pagedserve.worker.packed_linear_bf16.PackedLinearBf16` (fp32 out), the head
+        packed in bf16, and the RMSNorm weights widened to fp32 (exactly: every bf16 is an
+        fp32), since the CPU forwards keep the residual stream and the norms in fp32.
 
         Resets :attr:`model_forward` to :class:`LayerForward` (a forward built on the
         unpacked layers no longer applies): choose it again afterwards.
 
         Raises:
-            ValueError: weights that are not fp32 on CPU (nothing is packed then).
+            ValueError: weights that are not fp32 or bf16 on CPU (nothing is packed then).
+            RuntimeError: bf16 weights without the AVX512-BF16 kernel.
         """
         self.model_forward = LayerForward()
+        dtype = self.embed_tokens.weight.dtype
+        if dtype == torch.bfloat16:
+            count = pack_linears(self, dtype=torch.bfloat16)
+            if self.lm_head is None:
+                self.packed_head = pack_head_bf16(self.embed_tokens.weight.detach())
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight.data = module.weight.data.float()
+            return count
         if self.lm_head is None:
             self.packed_head = pack_head(self.embed_tokens.weight.detach())
         return pack_linears(self)
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head alone on final-normed ``hidden [N, hidden]`` -> ``[N, vocab_size]``
-        in the model dtype (packed, tied, or batch-invariant tiles as configured)."""
+        in the model dtype, fp32 from the packed GEMMs (packed, tied, or batch-invariant
+        tiles as configured)."""
         if self.lm_head is not None:
-            if isinstance(self.lm_head, PackedLinear):
+            if isinstance(self.lm_head, (PackedLinear, PackedLinearBf16)):
                 return self.lm_head(hidden)
             weight = self.lm_head.weight
         elif self.packed_head is not None:
+            if self.packed_head.dtype == torch.bfloat16:
+                return packed_logits_bf16(hidden, self.packed_head, self.arch.vocab_size)
             return packed_logits(hidden, self.packed_head, self.arch.vocab_size)
         else:
             weight = self.embed_tokens.weight

@@ -41,7 +41,7 @@ from pagedserve.worker import precision
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
-from pagedserve.worker.cpu_forward import cpu_kernels_apply
+from pagedserve.worker.cpu_forward import bf16_cpu_path_available, cpu_kernels_apply
 from pagedserve.worker.cpu_threads import ThreadGovernor
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
@@ -103,13 +103,18 @@ def resolve_dtypes(
 ) -> tuple[torch.dtype, torch.dtype]:
     """``(model dtype, KV cache dtype)`` for ``config`` on ``device``, by the rules of
     :mod:`pagedserve.worker.precision` (``auto``: the checkpoint's 16-bit dtype where the
-    device's forward runs it fast; bf16 on CUDA for an fp32 checkpoint; fp32 on CPU)."""
+    device's forward runs it fast; bf16 for an fp32 checkpoint on CUDA and on CPUs with
+    native bf16 where the bf16 GEMM is built; fp32 on other CPUs)."""
     if device.type == "cuda":
         native = precision.native_dtypes(
             "cuda", frozenset(), cuda_bf16=torch.cuda.is_bf16_supported()
         )
     else:
-        native = precision.native_dtypes(device.type, precision.read_cpu_flags())
+        native = precision.native_dtypes(
+            device.type,
+            precision.read_cpu_flags(),
+            cpu_bf16_kernels=bf16_cpu_path_available(),
+        )
     model = precision.resolve_model_dtype(
         config.model.dtype, precision.checkpoint_dtype(model_path), native
     )
@@ -174,7 +179,11 @@ class ModelRunner:
             ValueError: the model does not run on the fused fp32 CPU kernels, whose
                 attention and norms are the ones known to be batch-invariant.
         """
-        if not cpu_kernels_apply(self.model) or self.kv_cache_dtype != torch.float32:
+        if (
+            not cpu_kernels_apply(self.model)
+            or self.dtype != torch.float32
+            or self.kv_cache_dtype != torch.float32
+        ):
             raise ValueError(
                 "batch_invariant needs the fused fp32 CPU kernels (device cpu, dtype and "
                 "kv_cache_dtype float32, attention backend auto or cpu); got device "
@@ -190,7 +199,8 @@ class ModelRunner:
 
     def _pack_weights(self) -> bool:
         """Run the linear layers on the packed CPU GEMM
-        (:mod:`pagedserve.worker.packed_linear`) when the model runs on the fused fp32 CPU
+        (:mod:`pagedserve.worker.packed_linear`; bf16 weights:
+        :mod:`pagedserve.worker.packed_linear_bf16`) when the model runs on the fused CPU
         kernels and the GEMM is available (``PAGEDSERVE_CPU_GEMM`` not 0); returns whether
         it does."""
         if not (cpu_kernels_apply(self.model) and cpu_native.gemm_available()):

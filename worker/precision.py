@@ -8,10 +8,11 @@ means the forward the runner selects has a fast path for it on the device
 would fall to the generic (slow) layers.
 
 On CUDA the generic layers (Triton kernels) run bf16, fp16 and fp32. On CPU the fast path
-(the fused C kernels of :mod:`pagedserve.worker.cpu_forward`) is fp32 only, so ``auto``
-resolves to fp32 there; :data:`CPU_BF16_KERNELS` is the one switch a bf16 CPU path turns
-on, after which ``auto`` picks bf16 on CPUs whose flags say bf16 is native
-(:func:`cpu_has_native_bf16`: ``avx512_bf16`` or ``amx_bf16``).
+(the C kernels of :mod:`pagedserve.worker.cpu_forward`) runs fp32 and bf16 weights; the
+runner says whether its bf16 GEMM is built
+(:func:`pagedserve.worker.cpu_forward.bf16_cpu_path_available`, passed here as
+``cpu_bf16_kernels``), and ``auto`` then picks bf16 on CPUs whose flags say bf16 is native
+(:func:`cpu_has_native_bf16`: ``avx512_bf16`` or ``amx_bf16``), fp32 elsewhere.
 
 ``kv_cache_dtype="auto"`` is the model's resolved dtype. Everything here works on dtype
 names (``"float32"``, ``"bfloat16"``, ``"float16"``): no torch, so it is a pure table.
@@ -27,9 +28,6 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 """What ``--dtype`` and ``--kv-cache-dtype`` accept."""
-
-CPU_BF16_KERNELS = False
-"""Whether the CPU forward has a fast bf16 path (the fused C kernels are fp32 only)."""
 
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # config.json spellings of a dtype -> its name here ("float" and "half" come from old exports).
@@ -69,7 +67,7 @@ def cpu_has_native_bf16(flags: frozenset[str]) -> bool:
 def native_dtypes(
     device_type: str,
     cpu_flags: frozenset[str],
-    cpu_bf16_kernels: bool = CPU_BF16_KERNELS,
+    cpu_bf16_kernels: bool = False,
     cuda_bf16: bool = True,
 ) -> frozenset[str]:
     """The dtypes the forward selected on ``device_type`` runs on a fast path.
@@ -77,7 +75,8 @@ def native_dtypes(
     Args:
         device_type: ``"cpu"`` or ``"cuda"``.
         cpu_flags: the CPU's flags (:func:`read_cpu_flags`); used on CPU only.
-        cpu_bf16_kernels: whether a fast bf16 CPU forward exists (:data:`CPU_BF16_KERNELS`).
+        cpu_bf16_kernels: whether the CPU forward's bf16 GEMM is built (the runner passes
+            :func:`pagedserve.worker.cpu_forward.bf16_cpu_path_available`).
         cuda_bf16: whether the GPU computes bf16 natively (``torch.cuda.is_bf16_supported``;
             compute capability 8.0 and later); used on CUDA only.
 
@@ -151,7 +150,6 @@ def resolve_kv_cache_dtype(requested: str, model_dtype: str) -> str:
 
 
 __all__ = [
-    "CPU_BF16_KERNELS",
     "DTYPE_CHOICES",
     "DTYPE_NAMES",
     "checkpoint_dtype",
