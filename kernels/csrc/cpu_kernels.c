@@ -115,15 +115,6 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
-/* dot(a, k) with k a KV row of either element type; a bf16 row is widened first, so the
- * sum is the one dot gives on the fp32 row. */
-static inline float dot_kv(const float *restrict a, const void *k, int64_t n, const int bf16) {
-    if (!bf16) return dot(a, (const float *)k, n);
-    float wide[n];
-    for (int64_t d = 0; d < n; ++d) wide[d] = kv_load1(k, d, 1);
-    return dot(a, wide, n);
-}
-
 #if defined(__clang__)
 #define SHUF(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
 #else
@@ -150,13 +141,11 @@ static inline v16 transpose_sum16(const v16 *p) {
 
 /* Lane i: q . k[i] for 16 key rows, head_dim a positive multiple of 16. Per key: lane l
  * of a partial sums q[d] k[d] over d = l (mod 16) in order, then transpose_sum16. */
-static inline v16 dot16x16(const float *q, const void *const *k, int64_t head_dim,
-                           const int bf16) {
+static inline v16 dot16x16(const float *q, const float *const *k, int64_t head_dim) {
     v16 part[16];
     for (int i = 0; i < 16; ++i) {
-        v16 acc = load16(q) * kv_load16(k[i], 0, bf16);
-        for (int64_t d = 16; d < head_dim; d += 16)
-            acc = acc + load16(q + d) * kv_load16(k[i], d, bf16);
+        v16 acc = load16(q) * load16(k[i]);
+        for (int64_t d = 16; d < head_dim; d += 16) acc = acc + load16(q + d) * load16(k[i] + d);
         part[i] = acc;
     }
     return transpose_sum16(part);
@@ -351,6 +340,8 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     {
         float *scores = (float *)malloc(sizeof(float) * QTILE * sub * (max_seq_len + 1));
         float *acc = (float *)malloc(sizeof(float) * head_dim);
+        /* bf16: the 16 K rows of a key group widened once for all the task's query rows */
+        float *kwide = bf16 ? (float *)malloc(sizeof(float) * 16 * head_dim) : NULL;
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
@@ -409,17 +400,24 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                     }
                 }
                 for (int c = cnt; c < 16; ++c) krows[c] = krows[cnt - 1];
+                if (bf16) { /* exact: the same scores as the fp32 kernel on the fp32 rows */
+                    for (int c = 0; c < 16; ++c) {
+                        float *w = kwide + c * head_dim;
+                        for (int64_t d = 0; d < head_dim; ++d) w[d] = kv_load1(krows[c], d, 1);
+                        krows[c] = w;
+                    }
+                }
                 /* row r sees keys 0 .. pos0 + r */
                 for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
                     const float *qr = q_head0 + r * q_token_stride;
                     float *sr = scores + r * gs * n_keys + j;
                     for (int64_t g = 0; g < gs; ++g) {
                         if (vec) {
-                            const v16 sc = dot16x16(qr + g * head_dim, krows, head_dim, bf16) * splat16(scale);
+                            const v16 sc = dot16x16(qr + g * head_dim, (const float *const *)krows, head_dim) * splat16(scale);
                             memcpy(sr + g * n_keys, &sc, sizeof(float) * cnt);
                         } else {
                             for (int c = 0; c < cnt; ++c)
-                                sr[g * n_keys + c] = dot_kv(qr + g * head_dim, krows[c], head_dim, bf16) * scale;
+                                sr[g * n_keys + c] = dot(qr + g * head_dim, (const float *)krows[c], head_dim) * scale;
                         }
                     }
                 }
@@ -500,6 +498,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                 }
             }
         }
+        free(kwide);
         free(acc);
         free(scores);
     }
