@@ -12,6 +12,10 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
   K rows are prefetched ahead of use (one KV head's rows are strided in the cache);
 * :func:`rope_store`: rotary on the q/k heads of the fused qkv output, in place, and the
   K/V rows written to their slots;
+* both on fp32 or bf16 KV caches (:data:`KV_DTYPES`): with bf16 the K/V elements are
+  widened to fp32 in registers (exact) and rounded to bf16 (nearest even, as
+  ``.to(torch.bfloat16)``) when stored; queries, scores, softmax and sums stay fp32, as
+  vLLM's CPU attention does with a 16-bit cache (half the bytes read per key);
 * :func:`rms_norm`: RMSNorm, optionally fused with the residual add;
 * :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up output;
 * :func:`decoder_layers` (``csrc/cpu_decoder.c``): all decoder layers of a step in one
@@ -38,7 +42,7 @@ the torch reference (:mod:`pagedserve.kernels.reference`, ``worker/layers.py``).
 ``PAGEDSERVE_CPU_KERNELS=0`` to force that fallback, or ``PAGEDSERVE_CPU_GEMM=0`` to keep
 the fused kernels but run the linear layers on torch's ``F.linear`` (MKL / oneDNN).
 
-All tensors must be fp32, on CPU, and contiguous where the docstrings say so. The kernels
+All tensors must be fp32 (the KV caches fp32 or bf16), on CPU, and contiguous where the docstrings say so. The kernels
 index without bounds checks: every caller (:mod:`pagedserve.kernels.ops`, the model's CPU
 forward in ``worker/cpu_forward.py``) validates the indices first with the functions of
 :mod:`pagedserve.kernels._checks`, which also hold this module's own argument checks.
@@ -78,6 +82,7 @@ SOURCES = (
 )
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
+KV_DTYPES = (torch.float32, torch.bfloat16)  # KV cache element types of the C kernels
 _FALSY = ("0", "false", "off", "no")
 
 _i64 = ctypes.c_int64
@@ -86,7 +91,11 @@ _f32 = ctypes.c_float
 _SIGNATURES = {
     "paged_attention_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                             _i64, _i64, _f32, _ptr, _i64],
+    "paged_attention_bf16kv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                               _i64, _i64, _i64, _f32, _ptr, _i64],
     "rope_store_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    "rope_store_bf16kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                          _ptr],
     "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
@@ -210,6 +219,20 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
+def _kv_suffix(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
+    """The C entry points' suffix for the caches' element type: ``f32`` or ``bf16kv``.
+
+    Raises:
+        ValueError: a dtype not in :data:`KV_DTYPES`, or K and V of different dtypes.
+    """
+    if key_cache.dtype not in KV_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"the CPU kernels take fp32 or bf16 KV caches of one dtype, got key_cache "
+            f"{key_cache.dtype} and value_cache {value_cache.dtype}"
+        )
+    return "f32" if key_cache.dtype == torch.float32 else "bf16kv"
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -220,13 +243,14 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal paged attention of ragged chunks (decode = chunk of 1); fp32 CPU only.
+    """Causal paged attention of ragged chunks (decode = chunk of 1) on CPU.
 
     Args:
-        query: ``[T, num_heads, head_dim]``; rows may be strided (e.g. a view into the
-            fused qkv output); other layouts are copied to contiguous first.
-        key_cache, value_cache: contiguous ``[num_blocks, block_size, num_kv_heads,
-            head_dim]``.
+        query: fp32 ``[T, num_heads, head_dim]``; rows may be strided (e.g. a view into
+            the fused qkv output); other layouts are copied to contiguous first.
+        key_cache, value_cache: contiguous fp32 or bf16 ``[num_blocks, block_size,
+            num_kv_heads, head_dim]`` (bf16: widened to fp32 per element; scores, softmax
+            and the weighted sum in fp32).
         block_tables: contiguous int32 ``[num_seqs, max_blocks]``.
         cu_seqlens_q: contiguous int32 ``[num_seqs + 1]``.
         seq_lens: contiguous int32 ``[num_seqs]`` (context + chunk, >= chunk length).
@@ -235,7 +259,11 @@ def paged_attention(
 
     Returns:
         ``[T, num_heads, head_dim]`` fp32, contiguous.
+
+    Raises:
+        ValueError: from :func:`_kv_suffix` (a cache dtype the kernels do not take).
     """
+    kernel = getattr(_lib(), "paged_attention_" + _kv_suffix(key_cache, value_cache))
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -244,7 +272,7 @@ def paged_attention(
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
     if num_tokens == 0:
         return out
-    _lib().paged_attention_f32(
+    kernel(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         cu_seqlens_q.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim,
@@ -265,17 +293,22 @@ def rope_store(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
 ) -> None:
-    """Rotate the q and k heads of ``qkv`` in place, then store its K/V rows in the cache.
+    """Rotate the q and k heads of ``qkv`` in place, then store its K/V rows in the cache
+    (into a bf16 cache rounded to nearest even: the bits of ``.to(torch.bfloat16)``).
 
     Args:
         qkv: contiguous fp32 ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``.
         cos_table, sin_table: contiguous fp32 ``[max_positions, head_dim]``.
         positions: contiguous int64 ``[T]`` (``< max_positions``).
         slot_mapping: contiguous int64 ``[T]``; negative slots are not stored.
-        key_cache, value_cache: contiguous fp32 ``[num_blocks, block_size, num_kv_heads,
-            head_dim]``.
+        key_cache, value_cache: contiguous fp32 or bf16 ``[num_blocks, block_size,
+            num_kv_heads, head_dim]``.
+
+    Raises:
+        ValueError: from :func:`_kv_suffix` (a cache dtype the kernels do not take).
     """
-    _lib().rope_store_f32(
+    kernel = getattr(_lib(), "rope_store_" + _kv_suffix(key_cache, value_cache))
+    kernel(
         qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
         cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
         slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
@@ -517,25 +550,38 @@ def linear_packed_bf16_fn() -> Any:
 
 class DecoderLayerPtrs(ctypes.Structure):
     """One layer's tensors for :func:`decoder_layers` (``decoder_layer_f32_t`` of
-    ``csrc/cpu_decoder.c``): data pointers; ``None`` for a missing bias."""
+    ``csrc/cpu_decoder.c``): data pointers, ``None`` for a missing bias; ``kv_bf16`` is 1
+    when the layer's KV caches are bf16, 0 when fp32."""
 
     _fields_ = [
-        (name, _ptr)
-        for name in (
-            "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
-            "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
-        )
+        *(
+            (name, _ptr)
+            for name in (
+                "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up",
+                "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
+            )
+        ),
+        ("kv_bf16", _i64),
     ]  # fmt: skip
 
 
 def decoder_layer_array(layers: list[dict[str, torch.Tensor | None]]) -> ctypes.Array[Any]:
-    """A ctypes array of :class:`DecoderLayerPtrs`, one per dict of ``_fields_`` names to
-    fp32 contiguous CPU tensors (or ``None`` for a bias). The caller keeps the tensors
-    alive for as long as the array is used."""
+    """A ctypes array of :class:`DecoderLayerPtrs`, one per dict of its pointer names to
+    contiguous CPU tensors (or ``None`` for a bias): fp32, the ``k_cache`` / ``v_cache``
+    fp32 or bf16 (``kv_bf16`` set from their dtype). The caller keeps the tensors alive for
+    as long as the array is used.
+
+    Raises:
+        ValueError: from :func:`_kv_suffix`, for a layer's caches.
+    """
     array = (DecoderLayerPtrs * len(layers))()
     for entry, tensors in zip(array, layers):
         for name, tensor in tensors.items():
             setattr(entry, name, None if tensor is None else tensor.data_ptr())
+        k_cache, v_cache = tensors["k_cache"], tensors["v_cache"]
+        if k_cache is None or v_cache is None:
+            raise ValueError("a decoder layer needs its k_cache and v_cache")
+        entry.kv_bf16 = int(_kv_suffix(k_cache, v_cache) == "bf16kv")
     return array
 
 
@@ -558,7 +604,7 @@ def decoder_layers(
 
     Args:
         layers: from :func:`decoder_layer_array`, the KV caches included (contiguous fp32
-            ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+            or bf16 ``[num_blocks, block_size, num_kv_heads, head_dim]``).
         x: contiguous fp32 ``[T, hidden]``, the embeddings; overwritten with the last
             layer's MLP output.
         shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.

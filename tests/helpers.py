@@ -40,6 +40,14 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1_000_000)
+TINY_PROMPTS = [
+    [5, 17, 33, 9, 100, 64, 2, 77, 31],
+    [12],
+    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
+    [99, 3, 3, 3, 120, 7, 8],
+    [1, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91,
+     92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105],
+]  # fmt: skip
 
 
 def swaps_of(so: SchedulerOutput) -> SwapPlan:
@@ -257,6 +265,36 @@ class FakeScheduler:
             self.worker.execute_model(SchedulerOutput(self.step_id, finished_seq_ids=finished))
             self.step_id += 1
         return [s.outputs for s in seqs]
+
+
+def use_forward(worker: Any, name: str) -> None:
+    """Install the model forward called ``name`` (``cpu-fused``, ``cpu-layers`` or
+    ``layers``) on a local worker's model, for its KV pool's caches."""
+    from pagedserve.worker.cpu_forward import CpuLayerForward, FusedCpuForward
+    from pagedserve.worker.model import LayerForward
+
+    model, caches = worker.runner.model, worker.runner.kv_pool.layer_caches()
+    chosen = {
+        "cpu-fused": lambda: FusedCpuForward.build(model, caches),
+        "cpu-layers": lambda: CpuLayerForward.build(model, caches),
+        "layers": LayerForward,
+    }[name]()
+    assert chosen is not None and chosen.name == name
+    model.use_forward(chosen)
+
+
+def chunk_and_decode_inputs(worker: Any, block_size: int, num_blocks: int) -> Any:
+    """One step's ModelInputs of 21 rows: a 20-token prefill chunk of ``TINY_PROMPTS[4]``
+    over an 8-token cached prefix (blocks 0-29) and a decode of ``TINY_PROMPTS[0]`` at
+    position 8 (blocks 60, 59, 58)."""
+    from pagedserve.worker.input_batch import SequenceState, prepare_inputs
+
+    long, short = TINY_PROMPTS[4], TINY_PROMPTS[0]
+    chunk = SequenceState("a", list(long), len(long), list(range(30)), 0, GREEDY, 0, 0)
+    chunk.num_computed_tokens = 8
+    decode = SequenceState("b", list(short), len(short), [60, 59, 58], 0, GREEDY, 0, 0)
+    decode.num_computed_tokens = 8
+    return prepare_inputs([(chunk, 20), (decode, 1)], block_size, num_blocks, worker.runner.device)
 
 
 def hf_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:

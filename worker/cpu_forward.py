@@ -1,5 +1,9 @@
 """The model forward on the fused fp32 CPU kernels (:mod:`pagedserve.kernels.cpu_native`).
 
+fp32 weights and activations; the KV caches fp32 or bf16 (a ``kv_cache_dtype`` of
+``bfloat16`` under an fp32 model: K/V rounded to bf16 when stored, widened back to fp32 in
+the attention kernel, half the cache bytes read per step).
+
 Two :class:`~pagedserve.worker.model.ModelForward` implementations of the same math, in
 the same kernel order, giving the same bits:
 
@@ -13,7 +17,7 @@ the same kernel order, giving the same bits:
 * :class:`FusedCpuForward`: every layer in one C call (:func:`cpu_native.decoder_layers`),
   without the ~9 ctypes calls and ~7 tensor allocations per layer of the above. It needs
   every linear layer packed (:mod:`pagedserve.worker.packed_linear`), one RMSNorm epsilon,
-  contiguous fp32 KV caches, and ``PAGEDSERVE_FUSED_LAYERS`` not 0; it is built for one set
+  contiguous KV caches of one dtype, and ``PAGEDSERVE_FUSED_LAYERS`` not 0; it is built for one set
   of KV caches (their data pointers go into the layer array).
 
 Both validate the step's indices (:func:`pagedserve.kernels.check_positions`,
@@ -170,9 +174,9 @@ class CpuLayerForward:
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> CpuLayerForward | None:
         """This forward, or ``None`` when :func:`cpu_kernels_apply` does not hold or a
-        cache is not fp32 (a ``kv_cache_dtype`` other than the model's)."""
-        fp32_caches = all(t.dtype == torch.float32 for cache in kv_caches for t in cache)
-        return cls() if cpu_kernels_apply(model) and fp32_caches else None
+        cache is neither fp32 nor bf16 (:data:`cpu_native.KV_DTYPES`)."""
+        kernel_caches = all(t.dtype in cpu_native.KV_DTYPES for cache in kv_caches for t in cache)
+        return cls() if cpu_kernels_apply(model) and kernel_caches else None
 
     def __call__(
         self,
@@ -222,7 +226,8 @@ class FusedCpuForward:
         """This forward for ``kv_caches``, or ``None`` when it does not apply:
         :func:`cpu_kernels_apply` fails, ``PAGEDSERVE_FUSED_LAYERS=0`` (read here), no
         layers, a linear layer that is not packed, layers whose norms differ in epsilon,
-        or a cache (or layer tensor) that is not contiguous fp32 of the model's shape."""
+        a cache that is not contiguous, of the model's shape and of the first cache's
+        dtype (fp32 or bf16), or a layer tensor that is not contiguous."""
         if not (cpu_kernels_apply(model) and cpu_native.fused_layers_enabled()) or not len(
             model.layers
         ):
@@ -232,6 +237,7 @@ class FusedCpuForward:
         arch = model.arch
         first = cast(LlamaDecoderLayer, model.layers[0])
         eps = first.input_layernorm.eps
+        kv_dtype = kv_caches[0][0].dtype
         entries: list[dict[str, torch.Tensor | None]] = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             decoder = cast(LlamaDecoderLayer, layer)
@@ -244,7 +250,8 @@ class FusedCpuForward:
                 return None
             for cache in (k_cache, v_cache):
                 if (
-                    cache.dtype != torch.float32
+                    cache.dtype != kv_dtype
+                    or kv_dtype not in cpu_native.KV_DTYPES
                     or not cache.is_contiguous()
                     or cache.shape != kv_caches[0][0].shape
                     or cache.shape[2:] != (arch.num_kv_heads, arch.head_dim)

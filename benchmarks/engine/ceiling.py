@@ -12,7 +12,9 @@ For each batch size B, two things are timed in the same process, interleaved and
   the ceiling of the engine as built;
 * **engine**: real decode steps of the in-process engine (the real :class:`Scheduler` and
   :class:`Worker`, no Ray/gRPC): ``B`` greedy requests of ``--prompt-len`` random tokens,
-  prefilled first, then ``--steps`` decode steps timed (schedule + execute + update).
+  prefilled first, then ``--steps`` decode steps timed (schedule + execute + update);
+* **bf16-KV engine** (``--kv-cache-dtype both``): the same engine with a bf16 KV cache
+  (fp32 weights), its decode steps timed in the same rounds as the fp32 engine's.
 
 Reports tokens/s of each and the engine's fraction of each ceiling, and writes
 ``benchmarks/results/ceiling.json``.
@@ -20,6 +22,8 @@ Reports tokens/s of each and the engine's fraction of each ceiling, and writes
 Usage::
 
     .venv/bin/python benchmarks/engine/ceiling.py --batches 1,2,4,8,16,32,64
+    .venv/bin/python benchmarks/engine/ceiling.py --batches 1,32 --prompt-len 512 \
+        --kv-cache-dtype both
 """
 
 from __future__ import annotations
@@ -170,17 +174,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="decode steps per timed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "both"),
+                    help="both: also time an engine with a bf16 KV cache")  # fmt: skip
     ap.add_argument("--out", default=str(RESULTS / "ceiling.json"))
     args = ap.parse_args()
     model_dir = str(resolve_model(args.model, progress=False))
-    worker = Worker(
-        WorkerConfig(
-            model=ModelConfig(model=model_dir),
-            cache=CacheConfig(num_blocks=2048),
-            device="cpu",
-            num_threads=args.threads,
+
+    def make_worker(kv_cache_dtype: str) -> Worker:
+        return Worker(
+            WorkerConfig(
+                model=ModelConfig(model=model_dir),
+                cache=CacheConfig(num_blocks=2048, kv_cache_dtype=kv_cache_dtype),
+                device="cpu",
+                num_threads=args.threads,
+            )
         )
-    )
+
+    worker = make_worker("float32")
+    bf16_worker = make_worker("bfloat16") if args.kv_cache_dtype == "both" else None
     runner = worker.runner
     # The torch ceiling needs the row-major weights, which a packed engine no longer holds.
     plain = load_model(runner.model_path, runner.arch, runner.max_model_len, torch.float32,
@@ -191,17 +202,24 @@ def main() -> None:
         mm = matmul_step(weights, batch)
         packed = packed_step(runner.model, batch)
         engine = DecodeEngine(worker, batch, args.prompt_len)
-        mm_s, pk_s, eng_s = [], [], []
+        bf16 = None if bf16_worker is None else DecodeEngine(bf16_worker, batch, args.prompt_len)
+        mm_s, pk_s, eng_s, bf16_s = [], [], [], []
         mm()
         if packed is not None:
             packed()
         engine.step()
+        if bf16 is not None:
+            bf16.step()
         for _ in range(args.rounds):  # interleaved: ceilings, engine, ceilings, engine, ...
             mm_s.append(time_call(mm, args.steps))
             if packed is not None:
                 pk_s.append(time_call(packed, args.steps))
             eng_s.append(time_call(engine.step, args.steps))
+            if bf16 is not None:
+                bf16_s.append(time_call(bf16.step, args.steps))
         engine.close()
+        if bf16 is not None:
+            bf16.close()
         ceiling = batch / statistics.median(mm_s)
         decode = batch / statistics.median(eng_s)
         row = {
@@ -225,6 +243,11 @@ def main() -> None:
         line += f" = {100 * row['fraction']:.0f}% of torch's ceiling"
         if pk_s:
             line += f", {100 * row['packed_fraction']:.0f}% of the packed one"
+        if bf16_s:
+            row["bf16kv_step_ms"] = round(1e3 * statistics.median(bf16_s), 2)
+            row["bf16kv_speedup"] = round(row["step_ms"] / row["bf16kv_step_ms"], 3)
+            line += f"; bf16 KV step {row['bf16kv_step_ms']:7.1f} ms"
+            line += f" ({row['bf16kv_speedup']:.2f}x the fp32-KV step)"
         rows.append(row)
         print(line, flush=True)
     out = Path(args.out)

@@ -33,10 +33,16 @@ Reports the first (prefill) step and the mean decode step at full batch, writes
 kernels and the packed GEMM, which apply only to ``auto``/``cpu``) for a same-run comparison
 with ``auto``; ``PAGEDSERVE_CPU_GEMM=0`` in the environment runs ``auto`` on ``F.linear``.
 Each run reports the forward the runner chose (``model.model_forward.name``).
+``--kv-cache-dtype both`` runs each backend with an fp32 and a bf16 KV cache (fp32 weights
+both times), ``--rounds`` times over, interleaved; ``--prompt-len N`` replaces the chat
+prompts by ``N`` random token ids each (a long context: batch 1 with ``N = 512`` makes the
+first step one 512-token prefill).
 
 Usage::
 
     .venv/bin/python benchmarks/engine/profile_step.py --num-requests 32 --max-tokens 64 --backend both
+    .venv/bin/python benchmarks/engine/profile_step.py --num-requests 1 --prompt-len 512 \
+        --max-tokens 32 --kv-cache-dtype both --rounds 2
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -134,8 +141,27 @@ def instrument(worker: Worker, timers: Timers) -> None:
     runner.sampler = timers.wrap("sampling", runner.sampler)
 
 
-def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dict[str, Any]:
-    """Profile one full run with ``backend``; returns per-phase mean ms per part.
+def prompts(args: argparse.Namespace, tok: Any, vocab_size: int) -> list[list[int]]:
+    """The run's prompt ids: the chat prompts, or ``--prompt-len`` random ids each."""
+    if args.prompt_len:
+        rng = random.Random(0)
+        return [
+            [rng.randrange(3, vocab_size) for _ in range(args.prompt_len)]
+            for _ in range(args.num_requests)
+        ]
+    out = []
+    for i in range(args.num_requests):
+        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def run(
+    args: argparse.Namespace, backend: str, kv_dtype: str, tok: Any, model_dir: str
+) -> dict[str, Any]:
+    """Profile one full run with ``backend`` and a ``kv_dtype`` KV cache; returns
+    per-phase mean ms per part.
 
     ``torch`` is the code before the fused CPU kernels and the packed GEMM (``F.linear``).
     """
@@ -143,7 +169,7 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
     worker = Worker(
         WorkerConfig(
             model=ModelConfig(model=model_dir),
-            cache=CacheConfig(num_blocks=2048),
+            cache=CacheConfig(num_blocks=2048, kv_cache_dtype=kv_dtype),
             device="cpu",
             num_threads=args.threads,
             attention_backend=backend,  # the runner picks its forward for it, once
@@ -158,10 +184,7 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
     )
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     detoks = {}
-    for i in range(args.num_requests):
-        chat = [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
-        text = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
+    for i, ids in enumerate(prompts(args, tok, info.vocab_size)):
         sched.add_request(EngineRequest(f"r{i}", ids, sampling, info.eos_token_ids))
         detoks[f"r{i}"] = IncrementalDetokenizer(tok.backend_tokenizer)
     steps: list[dict[str, float]] = []
@@ -231,6 +254,7 @@ def run(args: argparse.Namespace, backend: str, tok: Any, model_dir: str) -> dic
 
     return {
         "backend": backend,
+        "kv_cache_dtype": kv_dtype,
         "model_forward": worker.runner.model.model_forward.name,
         "tokens_per_s": round(tokens / wall, 1),
         "wall_s": round(wall, 3),
@@ -281,6 +305,14 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "both"))
+    ap.add_argument("--kv-cache-dtype", default="float32", choices=("float32", "bfloat16", "both"))
+    ap.add_argument(
+        "--prompt-len",
+        type=int,
+        default=0,
+        help="random prompts of this many tokens (0: the chat prompts)",
+    )
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every configuration")
     ap.add_argument("--ray", action="store_true", help="also time a Ray actor round trip")
     ap.add_argument("--out", default=str(RESULTS / "profile.json"))
     args = ap.parse_args()
@@ -290,21 +322,29 @@ def main() -> None:
     model_dir = str(resolve_model(args.model, progress=False))
     tok = AutoTokenizer.from_pretrained(model_dir)
     backends = ("torch", "auto") if args.backend == "both" else (args.backend,)
-    runs = [run(args, b, tok, model_dir) for b in backends]
+    kv_dtypes = ("float32", "bfloat16") if args.kv_cache_dtype == "both" else (args.kv_cache_dtype,)
+    runs = [
+        run(args, b, kv, tok, model_dir)
+        for _ in range(args.rounds)
+        for b in backends
+        for kv in kv_dtypes
+    ]
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "model": args.model,
         "threads": args.threads,
         "num_requests": args.num_requests,
         "max_tokens": args.max_tokens,
+        "prompt_len": args.prompt_len,
         "load_avg": os.getloadavg(),
         "runs": runs,
     }
     if args.ray:
         result["ray_call_ms"] = round(ray_round_trip(args.num_requests), 3)
     for r in runs:
-        print(f"backend={r['backend']} (forward: {r['model_forward']}): "
-              f"{r['tokens_per_s']} tok/s")  # fmt: skip
+        print(f"backend={r['backend']} kv={r['kv_cache_dtype']} (forward: "
+              f"{r['model_forward']}): {r['tokens_per_s']} tok/s, prefill "
+              f"{r['prefill_tokens']} tokens")  # fmt: skip
         for phase in ("prefill_step_ms", "decode_step_ms"):
             d = r[phase]
             parts = "  ".join(f"{k} {d[k]:.1f}" for k in PARTS)

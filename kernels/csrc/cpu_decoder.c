@@ -5,8 +5,8 @@
  *
  *   normed   = rms_norm(x, residual += x)          (layer 0: residual = x, no add)
  *   qkv      = normed @ Wqkv^T (+ b)               linear_packed_f32
- *   rope_store(qkv) -> K/V cache slots            rope_store_f32
- *   attn     = paged_attention(q of qkv)          paged_attention_f32
+ *   rope_store(qkv) -> K/V cache slots            rope_store_f32 / _bf16kv
+ *   attn     = paged_attention(q of qkv)          paged_attention_f32 / _bf16kv
  *   x        = attn @ Wo^T (+ b)
  *   normed   = rms_norm(x, residual += x)
  *   gate_up  = normed @ Wgu^T (+ b); act = silu(gate) * up
@@ -15,7 +15,8 @@
  * so its results are the per-kernel path's, bit for bit. What it saves is the Python
  * around ~9 ctypes calls and ~7 tensor allocations per layer (about a tenth of a decode
  * step at small batch on the 2-core Xeon). vLLM's CPU backend gets the same from its C++
- * custom ops inside a compiled graph.
+ * custom ops inside a compiled graph. A layer's KV caches are fp32 or bf16 (its
+ * kv_bf16 flag picks the *_bf16kv kernels); everything else is fp32.
  */
 #include <stdint.h>
 #include <string.h>
@@ -34,10 +35,20 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                          const int32_t *seq_lens, const int32_t *cu_seqlens_q, int64_t num_seqs,
                          int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, float *out, int64_t num_threads);
+void rope_store_bf16kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                       const float *sin_table, const int64_t *positions, const int64_t *slots,
+                       uint16_t *k_cache, uint16_t *v_cache);
+void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, float *out, int64_t num_threads);
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter);
 
 /* One layer's tensors; a NULL bias means none. Packed weights as pack_weight_f32 makes
- * them. Mirrored by ctypes in pagedserve/kernels/cpu_native.py (DecoderLayerPtrs). */
+ * them; k_cache/v_cache hold fp32, or bf16 when kv_bf16 is nonzero. Mirrored by ctypes in pagedserve/kernels/cpu_native.py (DecoderLayerPtrs). */
 typedef struct {
     const float *input_norm;
     const float *post_norm;
@@ -49,8 +60,9 @@ typedef struct {
     const float *gate_up_bias;
     const float *down;
     const float *down_bias;
-    float *k_cache;
-    float *v_cache;
+    void *k_cache;
+    void *v_cache;
+    int64_t kv_bf16;
 } decoder_layer_f32_t;
 
 /*
@@ -86,11 +98,20 @@ void decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers,
         }
         linear_packed_f32(normed, t, hidden, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
                           qkv_size, num_threads);
-        rope_store_f32(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
-                       sin_table, positions, slots, l->k_cache, l->v_cache);
-        paged_attention_f32(qkv, qkv_size, l->k_cache, l->v_cache, block_tables, bt_stride,
-                            seq_lens, cu_seqlens_q, num_seqs, num_heads, num_kv_heads,
-                            head_dim, block_size, scale, attn, num_threads);
+        if (l->kv_bf16) {
+            rope_store_bf16kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
+                              sin_table, positions, slots, l->k_cache, l->v_cache);
+            paged_attention_bf16kv(qkv, qkv_size, l->k_cache, l->v_cache, block_tables,
+                                   bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
+                                   num_kv_heads, head_dim, block_size, scale, attn,
+                                   num_threads);
+        } else {
+            rope_store_f32(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
+                           sin_table, positions, slots, l->k_cache, l->v_cache);
+            paged_attention_f32(qkv, qkv_size, l->k_cache, l->v_cache, block_tables,
+                                bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
+                                num_kv_heads, head_dim, block_size, scale, attn, num_threads);
+        }
         linear_packed_f32(attn, t, q_size, q_size, l->o, hidden, l->o_bias, x, hidden,
                           num_threads);
         rms_norm_f32(x, residual, l->post_norm, normed, t, hidden, eps);

@@ -1,6 +1,9 @@
 /*
  * Fused fp32 CPU kernels of the serving path: paged attention (decode and chunked
  * prefill in one kernel), K/V store, rotary embedding, (residual-add +) RMSNorm, SiLU*mul.
+ * Attention and the K/V store also come for bf16 KV caches (the *_bf16kv entry points):
+ * queries, scores, softmax and sums stay fp32, a bf16 K/V element is widened to fp32 in
+ * registers (exact), and rope_store rounds K/V to bf16 (nearest even) when it stores them.
  *
  * Compiled on first use by pagedserve/kernels/cpu_native.py (gcc -O3 -march=native
  * -fopenmp -ffp-contract=off) and called through ctypes; the torch reference
@@ -9,7 +12,7 @@
  * loaded, so these loops share torch's thread pool and its torch.set_num_threads value.
  *
  * Layouts (see pagedserve.kernels):
- *   caches  [num_blocks, block_size, num_kv_heads, head_dim], contiguous fp32;
+ *   caches  [num_blocks, block_size, num_kv_heads, head_dim], contiguous fp32 or bf16;
  *   slot = block_id * block_size + offset; block_tables int32 [num_seqs, bt_stride];
  *   query head h reads KV head h / (num_heads / num_kv_heads) (GQA).
  *
@@ -31,6 +34,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
 
 static inline v16 splat16(float a) {
     return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
@@ -43,6 +47,48 @@ static inline v16 load16(const float *p) {
 }
 
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof(v)); }
+
+/*
+ * KV cache elements: fp32, or bf16 (the top 16 bits of an fp32). The attention code
+ * below takes `const int bf16` and is always inlined into one entry point per element
+ * type with a constant there, so each entry point compiles to straight-line loads of its
+ * type; with bf16 = 0 the operations are exactly the fp32-only kernel's.
+ */
+static inline const void *kv_elem(const void *base, int64_t i, const int bf16) {
+    return (const char *)base + i * (bf16 ? 2 : 4);
+}
+
+/* Elements p[i .. i+16) as fp32 (bf16 widened exactly: its bits << 16). */
+static inline v16 kv_load16(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        v16h h;
+        memcpy(&h, kv_elem(p, i, 1), sizeof(h));
+        return (v16)(__builtin_convertvector(h, v16i) << 16);
+    }
+    return load16((const float *)p + i);
+}
+
+static inline float kv_load1(const void *p, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof(f));
+        return f;
+    }
+    return ((const float *)p)[i];
+}
+
+/* KV elements per 64-byte cache line: the step of the prefetch loops. */
+#define KV_LINE(bf16) ((bf16) ? 32 : 16)
+
+/* fp32 -> bf16, round to nearest even, NaN -> 0x7fc0: c10::BFloat16's
+ * round_to_nearest_even, the bits of torch's x.to(torch.bfloat16). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return f != f ? (uint16_t)0x7fc0 : rounded;
+}
 
 /* Lane-wise mask ? a : b, for a mask from a vector comparison (all ones or all zeros). */
 static inline v16 select16(v16i mask, v16 a, v16 b) {
@@ -184,15 +230,16 @@ static void softmax_inplace(float *sc, int64_t len) {
  * gn is a compile-time constant at each call site, so the accumulators stay in registers.
  */
 static inline __attribute__((always_inline)) void pv_slice(
-    const int gn, const float *p, int64_t p_stride, int64_t len, const float *v_base,
-    const int32_t *table, int64_t block_size, int64_t row, float *out, int64_t head_dim) {
+    const int gn, const float *p, int64_t p_stride, int64_t len, const void *v_base,
+    const int32_t *table, int64_t block_size, int64_t row, float *out, int64_t head_dim,
+    const int bf16) {
     v16 acc[VGROUP];
     for (int g = 0; g < gn; ++g) acc[g] = splat16(0.0f);
     for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
-        const float *vb = v_base + (int64_t)table[b] * block_size * row;
+        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, bf16);
         const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
         for (int64_t o = 0; o < jn; ++o) {
-            const v16 v = load16(vb + o * row);
+            const v16 v = kv_load16(vb, o * row, bf16);
             for (int g = 0; g < gn; ++g)
                 acc[g] = acc[g] + splat16(p[g * p_stride + j0 + o]) * v;
         }
@@ -206,22 +253,24 @@ static inline __attribute__((always_inline)) void pv_slice(
  * the same key order, as pv_slice: the same bits. */
 static inline __attribute__((always_inline)) void pv_rows(
     const int gn, const int ns, const float *p, int64_t p_stride, int64_t len,
-    const float *v_base, const int32_t *table, int64_t block_size, int64_t row,
-    int64_t pf_blocks, float *out, int64_t head_dim) {
+    const void *v_base, const int32_t *table, int64_t block_size, int64_t row,
+    int64_t pf_blocks, float *out, int64_t head_dim, const int bf16) {
     v16 acc[6][8];
     for (int g = 0; g < gn; ++g)
         for (int s = 0; s < ns; ++s) acc[g][s] = splat16(0.0f);
     for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
-        const float *vb = v_base + (int64_t)table[b] * block_size * row;
-        const float *vn = j0 + pf_blocks * block_size < len
-                              ? v_base + (int64_t)table[b + pf_blocks] * block_size * row
-                              : NULL;
+        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, bf16);
+        const void *vn =
+            j0 + pf_blocks * block_size < len
+                ? kv_elem(v_base, (int64_t)table[b + pf_blocks] * block_size * row, bf16)
+                : NULL;
         const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
         for (int64_t o = 0; o < jn; ++o) {
             if (vn != NULL)
-                for (int s = 0; s < ns; ++s) __builtin_prefetch(vn + o * row + 16 * s, 0, 3);
+                for (int s = 0; s < ns; s += KV_LINE(bf16) / 16)
+                    __builtin_prefetch(kv_elem(vn, o * row + 16 * s, bf16), 0, 3);
             v16 v[8];
-            for (int s = 0; s < ns; ++s) v[s] = load16(vb + o * row + 16 * s);
+            for (int s = 0; s < ns; ++s) v[s] = kv_load16(vb, o * row + 16 * s, bf16);
             for (int g = 0; g < gn; ++g) {
                 const v16 w = splat16(p[g * p_stride + j0 + o]);
                 for (int s = 0; s < ns; ++s) acc[g][s] = acc[g][s] + w * v[s];
@@ -247,14 +296,17 @@ static inline __attribute__((always_inline)) void pv_rows(
  * with 3 KV heads is 3 tasks: 2 : 1 on 2 threads). Every query head's result is computed
  * by the same operations whatever its task holds, so the split changes no bits and a
  * sequence's output does not depend on the rest of the batch.
+ *
+ * k_cache, v_cache: fp32 (bf16 = 0) or bf16 (bf16 = 1) elements; see kv_load16.
  */
-void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
-                         const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
-                         const int32_t *seq_lens, const int32_t *cu_seqlens_q, int64_t num_seqs,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                         int64_t block_size, float scale, float *out, int64_t num_threads) {
+static inline __attribute__((always_inline)) void paged_attention_kv(
+    const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
+    const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+    const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads,
+    const int bf16) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* floats per token slot */
+    const int64_t row = num_kv_heads * head_dim; /* elements per token slot */
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     int64_t *task_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
     int64_t base_tasks = 0;
@@ -288,6 +340,8 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
     {
         float *scores = (float *)malloc(sizeof(float) * QTILE * sub * (max_seq_len + 1));
         float *acc = (float *)malloc(sizeof(float) * head_dim);
+        /* bf16: the 16 K rows of a key group widened once for all the task's query rows */
+        float *kwide = bf16 ? (float *)malloc(sizeof(float) * 16 * head_dim) : NULL;
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
@@ -318,7 +372,7 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
              * that do not see a key get a score they never read. K rows PREFETCH_KEYS
              * keys ahead are prefetched (one KV head's rows are strided in the cache, and
              * a row missed is a stall), and V rows of the first blocks for pass 2. */
-            const float *krows[16];
+            const void *krows[16];
             const int64_t k_off = kvh * head_dim;
             int64_t cb = 0, co = 0;                          /* current key: block, offset */
             int64_t pb = pf_blocks, po = 0, pj = pf_blocks * block_size; /* prefetch walker */
@@ -326,10 +380,11 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                 int cnt = 0;
                 for (; cnt < 16 && j + cnt < n_keys; ++cnt) {
                     const int64_t slot = (int64_t)table[cb] * block_size + co;
-                    krows[cnt] = k_cache + slot * row + k_off;
+                    krows[cnt] = kv_elem(k_cache, slot * row + k_off, bf16);
                     if (pj < n_keys) {
-                        const float *kp = k_cache + ((int64_t)table[pb] * block_size + po) * row + k_off;
-                        for (int64_t l = 0; l < head_dim; l += 16) __builtin_prefetch(kp + l, 0, 3);
+                        const int64_t kp = ((int64_t)table[pb] * block_size + po) * row + k_off;
+                        for (int64_t l = 0; l < head_dim; l += KV_LINE(bf16))
+                            __builtin_prefetch(kv_elem(k_cache, kp + l, bf16), 0, 3);
                         ++pj;
                         if (++po == block_size) {
                             po = 0;
@@ -337,25 +392,32 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                         }
                     }
                     if (ns == 0 || cb < pf_blocks)
-                        for (int64_t l = 0; l < head_dim; l += 16)
-                            __builtin_prefetch(v_cache + slot * row + k_off + l, 0, 3);
+                        for (int64_t l = 0; l < head_dim; l += KV_LINE(bf16))
+                            __builtin_prefetch(kv_elem(v_cache, slot * row + k_off + l, bf16), 0, 3);
                     if (++co == block_size) {
                         co = 0;
                         ++cb;
                     }
                 }
                 for (int c = cnt; c < 16; ++c) krows[c] = krows[cnt - 1];
+                if (bf16) { /* exact: the same scores as the fp32 kernel on the fp32 rows */
+                    for (int c = 0; c < 16; ++c) {
+                        float *w = kwide + c * head_dim;
+                        for (int64_t d = 0; d < head_dim; ++d) w[d] = kv_load1(krows[c], d, 1);
+                        krows[c] = w;
+                    }
+                }
                 /* row r sees keys 0 .. pos0 + r */
                 for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
                     const float *qr = q_head0 + r * q_token_stride;
                     float *sr = scores + r * gs * n_keys + j;
                     for (int64_t g = 0; g < gs; ++g) {
                         if (vec) {
-                            const v16 sc = dot16x16(qr + g * head_dim, krows, head_dim) * splat16(scale);
+                            const v16 sc = dot16x16(qr + g * head_dim, (const float *const *)krows, head_dim) * splat16(scale);
                             memcpy(sr + g * n_keys, &sc, sizeof(float) * cnt);
                         } else {
                             for (int c = 0; c < cnt; ++c)
-                                sr[g * n_keys + c] = dot(qr + g * head_dim, krows[c], head_dim) * scale;
+                                sr[g * n_keys + c] = dot(qr + g * head_dim, (const float *)krows[c], head_dim) * scale;
                         }
                     }
                 }
@@ -379,8 +441,9 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                     const int64_t gn = (gs - g0) < gstep ? (gs - g0) : gstep;
                     const float *p = scores + (r * gs + g0) * n_keys;
                     float *og = orow + g0 * head_dim;
-                    const float *vhead = v_cache + kvh * head_dim;
-#define PVR(G, S) pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim)
+                    const void *vhead = kv_elem(v_cache, kvh * head_dim, bf16);
+#define PVR(G, S) \
+    pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim, bf16)
                     if (ns == 4) {
                         switch (gn) {
                         case 1: PVR(1, 4); break;
@@ -403,8 +466,8 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
 #undef PVR
                     int64_t d0 = 0;
                     for (; d0 + 16 <= head_dim; d0 += 16) {
-                        const float *vbase = v_cache + kvh * head_dim + d0;
-#define PV(G) pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim)
+                        const void *vbase = kv_elem(v_cache, kvh * head_dim + d0, bf16);
+#define PV(G) pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim, bf16)
                         switch (gn) {
                         case 1: PV(1); break;
                         case 2: PV(2); break;
@@ -423,9 +486,10 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                             for (int64_t j = 0; j < len; ++j) {
                                 const int64_t slot =
                                     (int64_t)table[j / block_size] * block_size + j % block_size;
-                                const float *vrow = v_cache + slot * row + kvh * head_dim;
+                                const void *vrow = kv_elem(v_cache, slot * row + kvh * head_dim, bf16);
                                 const float w = p[g * n_keys + j];
-                                for (int64_t d = d0; d < head_dim; ++d) acc[d] += w * vrow[d];
+                                for (int64_t d = d0; d < head_dim; ++d)
+                                    acc[d] += w * kv_load1(vrow, d, bf16);
                             }
                             memcpy(og + g * head_dim + d0, acc + d0,
                                    sizeof(float) * (head_dim - d0));
@@ -434,10 +498,34 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                 }
             }
         }
+        free(kwide);
         free(acc);
         free(scores);
     }
     free(task_start);
+}
+
+/* paged_attention_kv on fp32 caches. */
+void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_cache,
+                         const float *v_cache, const int32_t *block_tables, int64_t bt_stride,
+                         const int32_t *seq_lens, const int32_t *cu_seqlens_q, int64_t num_seqs,
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, float *out, int64_t num_threads) {
+    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                       scale, out, num_threads, 0);
+}
+
+/* paged_attention_kv on bf16 caches (uint16_t bit patterns); q and out fp32. */
+void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16_t *k_cache,
+                            const uint16_t *v_cache, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, float *out, int64_t num_threads) {
+    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                       scale, out, num_threads, 1);
 }
 
 /*
@@ -446,12 +534,13 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
  * qkv: [T, qkv_stride] with q heads at 0, k heads at num_heads*head_dim, v heads after;
  * cos/sin tables: [max_positions, head_dim] fp32; positions int64 [T].
  * out = x*cos + rotate_half(x)*sin, rounded after each multiply and the add (no FMA), as
- * in HF transformers' apply_rotary_pos_emb.
+ * in HF transformers' apply_rotary_pos_emb. bf16 = 1: the caches are bf16 and the stored
+ * K/V rows are the fp32 ones rounded by f32_to_bf16 (qkv itself stays fp32).
  */
-void rope_store_f32(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
-                    int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
-                    const float *sin_table, const int64_t *positions, const int64_t *slots,
-                    float *k_cache, float *v_cache) {
+static void rope_store_kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                          int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                          const float *sin_table, const int64_t *positions,
+                          const int64_t *slots, void *k_cache, void *v_cache, const int bf16) {
     const int64_t half = head_dim / 2;
     const int64_t kv_row = num_kv_heads * head_dim;
 #pragma omp parallel for if (num_tokens > 64)
@@ -475,12 +564,34 @@ void rope_store_f32(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t 
             memcpy(v, tmp, sizeof(float) * head_dim);
         }
         const int64_t slot = slots[t];
-        if (slot >= 0) {
-            memcpy(k_cache + slot * kv_row, x + num_heads * head_dim, sizeof(float) * kv_row);
-            memcpy(v_cache + slot * kv_row, x + (num_heads + num_kv_heads) * head_dim,
-                   sizeof(float) * kv_row);
+        const float *k = x + num_heads * head_dim, *v = k + kv_row;
+        if (slot >= 0 && bf16) {
+            uint16_t *kd = (uint16_t *)k_cache + slot * kv_row;
+            uint16_t *vd = (uint16_t *)v_cache + slot * kv_row;
+            for (int64_t d = 0; d < kv_row; ++d) kd[d] = f32_to_bf16(k[d]);
+            for (int64_t d = 0; d < kv_row; ++d) vd[d] = f32_to_bf16(v[d]);
+        } else if (slot >= 0) {
+            memcpy((float *)k_cache + slot * kv_row, k, sizeof(float) * kv_row);
+            memcpy((float *)v_cache + slot * kv_row, v, sizeof(float) * kv_row);
         }
     }
+}
+
+void rope_store_f32(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                    int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                    const float *sin_table, const int64_t *positions, const int64_t *slots,
+                    float *k_cache, float *v_cache) {
+    rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
+                  sin_table, positions, slots, k_cache, v_cache, 0);
+}
+
+/* rope_store_f32 into bf16 caches (uint16_t bit patterns). */
+void rope_store_bf16kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                       const float *sin_table, const int64_t *positions, const int64_t *slots,
+                       uint16_t *k_cache, uint16_t *v_cache) {
+    rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
+                  sin_table, positions, slots, k_cache, v_cache, 1);
 }
 
 /*

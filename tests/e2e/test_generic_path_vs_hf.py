@@ -37,6 +37,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import helpers
 import pytest
 import torch
 from helpers import FakeScheduler
@@ -53,15 +54,7 @@ FP32_LOGPROB_TOL = 1e-4
 TINY_BLOCK = 4
 TINY_BLOCKS = 160
 TINY_NEW = 24
-TINY_PROMPTS = [
-    [5, 17, 33, 9, 100, 64, 2, 77, 31],
-    [12],
-    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
-    [99, 3, 3, 3, 120, 7, 8],
-    [1, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91,
-     92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105],
-    [7, 7, 30, 31, 64, 65, 66, 90, 91, 92, 93, 94, 10, 11],
-]  # fmt: skip
+TINY_PROMPTS = [*helpers.TINY_PROMPTS, [7, 7, 30, 31, 64, 65, 66, 90, 91, 92, 93, 94, 10, 11]]
 
 
 @dataclass(frozen=True)

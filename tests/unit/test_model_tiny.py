@@ -11,15 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GREEDY, FakeScheduler, build_tiny_model, hf_greedy
+from helpers import (
+    GREEDY,
+    TINY_PROMPTS,
+    FakeScheduler,
+    build_tiny_model,
+    chunk_and_decode_inputs,
+    hf_greedy,
+    use_forward,
+)
 
 from pagedserve.kernels import cpu_native
 from pagedserve.scheduler.outputs import CachedSequenceData, NewSequenceData, SchedulerOutput
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
-from pagedserve.worker.cpu_forward import CpuLayerForward, FusedCpuForward
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import SequenceState, prepare_inputs
-from pagedserve.worker.model import LayerForward
 from pagedserve.worker.worker import Worker
 
 needs_c = pytest.mark.skipif(not cpu_native.gemm_available(), reason="CPU kernels not built")
@@ -27,14 +33,7 @@ needs_c = pytest.mark.skipif(not cpu_native.gemm_available(), reason="CPU kernel
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
 MAX_NEW = 24
-PROMPTS = [
-    [5, 17, 33, 9, 100, 64, 2, 77, 31],
-    [12],
-    [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61],
-    [99, 3, 3, 3, 120, 7, 8],
-    [1, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80, 81, 82, 83, 84, 85, 86, 87, 88, 89, 90, 91,
-     92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105],
-]  # fmt: skip
+PROMPTS = TINY_PROMPTS
 
 
 def make_worker(model_dir: Path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS):
@@ -60,18 +59,6 @@ def hf_tiny(tiny_llama_dir: Path):
 @pytest.fixture(scope="module")
 def hf_expected(hf_tiny) -> list[list[int]]:
     return [hf_greedy(hf_tiny, p, MAX_NEW) for p in PROMPTS]
-
-
-def use_forward(worker: Worker, name: str) -> None:
-    """Install the forward called ``name`` on the worker's model."""
-    model, caches = worker.runner.model, worker.runner.kv_pool.layer_caches()
-    chosen = {
-        "cpu-fused": lambda: FusedCpuForward.build(model, caches),
-        "cpu-layers": lambda: CpuLayerForward.build(model, caches),
-        "layers": LayerForward,
-    }[name]()
-    assert chosen is not None and chosen.name == name
-    model.use_forward(chosen)
 
 
 @needs_c
@@ -267,11 +254,7 @@ def test_all_layers_in_one_call_equal_the_per_layer_path_bit_for_bit(
     model_dir = build_tiny_model(tmp_path / variant, arch, seed=5, **overrides)
     worker = make_worker(model_dir)
     model, pool = worker.runner.model, worker.runner.kv_pool
-    long = SequenceState("a", list(PROMPTS[4]), len(PROMPTS[4]), list(range(30)), 0, GREEDY, 0, 0)
-    long.num_computed_tokens = 8
-    short = SequenceState("b", list(PROMPTS[0]), len(PROMPTS[0]), [60, 59, 58], 0, GREEDY, 0, 0)
-    short.num_computed_tokens = 8
-    inputs = prepare_inputs([(long, 20), (short, 1)], BLOCK_SIZE, NUM_BLOCKS, worker.runner.device)
+    inputs = chunk_and_decode_inputs(worker, BLOCK_SIZE, NUM_BLOCKS)
     torch.manual_seed(0)
     for cache in pool.key_caches + pool.value_caches:  # the cached prefixes
         cache.normal_()

@@ -169,9 +169,9 @@ def test_bf16_kv_holds_twice_the_blocks_of_fp32(tiny_llama_dir: Path) -> None:
     assert (a.block_bytes, b.block_bytes) == (per_block, per_block // 2)
     assert bf16.runner.kv_pool.dtype == torch.bfloat16
     assert bf16.runner.kv_pool.nbytes == fp32.runner.kv_pool.nbytes == 1 << 20
-    # The fused fp32 kernels keep fp32 caches; a bf16 cache runs the generic layers.
+    # The fused CPU kernels read either cache (fp32 weights and activations both times).
     assert fp32.runner.model.model_forward.name == "cpu-fused"
-    assert bf16.runner.model.model_forward.name == "layers"
+    assert bf16.runner.model.model_forward.name == "cpu-fused"
 
 
 def greedy(n: int) -> SamplingParams:
