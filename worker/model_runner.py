@@ -205,6 +205,8 @@ class ModelRunner:
         it does."""
         if not (cpu_kernels_apply(self.model) and cpu_native.gemm_available()):
             return False
+        if self.dtype == torch.bfloat16 and self.kv_cache_dtype not in cpu_native.KV_DTYPES:
+            return False  # the CPU forwards would not apply: keep the generic layers whole
         self.model.pack_weights()
         self.packed_gemm = True
         return True
