@@ -113,7 +113,8 @@ def resolve_dtypes(
         native = precision.native_dtypes(
             device.type,
             precision.read_cpu_flags(),
-            cpu_bf16_kernels=bf16_cpu_path_available(),
+            # Batch invariance holds on the fp32 kernels only: auto stays fp32 for it.
+            cpu_bf16_kernels=bf16_cpu_path_available() and not config.model.batch_invariant,
         )
     model = precision.resolve_model_dtype(
         config.model.dtype, precision.checkpoint_dtype(model_path), native
