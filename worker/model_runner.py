@@ -48,7 +48,7 @@ from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block
 from pagedserve.worker.kv_swap import KVSwapper, SwapError
 from pagedserve.worker.logits import compute_logprobs, process_logits
-from pagedserve.worker.model_store import resolve_model
+from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
 
@@ -71,6 +71,9 @@ class WorkerInfo:
         model_path: the resolved Hugging Face folder.
         block_bytes: bytes of one KV block, all layers, K and V.
         kv_cache_dtype: the KV pool's dtype name (the model's unless ``kv_cache_dtype`` says).
+        weights_digest: sha256 hex of the weight files
+            (:func:`~pagedserve.worker.model_store.weights_digest`); workers of one cluster
+            must agree on it.
     """
 
     worker_id: int
@@ -84,6 +87,7 @@ class WorkerInfo:
     model_path: str
     block_bytes: int = 0
     kv_cache_dtype: str = "float32"
+    weights_digest: str = ""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -210,6 +214,7 @@ class ModelRunner:
             model_path=str(self.model_path),
             block_bytes=bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype),
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
+            weights_digest=weights_digest(self.model_path),
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
