@@ -191,7 +191,12 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         )
         scheduler: Any = (
             ray.remote(SchedulerActor)
-            .options(num_cpus=0, max_concurrency=10_000, max_restarts=config.scheduler_max_restarts)
+            .options(
+                num_cpus=0,
+                max_concurrency=10_000,
+                max_restarts=config.scheduler_max_restarts,
+                scheduling_strategy=_near_driver(),
+            )
             .remote(sched_cfg, names, specs, swap=swap, tune_gc=True)  # names: see SchedulerActor
         )
         await scheduler.ready.remote()
@@ -303,6 +308,16 @@ async def _start_workers(
             ray.kill(actor)
         raise
     return workers, names, infos
+
+
+def _near_driver() -> Any:
+    """Ray scheduling strategy for the scheduler actor: the driver's node, whose frontends
+    read its output stream, when it can (soft: a restart after that node died goes
+    elsewhere). Without it a zero-CPU actor may land on any node, and dies with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
 
 
 def _node_wait(config: ClusterConfig) -> float:
