@@ -108,9 +108,11 @@ def test_model_missing_on_node_b_is_one_error_line(two_nodes: TwoNodes, hidden_m
 
 
 @pytest.mark.xfail(
-    strict=True, raises=ServeFailed, reason="the host block store is driver-node only: worker 0 on node B "
-    "cannot reach it and start-up aborts (issue N item 1)",
-)  # fmt: skip
+    strict=True,
+    raises=ServeFailed,
+    reason="the host block store is driver-node only: worker 0 on node B cannot reach it "
+    "and start-up aborts (issue N item 1)",
+)
 def test_worker_on_node_b_with_default_flags_matches_hf(
     two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
 ) -> None:

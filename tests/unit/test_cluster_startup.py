@@ -3,6 +3,7 @@ of the nodes, placement checks, and one-line errors naming the node (fake nodes)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import types
 
@@ -162,3 +163,48 @@ def test_serve_flags_reach_the_config() -> None:
     assert one.worker_resources == ({"pool": 2.0},)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--worker-resources", "[1]"])
+
+
+class _Method:
+    def __init__(self, fn: object) -> None:
+        self.fn = fn
+
+    def remote(self) -> object:
+        return self.fn()  # type: ignore[operator]
+
+
+class _FakeWorker:
+    """An actor handle whose ``get_info`` / ``node`` calls are coroutines."""
+
+    def __init__(self, wid: int, delay_s: float = 0.0, error: BaseException | None = None) -> None:
+        async def info() -> object:
+            await asyncio.sleep(delay_s)
+            if error is not None:
+                raise error
+            return types.SimpleNamespace(worker_id=wid, weights_digest="d")
+
+        async def node() -> str:
+            return f"10.0.0.{wid + 1} (node {wid})"
+
+        self.get_info, self.node = _Method(info), _Method(node)
+
+
+def test_wait_workers_names_late_workers_and_dead_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from pagedserve.cluster.startup import wait_workers
+
+    monkeypatch.setattr(ray, "available_resources", lambda: {"CPU": 1.0, "memory": 5.0})
+    requests = [{"num_cpus": 1}, {"num_cpus": 2, "resources": {"node_b": 1}}]
+    answers = asyncio.run(wait_workers([_FakeWorker(0), _FakeWorker(1)], requests, 5))
+    assert [node for _, node in answers] == ["10.0.0.1 (node 0)", "10.0.0.2 (node 1)"]
+    with pytest.raises(StartupError) as late:
+        asyncio.run(wait_workers([_FakeWorker(0), _FakeWorker(1, delay_s=30)], requests, 0.2))
+    assert str(late.value) == (
+        "workers not started within 0.2 s (startup_timeout_s): worker 1 {CPU: 2, node_b: 1}; "
+        "the cluster has {CPU: 1} free"
+    )
+    died = ray.exceptions.ActorDiedError()
+    slow_then_dead = [_FakeWorker(0, delay_s=30), _FakeWorker(1, error=died)]
+    with pytest.raises(StartupError, match=r"^worker 1 died while starting: The actor died"):
+        asyncio.run(wait_workers(slow_then_dead, requests, 20))
