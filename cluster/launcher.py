@@ -282,7 +282,7 @@ async def _start_workers(
         config = dataclasses.replace(config, cpus_per_worker=cpus)
     requests = [startup.worker_request(config, w, cuda, cpus) for w in range(config.num_workers)]
     await asyncio.to_thread(startup.check_placeable, requests, _node_wait(config))
-    worker_cls = ray.remote(startup.NodeWorker)
+    worker_cls = ray.remote(startup.Worker)
     workers: list[Any] = []
     names = [f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{w}" for w in range(config.num_workers)]
     for wid in range(config.num_workers):

@@ -23,19 +23,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.worker.worker import Worker
+from pagedserve.worker.worker import Worker as _Worker
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "NodeView",
-    "NodeWorker",
     "StartupError",
+    "Worker",
+    "WorkerStartError",
     "check_placeable",
+    "check_same_weights",
     "cluster_nodes",
     "decide_cuda",
     "default_cpus_per_worker",
     "describe_actor_death",
+    "placement_problem",
+    "wait_workers",
     "worker_request",
 ]
 
@@ -213,7 +217,7 @@ _IP = re.compile(r"\bip[=:]\s*([0-9A-Fa-f.:]+)")
 def describe_actor_death(wid: int, exc: BaseException) -> str:
     """One line for a worker actor that died while starting: its node and the cause.
 
-    A :class:`NodeWorker` that failed in its constructor names its node in its own error;
+    A :class:`Worker` that failed in its constructor names its node in its own error;
     otherwise (the process or node died) the node IP comes from Ray's message."""
     text = str(exc)
     marker = f"{WorkerStartError.__name__}: "
@@ -230,10 +234,10 @@ class WorkerStartError(RuntimeError):
     """A worker's constructor failed; the message names the worker, its node and the cause."""
 
 
-class NodeWorker(Worker):
-    """The :class:`~pagedserve.worker.worker.Worker` as a Ray actor: a constructor that
-    fails raises :class:`WorkerStartError` naming this node (IP and node id), and
-    :meth:`node` tells where the worker runs."""
+class Worker(_Worker):
+    """The :class:`pagedserve.worker.worker.Worker` as a Ray actor (its processes stay
+    named ``ray::Worker``): a constructor that fails raises :class:`WorkerStartError`
+    naming this node (IP and node id), and :meth:`node` tells where the worker runs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         try:

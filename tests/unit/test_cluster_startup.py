@@ -108,7 +108,7 @@ def test_device_auto_waits_for_gpu_nodes_still_joining() -> None:
 
 def test_actor_death_becomes_one_line_naming_the_node() -> None:
     init_failed = RuntimeError(
-        "The actor died because of an error raised in its creation task, ray::NodeWorker."
+        "The actor died because of an error raised in its creation task, ray::Worker."
         "__init__() (pid=1, ip=10.0.0.2, actor_id=ab)\n  File x, line 1\n"
         "pagedserve.cluster.startup.WorkerStartError: worker 0 on node 10.0.0.2 (node bbbb): "
         "ModelStoreError: model '/m' does not exist\n"
@@ -117,7 +117,7 @@ def test_actor_death_becomes_one_line_naming_the_node() -> None:
         "worker 0 on node 10.0.0.2 (node bbbb): ModelStoreError: model '/m' does not exist"
     )
     died = RuntimeError(
-        "The actor died unexpectedly before finishing this task.\n\tclass_name: NodeWorker\n"
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: Worker\n"
         "\tip: 10.0.0.2\nThe actor is dead because its node has died."
     )
     assert describe_actor_death(1, died) == (
