@@ -312,12 +312,12 @@ async def _start_workers(
 
 def _near_driver() -> Any:
     """Ray scheduling strategy for the scheduler actor: the driver's node, whose frontends
-    read its output stream, when it can (soft: a restart after that node died goes
-    elsewhere). Without it a zero-CPU actor may land on any node, and dies with it."""
+    read its output stream (the driver dies with that node anyway). Without it a zero-CPU
+    actor may land on any node, and dies with it."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 
 
 def _node_wait(config: ClusterConfig) -> float:
