@@ -213,7 +213,35 @@ def _add_serve(sub: Any) -> None:
         help="plan each step after the previous one's answer (no overlap of scheduling "
         "and model execution)",
     )
-    p.add_argument("--cpus-per-worker", type=int, default=None)
+    p.add_argument(
+        "--cpus-per-worker",
+        type=int,
+        default=None,
+        help="Ray CPUs (and torch threads) of each CPU worker (default: the most that lets "
+        "every worker fit the cluster's nodes, from Ray's view of them)",
+    )
+    p.add_argument(
+        "--worker-resources",
+        type=_parse_worker_resources,
+        default=(),
+        help="custom Ray resources that place the workers, as JSON: one object for every "
+        "worker ('{\"gpu_pool\": 1}') or a list with one per worker "
+        '(\'[{"node_a": 1}, {"node_b": 1}]\'); the nodes declare them with '
+        "`ray start --resources`",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the workers may take to load the model and answer",
+    )
+    p.add_argument(
+        "--node-wait",
+        type=float,
+        default=10.0,
+        help="seconds to wait for nodes still joining (GPUs for --device auto/cuda, nodes "
+        "holding the workers' resources); with --address only",
+    )
     p.add_argument(
         "--no-adaptive-threads",
         action="store_true",
@@ -228,6 +256,23 @@ def _add_serve(sub: Any) -> None:
         "seeded request gives the same tokens whatever it is batched with",
     )
     _add_server_security(p)
+
+
+def _parse_worker_resources(text: str) -> tuple[dict[str, float], ...]:
+    """``--worker-resources`` JSON: an object, or a list of objects, of name -> amount."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    entries = value if isinstance(value, list) else [value]
+    if not all(
+        isinstance(e, dict) and all(isinstance(v, (int, float)) for v in e.values())
+        for e in entries
+    ):
+        raise argparse.ArgumentTypeError(
+            'expected {"name": amount, ...} or a list of them, one per worker'
+        )
+    return tuple({str(k): float(v) for k, v in e.items()} for e in entries)
 
 
 def _add_server_security(p: argparse.ArgumentParser) -> None:
@@ -330,9 +375,6 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         **cache_kwargs,
     )
-    cpus = args.cpus_per_worker
-    if cpus is None:
-        cpus = max(1, (os.cpu_count() or 1) // args.workers)
     config = ClusterConfig(
         model=ModelConfig(
             model=args.model,
@@ -371,7 +413,10 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         ),
         ray_address=args.address,
         num_workers=args.workers,
-        cpus_per_worker=cpus,
+        cpus_per_worker=args.cpus_per_worker,
+        worker_resources=getattr(args, "worker_resources", ()),
+        startup_timeout_s=getattr(args, "startup_timeout", 300.0),
+        node_wait_s=getattr(args, "node_wait", 10.0),
         device=args.device,
         attention_backend=args.attention_backend,
         worker_max_restarts=args.worker_max_restarts,

@@ -97,7 +97,17 @@ class ClusterConfig:
         ray_address: ``None`` starts an embedded local Ray cluster; otherwise the address
             of an existing cluster to join (``"auto"`` or ``host:port``).
         num_workers: worker actors (one per GPU; CPU workers when none).
-        cpus_per_worker: Ray CPUs reserved by each CPU worker (and its torch threads).
+        cpus_per_worker: Ray CPUs reserved by each CPU worker (and its torch threads);
+            None: the most that lets every worker fit the cluster's alive nodes (Ray's view,
+            :func:`pagedserve.cluster.startup.default_cpus_per_worker`).
+        worker_resources: custom Ray resources each worker requests, which place it on the
+            nodes that have them (``ray start --resources '{"node_b": 1}'``): empty for none,
+            one mapping for every worker, or one per worker (worker ``k`` gets entry ``k``).
+            CPU and GPU come from ``cpus_per_worker`` and ``device``, not from here.
+        startup_timeout_s: how long to wait for the workers to load their model and answer
+            (seconds); past it start-up fails naming the late workers' requests.
+        node_wait_s: how long to wait for nodes still joining (seconds): for the GPUs
+            ``device`` auto/cuda looks for, and for nodes that hold the workers' requests.
         worker_max_restarts: how often Ray restarts a worker actor that died (Ray's
             ``max_restarts``); a restarted worker rejoins with an empty pool.
         scheduler_max_restarts: the same for the scheduler actor; a restarted scheduler
@@ -119,7 +129,10 @@ class ClusterConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     ray_address: str | None = None
     num_workers: int = 1
-    cpus_per_worker: int = 1
+    cpus_per_worker: int | None = 1
+    worker_resources: tuple[dict[str, float], ...] = ()
+    startup_timeout_s: float = 300.0
+    node_wait_s: float = 10.0
     device: str = "auto"
     attention_backend: str = "auto"
     worker_max_restarts: int = 3
@@ -135,7 +148,7 @@ class ClusterConfig:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.cpus_per_worker < 0:
+        if self.cpus_per_worker is not None and self.cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker}")
         if self.cluster_name is not None and not re.fullmatch(
             r"[A-Za-z0-9._-]{1,64}", self.cluster_name
@@ -144,6 +157,28 @@ class ClusterConfig:
                 "cluster_name must be 1-64 letters, digits, '.', '_' or '-', "
                 f"got {self.cluster_name!r}"
             )
+        if not self.startup_timeout_s > 0:
+            raise ValueError(f"startup_timeout_s must be > 0, got {self.startup_timeout_s}")
+        if not self.node_wait_s >= 0:
+            raise ValueError(f"node_wait_s must be >= 0, got {self.node_wait_s}")
+        self._check_worker_resources()
+
+    def _check_worker_resources(self) -> None:
+        res = self.worker_resources
+        if len(res) not in (0, 1, self.num_workers):
+            raise ValueError(
+                f"worker_resources has {len(res)} entries: give one for every worker or "
+                f"one per worker ({self.num_workers})"
+            )
+        for entry in res:
+            for name, amount in entry.items():
+                if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                    raise ValueError(
+                        f"worker_resources names {name!r}: only custom resources "
+                        "(CPU and GPU come from cpus_per_worker and device)"
+                    )
+                if not amount > 0:
+                    raise ValueError(f"worker_resources[{name!r}] must be > 0, got {amount}")
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         """The :class:`WorkerConfig` of worker ``worker_id``."""
@@ -152,7 +187,7 @@ class ClusterConfig:
             model=self.model,
             cache=self.cache,
             device=self.device,
-            num_threads=self.cpus_per_worker,
+            num_threads=self.cpus_per_worker or 0,
             attention_backend=self.attention_backend,
             adaptive_threads=self.adaptive_threads,
         )

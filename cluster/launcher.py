@@ -52,9 +52,12 @@ def init_ray(config: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     for key, value in RAY_ENV.items():
-        os.environ.setdefault(key, value)
+        # NOTE: the loopback switch only for the embedded cluster: a driver joining a
+        # cluster must advertise the address its nodes reach it on.
+        if config.ray_address is None or key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER":
+            os.environ.setdefault(key, value)
     if config.ray_address is None:
-        cpus = max(os.cpu_count() or 1, config.num_workers * config.cpus_per_worker)
+        cpus = max(os.cpu_count() or 1, config.num_workers * (config.cpus_per_worker or 1))
         ray.init(
             address="local",
             num_cpus=cpus,
@@ -146,32 +149,20 @@ class ClusterHandle:
             ray.shutdown()
 
 
-def _use_cuda(config: ClusterConfig) -> bool:
-    if config.device == "cpu":
-        return False
-    import ray
-
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if config.device == "cuda" and gpus < config.num_workers:
-        raise RuntimeError(f"device=cuda needs {config.num_workers} GPUs; Ray sees {gpus}")
-    return gpus >= config.num_workers
-
-
 async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     """Resolve the model, start Ray, the actors and the gRPC frontend.
 
     Raises:
-        ModelStoreError / ValueError: the model cannot be found or is unsupported.
+        ModelStoreError / ValueError: the model cannot be found or is unsupported (here).
         PortUnavailable: the gRPC port is taken.
-        RuntimeError: GPUs are missing.
+        StartupError: a worker cannot be placed, fails on its node, has other weights, or
+            does not start in time; GPUs are missing (one line naming the node and cause).
     """
     import ray
     from transformers import AutoTokenizer
 
     from pagedserve.scheduler.actor import SchedulerActor
-    from pagedserve.worker.arch import ModelArch
-    from pagedserve.worker.model_store import resolve_model
-    from pagedserve.worker.worker import Worker
+    from pagedserve.worker.model_store import worker_model_spec
 
     warning = exposure_warning(config.server.host, config.server.api_key)
     if warning is not None:
@@ -180,38 +171,15 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     check_port_free(config.server.host, config.server.port)
     if config.server.http_port is not None:
         check_port_free(config.server.host, config.server.http_port)
-    model_dir = resolve_model(config.model, progress=True)
-    model_cfg = dataclasses.replace(config.model, model=str(model_dir))
+    model_dir, digest = _resolve_model(config)
+    # Each worker resolves the model on its own node from the spec, not the driver's path.
+    model_cfg = dataclasses.replace(config.model, model=worker_model_spec(config.model.model))
     config = dataclasses.replace(config, model=model_cfg)
-    # Refuse unsupported models here, with one clear error, before any actor starts.
-    ModelArch.from_pretrained(model_dir, config.model.max_model_len)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     store_keys, store_access = cluster_store_keys(config.server)
     owns_ray = init_ray(config)
     try:
-        cuda = _use_cuda(config)
-        worker_cls = ray.remote(Worker)
-        workers: list[Any] = []
-        names = [
-            f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{wid}" for wid in range(config.num_workers)
-        ]
-        for wid in range(config.num_workers):
-            wcfg = dataclasses.replace(config.worker_config(wid), host_store_access=store_access)
-            if cuda:
-                wcfg = dataclasses.replace(wcfg, device="cuda", num_threads=0)
-                opts: dict[str, Any] = {"num_gpus": 1, "num_cpus": 1}
-            else:
-                wcfg = dataclasses.replace(wcfg, device="cpu")
-                opts = {"num_cpus": config.cpus_per_worker}
-            workers.append(
-                worker_cls.options(
-                    name=names[wid],
-                    max_concurrency=1,
-                    max_restarts=config.worker_max_restarts,
-                    **opts,
-                ).remote(wcfg)
-            )
-        infos = await asyncio.gather(*(w.get_info.remote() for w in workers))
+        workers, names, infos = await _start_workers(config, store_access, digest)
         max_model_len = min(i.max_model_len for i in infos)
         specs = [
             WorkerSpec(i.worker_id, i.num_blocks, i.block_size, i.dtype, i.kv_cache_dtype)
@@ -235,6 +203,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
                 num_cpus=0,
                 max_concurrency=10_000,
                 max_restarts=config.scheduler_max_restarts,
+                scheduling_strategy=_near_driver(),
                 **scheduler_actor_options(config.cluster_name),
             )
             .remote(  # names: see SchedulerActor
@@ -439,6 +408,85 @@ async def attach_frontend(config: ClusterConfig) -> AttachedFrontend:
         servicer,
         loop.create_task(watch_scheduler(scheduler, pipeline.flights)),
     )
+def _resolve_model(config: ClusterConfig) -> tuple[Any, str]:
+    """The driver's model folder (for the tokenizer) and its weights' digest.
+
+    Raises:
+        ModelStoreError / ValueError: the model cannot be found or is unsupported.
+    """
+    from pagedserve.worker.arch import ModelArch
+    from pagedserve.worker.model_store import resolve_model, weights_digest
+
+    model_dir = resolve_model(config.model, progress=True)
+    # Refuse unsupported models here, with one clear error, before any actor starts.
+    ModelArch.from_pretrained(model_dir, config.model.max_model_len)
+    return model_dir, weights_digest(model_dir)
+
+
+async def _start_workers(
+    config: ClusterConfig, store_access: Any, digest: str
+) -> tuple[list[Any], list[str], list[Any]]:
+    """Create the worker actors on the cluster's nodes and wait for their ``get_info``:
+    device and CPUs from Ray's view of the nodes, placement checked first, the start-up
+    bounded by ``startup_timeout_s``, every worker's weights equal to ``digest``.
+
+    Returns ``(actors, names, infos)``.
+
+    Raises:
+        StartupError: see :mod:`pagedserve.cluster.startup`.
+    """
+    import ray
+
+    from pagedserve.cluster import startup
+
+    cuda = await asyncio.to_thread(startup.decide_cuda, config, _node_wait(config))
+    cpus = config.cpus_per_worker
+    if cpus is None:
+        cpus = startup.default_cpus_per_worker(config, startup.cluster_nodes())
+        config = dataclasses.replace(config, cpus_per_worker=cpus)
+    requests = [startup.worker_request(config, w, cuda, cpus) for w in range(config.num_workers)]
+    await asyncio.to_thread(startup.check_placeable, requests, _node_wait(config))
+    worker_cls = ray.remote(startup.Worker)
+    workers: list[Any] = []
+    names = [f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{w}" for w in range(config.num_workers)]
+    for wid in range(config.num_workers):
+        wcfg = dataclasses.replace(config.worker_config(wid), host_store_access=store_access)
+        if cuda:
+            wcfg = dataclasses.replace(wcfg, device="cuda", num_threads=0)
+        else:
+            wcfg = dataclasses.replace(wcfg, device="cpu")
+        workers.append(
+            worker_cls.options(
+                name=names[wid],
+                max_concurrency=1,
+                max_restarts=config.worker_max_restarts,
+                **requests[wid],
+            ).remote(wcfg)
+        )
+    try:
+        answers = await startup.wait_workers(workers, requests, config.startup_timeout_s)
+        infos = [info for info, _ in answers]
+        startup.check_same_weights(infos, [node for _, node in answers], digest)
+    except BaseException:
+        for actor in workers:
+            ray.kill(actor)
+        raise
+    return workers, names, infos
+
+
+def _near_driver() -> Any:
+    """Ray scheduling strategy for the scheduler actor: the driver's node, whose frontends
+    read its output stream (the driver dies with that node anyway). Without it a zero-CPU
+    actor may land on any node, and dies with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
+def _node_wait(config: ClusterConfig) -> float:
+    """Seconds to wait for joining nodes: none in an embedded cluster (no node joins)."""
+    return 0.0 if config.ray_address is None else config.node_wait_s
 
 
 async def start_host_store(

@@ -48,7 +48,7 @@ from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block
 from pagedserve.worker.kv_swap import KVSwapper, SwapError
 from pagedserve.worker.logits import compute_logprobs, process_logits
-from pagedserve.worker.model_store import resolve_model
+from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
 
@@ -73,6 +73,9 @@ class WorkerInfo:
         kv_cache_dtype: the KV pool's dtype name (the model's unless ``kv_cache_dtype`` says).
         node_id: the Ray node id (hex) of the worker's process; ``""`` outside Ray. The
             launcher starts one host block store per node id.
+        weights_digest: sha256 hex of the weight files
+            (:func:`~pagedserve.worker.model_store.weights_digest`); workers of one cluster
+            must agree on it.
     """
 
     worker_id: int
@@ -87,6 +90,7 @@ class WorkerInfo:
     block_bytes: int = 0
     kv_cache_dtype: str = "float32"
     node_id: str = ""
+    weights_digest: str = ""
 
 
 def resolve_device(name: str) -> torch.device:
@@ -226,6 +230,7 @@ class ModelRunner:
             model_path=str(self.model_path),
             block_bytes=bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype),
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
+            weights_digest=weights_digest(self.model_path),
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:

@@ -30,7 +30,7 @@ def test_incomplete_folders_are_refused(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelStoreError, match=r"missing config\.json"):
         resolve_model(str(tmp_path))
-    with pytest.raises(ModelStoreError, match="neither 'default'"):
+    with pytest.raises(ModelStoreError, match="does not exist"):
         resolve_model(str(tmp_path / "nope"))
     with pytest.raises(ModelStoreError, match=r"not an existing \.gguf"):
         convert_gguf(tmp_path / "nope.gguf", tmp_path)
@@ -73,3 +73,30 @@ def test_interrupted_conversion_leaves_nothing(
     # Cached: a second call converts nothing.
     monkeypatch.setattr(model_store, "_save_converted", half_then_crash)
     assert convert_gguf(gguf, cache, progress=False) == first
+
+
+def test_weights_digest_tracks_the_bytes_and_is_cached(tmp_path: Path) -> None:
+    import hashlib
+
+    from pagedserve.worker.model_store import DIGEST_FILE, weights_digest
+
+    (tmp_path / "model.safetensors").write_bytes(b"abc")
+    expected = hashlib.sha256(b"model.safetensors\0abc").hexdigest()
+    assert weights_digest(tmp_path) == expected
+    assert (tmp_path / DIGEST_FILE).is_file()
+    assert weights_digest(tmp_path) == expected  # from the cache
+    (tmp_path / "model.safetensors").write_bytes(b"abd!")  # new size: hashed again
+    assert weights_digest(tmp_path) == hashlib.sha256(b"model.safetensors\0abd!").hexdigest()
+    with pytest.raises(ModelStoreError, match=r"no \*\.safetensors"):
+        weights_digest(tmp_path / "empty")
+
+
+def test_worker_model_spec_is_node_independent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedserve.worker.model_store import worker_model_spec
+
+    monkeypatch.chdir(tmp_path)
+    assert worker_model_spec("default") == "default"
+    assert worker_model_spec("models/x.gguf") == str(tmp_path / "models" / "x.gguf")
+    assert worker_model_spec(str(tmp_path / "m")) == str(tmp_path / "m")
