@@ -408,6 +408,8 @@ async def attach_frontend(config: ClusterConfig) -> AttachedFrontend:
         servicer,
         loop.create_task(watch_scheduler(scheduler, pipeline.flights)),
     )
+
+
 def _resolve_model(config: ClusterConfig) -> tuple[Any, str]:
     """The driver's model folder (for the tokenizer) and its weights' digest.
 
