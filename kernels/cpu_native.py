@@ -113,6 +113,7 @@ _SIGNATURES = {
 _RESTYPES = {
     "gemm_panel_width": _i64,
     "linear_packed_bf16": _i64,
+    "decoder_layers_f32": _i64,
     "gemm_bf16_panel_width": _i64,
     "gemm_bf16_supported": _i64,
 }
@@ -551,7 +552,9 @@ def linear_packed_bf16_fn() -> Any:
 class DecoderLayerPtrs(ctypes.Structure):
     """One layer's tensors for :func:`decoder_layers` (``decoder_layer_f32_t`` of
     ``csrc/cpu_decoder.c``): data pointers, ``None`` for a missing bias; ``kv_bf16`` is 1
-    when the layer's KV caches are bf16, 0 when fp32."""
+    when the layer's KV caches are bf16, 0 when fp32; ``w_bf16`` is 1 when its four
+    weights are packed bf16 (:func:`pack_bf16_linear_weight`), 0 when packed fp32
+    (:func:`pack_linear_weight`)."""
 
     _fields_ = [
         *(
@@ -562,17 +565,23 @@ class DecoderLayerPtrs(ctypes.Structure):
             )
         ),
         ("kv_bf16", _i64),
+        ("w_bf16", _i64),
     ]  # fmt: skip
+
+
+_WEIGHTS = ("qkv", "o", "gate_up", "down")  # DecoderLayerPtrs' packed weights
 
 
 def decoder_layer_array(layers: list[dict[str, torch.Tensor | None]]) -> ctypes.Array[Any]:
     """A ctypes array of :class:`DecoderLayerPtrs`, one per dict of its pointer names to
-    contiguous CPU tensors (or ``None`` for a bias): fp32, the ``k_cache`` / ``v_cache``
-    fp32 or bf16 (``kv_bf16`` set from their dtype). The caller keeps the tensors alive for
-    as long as the array is used.
+    contiguous CPU tensors (or ``None`` for a bias): fp32, but the ``k_cache`` / ``v_cache``
+    fp32 or bf16 (``kv_bf16`` set from their dtype) and the four packed weights fp32 or
+    bf16 (``w_bf16`` set from their dtype). The caller keeps the tensors alive for as long
+    as the array is used.
 
     Raises:
-        ValueError: from :func:`_kv_suffix`, for a layer's caches.
+        ValueError: from :func:`_kv_suffix`, for a layer's caches; a layer whose packed
+            weights are missing, of mixed dtypes or neither fp32 nor bf16.
     """
     array = (DecoderLayerPtrs * len(layers))()
     for entry, tensors in zip(array, layers):
@@ -582,6 +591,14 @@ def decoder_layer_array(layers: list[dict[str, torch.Tensor | None]]) -> ctypes.
         if k_cache is None or v_cache is None:
             raise ValueError("a decoder layer needs its k_cache and v_cache")
         entry.kv_bf16 = int(_kv_suffix(k_cache, v_cache) == "bf16kv")
+        weights = [tensors.get(name) for name in _WEIGHTS]
+        dtypes = {None if w is None else w.dtype for w in weights}
+        if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
+            raise ValueError(
+                f"a decoder layer's packed weights {_WEIGHTS} must all be fp32 or all bf16, "
+                f"got {sorted(map(str, dtypes))}"
+            )
+        entry.w_bf16 = int(dtypes == {torch.bfloat16})
     return array
 
 
@@ -616,17 +633,27 @@ def decoder_layers(
 
     Returns:
         The residual stream ``[T, hidden]``: the layers' output is ``x + residual``.
+
+    Raises:
+        RuntimeError: a bf16 layer's GEMM failed (``linear_packed_bf16`` returned -1: its
+            scratch could not be allocated, or the kernel is not built); ``x``, the
+            residual and this step's cache slots then hold partial results.
     """
     hidden, num_heads, num_kv_heads, head_dim, inter = shape
     t = x.shape[0]
     residual = torch.empty_like(x)
     qkv = (num_heads + 2 * num_kv_heads) * head_dim
     scratch = torch.empty(t * (hidden + qkv + num_heads * head_dim + 3 * inter))
-    _lib().decoder_layers_f32(
+    failed = _lib().decoder_layers_f32(
         layers, len(layers), t, hidden, num_heads, num_kv_heads, head_dim, inter, eps, scale,
         cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
         slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0),
         seq_lens.data_ptr(), cu_seqlens_q.data_ptr(), seq_lens.shape[0], block_size,
         x.data_ptr(), residual.data_ptr(), scratch.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
+    if failed:
+        raise RuntimeError(
+            f"decoder_layers: a bf16 linear layer failed on {t} rows (linear_packed_bf16 "
+            "returned -1: no memory for its scratch, or the kernel is not built)"
+        )
     return residual

@@ -1,8 +1,10 @@
-"""The model forward on the fused fp32 CPU kernels (:mod:`pagedserve.kernels.cpu_native`).
+"""The model forward on the fused CPU kernels (:mod:`pagedserve.kernels.cpu_native`).
 
-fp32 weights and activations; the KV caches fp32 or bf16 (a ``kv_cache_dtype`` of
-``bfloat16`` under an fp32 model: K/V rounded to bf16 when stored, widened back to fp32 in
-the attention kernel, half the cache bytes read per step).
+fp32 or bf16 weights (bf16: :class:`~pagedserve.worker.packed_linear_bf16.PackedLinearBf16`
+layers and head, the embedding rows widened to fp32 once), fp32 activations, norms and
+residual stream; the KV caches fp32 or bf16 (``kv_cache_dtype="bfloat16"``: K/V rounded to
+bf16 when stored, widened back to fp32 in the attention kernel, half the cache bytes read
+per step).
 
 Two :class:`~pagedserve.worker.model.ModelForward` implementations of the same math, in
 the same kernel order, giving the same bits:
@@ -16,9 +18,14 @@ the same kernel order, giving the same bits:
   adds are commutative, so the sums equal the generic path's.
 * :class:`FusedCpuForward`: every layer in one C call (:func:`cpu_native.decoder_layers`),
   without the ~9 ctypes calls and ~7 tensor allocations per layer of the above. It needs
-  every linear layer packed (:mod:`pagedserve.worker.packed_linear`), one RMSNorm epsilon,
-  contiguous KV caches of one dtype, and ``PAGEDSERVE_FUSED_LAYERS`` not 0; it is built for one set
-  of KV caches (their data pointers go into the layer array).
+  every linear layer packed, all fp32 (:mod:`pagedserve.worker.packed_linear`) or all bf16
+  (the C call then runs ``linear_packed_bf16`` on their packed bf16 copies), one RMSNorm
+  epsilon, contiguous KV caches of one dtype, and ``PAGEDSERVE_FUSED_LAYERS`` not 0; it is
+  built for one set of KV caches (their data pointers go into the layer array). bf16
+  layers that also hold a oneDNN copy (``onednn_min_rows`` set) run large steps faster on
+  it than on the packed kernel, so this one forward, chosen once, picks per step by the
+  step's token count (:func:`runs_fused`): below the layers' ``onednn_min_rows`` the C
+  call, from it up the per-layer path above (whose linear layers then call oneDNN).
 
 Both validate the step's indices (:func:`pagedserve.kernels.check_positions`,
 :func:`pagedserve.kernels.check_indices`) once, before any kernel reads them, then convert
@@ -42,7 +49,7 @@ from pagedserve.worker.attention import AttentionMetadata
 from pagedserve.worker.batch_invariant import per_token_metadata
 from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.worker.packed_linear import PackedLinear
-from pagedserve.worker.packed_linear_bf16 import onednn_bf16_available
+from pagedserve.worker.packed_linear_bf16 import PackedLinearBf16, onednn_bf16_available
 
 
 def cpu_kernels_apply(model: LlamaForCausalLM) -> bool:
@@ -198,6 +205,14 @@ class CpuLayerForward:
         return final_logits(model, hidden, residual, logits_indices)
 
 
+def runs_fused(num_tokens: int, per_layer_from: int | None) -> bool:
+    """Whether :class:`FusedCpuForward` runs a step of ``num_tokens`` rows in its one C
+    call (else on the per-layer path): always when ``per_layer_from`` is ``None`` (fp32
+    layers, or bf16 layers without a oneDNN copy), else below it (the bf16 layers'
+    ``onednn_min_rows``, where the packed kernel is the faster GEMM)."""
+    return per_layer_from is None or num_tokens < per_layer_from
+
+
 def cache_key(kv_caches: Sequence[KVCache]) -> tuple[int, ...]:
     """The data pointers of every layer's K and V cache, in order."""
     return tuple(t.data_ptr() for cache in kv_caches for t in cache)
@@ -213,19 +228,25 @@ class FusedCpuForward:
         caches: :func:`cache_key` of those caches.
         tensors: every tensor the array points into, kept alive with it.
         eps: the layers' RMSNorm epsilon.
+        per_layer_from: token rows from which a step runs on the per-layer path
+            (:func:`runs_fused`): the smallest ``onednn_min_rows`` of bf16 layers, ``None``
+            for fp32 layers or bf16 ones without oneDNN copies.
     """
 
     layers: ctypes.Array[Any]
     caches: tuple[int, ...]
     tensors: tuple[torch.Tensor, ...]
     eps: float
+    per_layer_from: int | None = None
     name: str = "cpu-fused"
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> FusedCpuForward | None:
         """This forward for ``kv_caches``, or ``None`` when it does not apply:
         :func:`cpu_kernels_apply` fails, ``PAGEDSERVE_FUSED_LAYERS=0`` (read here), no
-        layers, a linear layer that is not packed, layers whose norms differ in epsilon,
+        layers, a linear layer that is not packed, packed layers of both dtypes (fp32
+        :class:`PackedLinear` and bf16 :class:`PackedLinearBf16`), layers whose norms differ
+        in epsilon,
         a cache that is not contiguous, of the model's shape and of the first cache's
         dtype (fp32 or bf16), or a layer tensor that is not contiguous."""
         if not (cpu_kernels_apply(model) and cpu_native.fused_layers_enabled()) or not len(
@@ -238,16 +259,23 @@ class FusedCpuForward:
         first = cast(LlamaDecoderLayer, model.layers[0])
         eps = first.input_layernorm.eps
         kv_dtype = kv_caches[0][0].dtype
+        packed_type = type(first.self_attn.qkv_proj)
+        if packed_type not in (PackedLinear, PackedLinearBf16):
+            return None
+        min_rows: set[int] = set()
         entries: list[dict[str, torch.Tensor | None]] = []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             decoder = cast(LlamaDecoderLayer, layer)
             attn, mlp = decoder.self_attn, decoder.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             norms = (decoder.input_layernorm, decoder.post_attention_layernorm)
-            if not all(isinstance(m, PackedLinear) for m in linears) or any(
-                n.eps != eps for n in norms
-            ):
+            if not all(type(m) is packed_type for m in linears) or any(n.eps != eps for n in norms):
                 return None
+            min_rows.update(
+                m.onednn_min_rows
+                for m in linears
+                if isinstance(m, PackedLinearBf16) and m.onednn_min_rows is not None
+            )
             for cache in (k_cache, v_cache):
                 if (
                     cache.dtype != kv_dtype
@@ -257,7 +285,7 @@ class FusedCpuForward:
                     or cache.shape[2:] != (arch.num_kv_heads, arch.head_dim)
                 ):
                     return None
-            qkv, o, gate_up, down = cast(tuple[PackedLinear, ...], linears)
+            qkv, o, gate_up, down = cast(tuple[PackedLinear | PackedLinearBf16, ...], linears)
             entries.append(
                 {
                     "input_norm": norms[0].weight.detach(),
@@ -274,7 +302,7 @@ class FusedCpuForward:
         if not all(t.is_contiguous() for t in tensors):
             return None
         array = cpu_native.decoder_layer_array(entries)
-        return cls(array, cache_key(kv_caches), tensors, eps)
+        return cls(array, cache_key(kv_caches), tensors, eps, min(min_rows, default=None))
 
     def __call__(
         self,
@@ -290,9 +318,13 @@ class FusedCpuForward:
         Raises:
             ValueError: ``kv_caches`` are not the caches this forward was built for, or
                 from :func:`prepare_metadata`.
+            RuntimeError: from :func:`cpu_native.decoder_layers` (a bf16 GEMM failed).
         """
         if cache_key(kv_caches) != self.caches:
             raise ValueError("FusedCpuForward got KV caches other than those it was built for")
+        if not runs_fused(hidden.shape[0], self.per_layer_from):
+            return CpuLayerForward()(model, hidden, positions, kv_caches, meta, logits_indices)
+        hidden = hidden.float().contiguous()  # bf16 weights: the embedding rows, widened
         positions, meta = prepare_metadata(model, hidden.shape[0], positions, kv_caches, meta)
         arch = model.arch
         rope = model.rotary_emb

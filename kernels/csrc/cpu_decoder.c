@@ -12,11 +12,15 @@
  *   gate_up  = normed @ Wgu^T (+ b); act = silu(gate) * up
  *   x        = act @ Wdown^T (+ b)
  *
- * so its results are the per-kernel path's, bit for bit. What it saves is the Python
+ * so its results are the per-kernel path's, bit for bit. A layer's weights are fp32
+ * (pack_weight_f32, run by linear_packed_f32) or bf16 (pack_weight_bf16, run by
+ * linear_packed_bf16: activations rounded to bf16 inside the call, fp32 sums and output);
+ * its w_bf16 flag picks which. What it saves is the Python
  * around ~9 ctypes calls and ~7 tensor allocations per layer (about a tenth of a decode
  * step at small batch on the 2-core Xeon). vLLM's CPU backend gets the same from its C++
  * custom ops inside a compiled graph. A layer's KV caches are fp32 or bf16 (its
- * kv_bf16 flag picks the *_bf16kv kernels); everything else is fp32.
+ * kv_bf16 flag picks the *_bf16kv kernels); activations, norms and the residual stream
+ * are fp32 either way.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,6 +30,9 @@ void rms_norm_f32(const float *x, float *residual, const float *weight, float *o
 void linear_packed_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
                        int64_t n, const float *bias, float *out, int64_t ldo,
                        int64_t num_threads);
+int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                           const uint16_t *packed, int64_t n, const float *bias, float *out,
+                           int64_t ldo, int64_t num_threads);
 void rope_store_f32(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
                     int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
                     const float *sin_table, const int64_t *positions, const int64_t *slots,
@@ -47,38 +54,56 @@ void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16
                             float scale, float *out, int64_t num_threads);
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter);
 
-/* One layer's tensors; a NULL bias means none. Packed weights as pack_weight_f32 makes
- * them; k_cache/v_cache hold fp32, or bf16 when kv_bf16 is nonzero. Mirrored by ctypes in pagedserve/kernels/cpu_native.py (DecoderLayerPtrs). */
+/* One layer's tensors; a NULL bias (fp32) means none. The four weights are packed as
+ * pack_weight_f32 makes them, or as pack_weight_bf16 does when w_bf16 is nonzero;
+ * k_cache/v_cache hold fp32, or bf16 when kv_bf16 is nonzero. Mirrored by ctypes in
+ * pagedserve/kernels/cpu_native.py (DecoderLayerPtrs). */
 typedef struct {
     const float *input_norm;
     const float *post_norm;
-    const float *qkv;
+    const void *qkv;
     const float *qkv_bias;
-    const float *o;
+    const void *o;
     const float *o_bias;
-    const float *gate_up;
+    const void *gate_up;
     const float *gate_up_bias;
-    const float *down;
+    const void *down;
     const float *down_bias;
     void *k_cache;
     void *v_cache;
     int64_t kv_bf16;
+    int64_t w_bf16;
 } decoder_layer_f32_t;
+
+/* out[m, n] = x[m, k] @ W^T + bias on the layer's packed weight w; 0, or -1 when the bf16
+ * kernel fails (no scratch memory, or not built). */
+static int64_t layer_linear(const decoder_layer_f32_t *l, const float *x, int64_t m, int64_t k,
+                            const void *w, int64_t n, const float *bias, float *out,
+                            int64_t num_threads) {
+    if (l->w_bf16)
+        return linear_packed_bf16(x, 0, m, k, k, (const uint16_t *)w, n, bias, out, n,
+                                  num_threads) == 0 ? 0 : -1;
+    linear_packed_f32(x, m, k, k, (const float *)w, n, bias, out, n, num_threads);
+    return 0;
+}
 
 /*
  * x: [T, hidden] in: the embeddings; out: the last layer's MLP output.
  * residual: [T, hidden] out: the residual stream (the model's hidden state is x + residual).
  * scratch: T * (hidden + qkv + q + 3 * inter) floats, qkv = (num_heads + 2 * num_kv_heads)
  * * head_dim, q = num_heads * head_dim.
+ * Returns 0, or -1 when a bf16 linear layer failed: x, residual and this step's cache
+ * slots then hold partial results, which the caller must not use.
  */
-void decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers,
-                        int64_t num_tokens, int64_t hidden, int64_t num_heads,
-                        int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
-                        float scale, const float *cos_table, const float *sin_table,
-                        const int64_t *positions, const int64_t *slots,
-                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                        const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t block_size,
-                        float *x, float *residual, float *scratch, int64_t num_threads) {
+int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers,
+                           int64_t num_tokens, int64_t hidden, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t inter, float eps,
+                           float scale, const float *cos_table, const float *sin_table,
+                           const int64_t *positions, const int64_t *slots,
+                           const int32_t *block_tables, int64_t bt_stride,
+                           const int32_t *seq_lens, const int32_t *cu_seqlens_q,
+                           int64_t num_seqs, int64_t block_size, float *x, float *residual,
+                           float *scratch, int64_t num_threads) {
     const int64_t t = num_tokens;
     const int64_t q_size = num_heads * head_dim;
     const int64_t qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
@@ -87,7 +112,7 @@ void decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers,
     float *attn = qkv + t * qkv_size;
     float *gate_up = attn + t * q_size;
     float *act = gate_up + t * 2 * inter;
-    if (t == 0) return;
+    if (t == 0) return 0;
     for (int64_t i = 0; i < num_layers; ++i) {
         const decoder_layer_f32_t *l = layers + i;
         if (i == 0) {
@@ -96,8 +121,9 @@ void decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers,
         } else {
             rms_norm_f32(x, residual, l->input_norm, normed, t, hidden, eps);
         }
-        linear_packed_f32(normed, t, hidden, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
-                          qkv_size, num_threads);
+        if (layer_linear(l, normed, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
+                         num_threads))
+            return -1;
         if (l->kv_bf16) {
             rope_store_bf16kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
                               sin_table, positions, slots, l->k_cache, l->v_cache);
@@ -112,13 +138,15 @@ void decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers,
                                 bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
                                 num_kv_heads, head_dim, block_size, scale, attn, num_threads);
         }
-        linear_packed_f32(attn, t, q_size, q_size, l->o, hidden, l->o_bias, x, hidden,
-                          num_threads);
+        if (layer_linear(l, attn, t, q_size, l->o, hidden, l->o_bias, x, num_threads))
+            return -1;
         rms_norm_f32(x, residual, l->post_norm, normed, t, hidden, eps);
-        linear_packed_f32(normed, t, hidden, hidden, l->gate_up, 2 * inter, l->gate_up_bias,
-                          gate_up, 2 * inter, num_threads);
+        if (layer_linear(l, normed, t, hidden, l->gate_up, 2 * inter, l->gate_up_bias, gate_up,
+                         num_threads))
+            return -1;
         silu_mul_f32(gate_up, act, t, inter);
-        linear_packed_f32(act, t, inter, inter, l->down, hidden, l->down_bias, x, hidden,
-                          num_threads);
+        if (layer_linear(l, act, t, inter, l->down, hidden, l->down_bias, x, num_threads))
+            return -1;
     }
+    return 0;
 }

@@ -38,7 +38,8 @@ PROMPTS = TINY_PROMPTS
 
 def make_worker(model_dir: Path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS):
     config = WorkerConfig(
-        model=ModelConfig(model=str(model_dir)),
+        # fp32 pinned: "auto" is bf16 on a CPU with the bf16 kernels.
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         device="cpu",
     )

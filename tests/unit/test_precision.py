@@ -183,7 +183,9 @@ PROMPT = "hello paged world"
 
 @pytest.fixture(scope="module")
 def fp32_tokens(tiny_llama_dir: Path) -> list[int]:
-    with LLM(str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, device="cpu") as engine:
+    with LLM(
+        str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, device="cpu", dtype="float32"
+    ) as engine:
         return list(engine.generate([PROMPT], greedy(8))[0].outputs[0].token_ids)
 
 
@@ -191,7 +193,8 @@ def fp32_tokens(tiny_llama_dir: Path) -> list[int]:
     ("options", "dtype", "kv_dtype"),
     [
         ({"dtype": "bfloat16"}, "bfloat16", "bfloat16"),
-        ({"kv_cache_dtype": "bfloat16"}, "float32", "bfloat16"),
+        # fp32 pinned: "auto" is bf16 on a CPU with the bf16 kernels.
+        ({"dtype": "float32", "kv_cache_dtype": "bfloat16"}, "float32", "bfloat16"),
         ({"dtype": "bfloat16", "kv_cache_dtype": "float32"}, "bfloat16", "float32"),
     ],
 )

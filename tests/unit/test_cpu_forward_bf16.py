@@ -1,0 +1,166 @@
+"""The fused CPU forward (``worker/cpu_forward.py`` :class:`FusedCpuForward`) on a bf16
+model (``dtype="bfloat16"``: packed bf16 linear layers and head): chosen by the runner with
+fp32 and bf16 KV caches, the same bits as the per-layer path on the packed kernel, the same
+greedy tokens over chunked prefill and decodes, and an error, not garbage, when its bf16
+GEMM fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import GREEDY, TINY_PROMPTS, FakeScheduler, use_forward
+
+from pagedserve.kernels import cpu_native
+from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.cpu_forward import (
+    CpuLayerForward,
+    FusedCpuForward,
+    bf16_cpu_path_available,
+    runs_fused,
+)
+from pagedserve.worker.forward import select_forward
+from pagedserve.worker.input_batch import SequenceState, prepare_inputs
+from pagedserve.worker.packed_linear_bf16 import ONEDNN_MIN_ROWS, PackedLinearBf16
+from pagedserve.worker.worker import Worker
+
+pytestmark = pytest.mark.skipif(
+    not (cpu_native.gemm_available() and bf16_cpu_path_available()),
+    reason="the bf16 CPU path is not built here",
+)
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 160
+KV_DTYPES = ["float32", "bfloat16"]
+
+
+def bf16_worker(model_dir: Path, kv_cache_dtype: str = "auto") -> Worker:
+    return Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(model_dir), dtype="bfloat16"),
+            cache=CacheConfig(
+                block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_cache_dtype=kv_cache_dtype
+            ),
+            device="cpu",
+        )
+    )
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_the_runner_picks_the_fused_forward_for_bf16_weights(
+    tiny_llama_dir: Path, kv: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = bf16_worker(tiny_llama_dir, kv).runner
+    model = runner.model
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    assert isinstance(model.layers[0].self_attn.qkv_proj, PackedLinearBf16)
+    assert runner.kv_pool.dtype == getattr(torch, kv)
+    assert model.model_forward.name == "cpu-fused"
+    caches = runner.kv_pool.layer_caches()
+    chosen = select_forward(model, caches)
+    assert isinstance(chosen, FusedCpuForward) and chosen.name == "cpu-fused"
+    assert chosen.per_layer_from == ONEDNN_MIN_ROWS
+    assert [entry.w_bf16 for entry in chosen.layers] == [1, 1]
+    assert [entry.kv_bf16 for entry in chosen.layers] == [int(kv == "bfloat16")] * 2
+    monkeypatch.setenv("PAGEDSERVE_FUSED_LAYERS", "0")
+    assert bf16_worker(tiny_llama_dir, kv).runner.model.model_forward.name == "cpu-layers"
+
+
+def test_steps_from_the_onednn_crossover_run_per_layer() -> None:
+    assert runs_fused(1, None) and runs_fused(4096, None)
+    assert runs_fused(ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS)
+    assert not runs_fused(ONEDNN_MIN_ROWS, ONEDNN_MIN_ROWS)
+    assert not runs_fused(512, ONEDNN_MIN_ROWS)
+
+
+def small_step(worker: Worker):
+    """One step's ModelInputs of 11 rows (below the oneDNN crossover): a 10-token prefill
+    chunk of ``TINY_PROMPTS[4]`` over an 8-token cached prefix and a decode of
+    ``TINY_PROMPTS[0]`` at position 8."""
+    long, short = TINY_PROMPTS[4], TINY_PROMPTS[0]
+    chunk = SequenceState("a", list(long), len(long), list(range(30)), 0, GREEDY, 0, 0)
+    chunk.num_computed_tokens = 8
+    decode = SequenceState("b", list(short), len(short), [60, 59, 58], 0, GREEDY, 0, 0)
+    decode.num_computed_tokens = 8
+    return prepare_inputs([(chunk, 10), (decode, 1)], BLOCK_SIZE, NUM_BLOCKS, "cpu")
+
+
+def run_step(worker: Worker, forward: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The logits of every row of :func:`small_step` on ``forward``, from the same random
+    cache contents, and the caches afterwards."""
+    model, pool = worker.runner.model, worker.runner.kv_pool
+    inputs = small_step(worker)
+    gen = torch.Generator().manual_seed(0)
+    for cache in pool.key_caches + pool.value_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen))
+    use_forward(worker, forward)
+    with torch.inference_mode():
+        logits = model(
+            inputs.input_ids, inputs.positions, pool.layer_caches(), inputs.attn_metadata,
+            torch.arange(11),
+        )  # fmt: skip
+    return logits, [c.clone() for c in pool.key_caches + pool.value_caches]
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_fused_equals_the_per_layer_path_bit_for_bit(tiny_llama_dir: Path, kv: str) -> None:
+    worker = bf16_worker(tiny_llama_dir, kv)
+    before = [c.clone() for c in worker.runner.kv_pool.key_caches]
+    fused, fused_caches = run_step(worker, "cpu-fused")
+    layers, layer_caches = run_step(worker, "cpu-layers")
+    assert fused.dtype == torch.float32 and fused.shape == (11, 128)
+    assert fused.abs().max() > 0.5  # real logits, not a zeroed buffer
+    assert torch.equal(fused, layers)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, layer_caches))
+    assert not torch.equal(fused_caches[0], before[0])  # the step's K rows were stored
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_greedy_equals_the_per_layer_path_over_prefill_and_decode(
+    tiny_llama_dir: Path, kv: str
+) -> None:
+    worker = bf16_worker(tiny_llama_dir, kv)
+    results = []
+    for forward in ("cpu-fused", "cpu-layers"):
+        use_forward(worker, forward)
+        # A budget of 24: whole prompts (steps past the crossover, on the per-layer path),
+        # chunks mixed with decodes, then decode-only steps of up to 3 rows (fused).
+        sched = FakeScheduler(worker, BLOCK_SIZE, NUM_BLOCKS, token_budget=24, max_num_seqs=3)
+        results.append(sched.generate(TINY_PROMPTS, 20))
+    fused, layers = results
+    assert len({tuple(o[:4]) for o in fused}) == len(TINY_PROMPTS)
+    assert fused == layers
+
+
+def test_a_failed_bf16_gemm_raises_instead_of_returning_logits(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = bf16_worker(tiny_llama_dir)
+    use_forward(worker, "cpu-fused")
+    lib = cpu_native.load()
+    assert lib is not None
+    real = lib.decoder_layers_f32
+
+    def failing(*args: object) -> int:
+        real(*args)
+        return -1  # as when linear_packed_bf16 cannot allocate its scratch
+
+    monkeypatch.setattr(lib, "decoder_layers_f32", failing)
+    with pytest.raises(RuntimeError, match="bf16 linear layer failed on 11 rows"):
+        run_step(worker, "cpu-fused")
+
+
+def test_layers_of_mixed_weight_dtypes_are_not_fused(tiny_llama_dir: Path) -> None:
+    bf16 = bf16_worker(tiny_llama_dir).runner.model
+    fp32 = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+            cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
+            device="cpu",
+        )
+    ).runner
+    caches = fp32.kv_pool.layer_caches()
+    fp32.model.layers[1].mlp.down_proj = bf16.layers[1].mlp.down_proj
+    assert FusedCpuForward.build(fp32.model, caches) is None
+    assert CpuLayerForward.build(fp32.model, caches) is not None
