@@ -27,7 +27,7 @@ def cluster(served_model_dir: str) -> Iterator[tuple[ClusterHandle, LoopThread]]
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     config = ClusterConfig(
-        model=ModelConfig(model=served_model_dir, max_model_len=4096),
+        model=ModelConfig(model=served_model_dir, dtype="float32", max_model_len=4096),
         cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
         server=ServerConfig(host="127.0.0.1", port=0, http_port=0),
         num_workers=1,

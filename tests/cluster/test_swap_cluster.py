@@ -42,7 +42,7 @@ def swap_cluster(served_model_dir: str):
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     config = ClusterConfig(
-        model=ModelConfig(model=served_model_dir, max_model_len=512),
+        model=ModelConfig(model=served_model_dir, dtype="float32", max_model_len=512),
         cache=CacheConfig(block_size=16, num_blocks=8),
         scheduler=SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=512),
         server=ServerConfig(host="127.0.0.1", port=0),

@@ -126,7 +126,7 @@ def test_non_loopback_host_without_key_warns_before_anything_starts(caplog):
     from pagedserve.cluster.launcher import start_cluster
 
     config = ClusterConfig(
-        model=ModelConfig(model="/nonexistent/model/folder"),
+        model=ModelConfig(model="/nonexistent/model/folder", dtype="float32"),
         server=ServerConfig(host="0.0.0.0", port=0),
     )
     with caplog.at_level(logging.WARNING), pytest.raises(Exception):  # noqa: B017
