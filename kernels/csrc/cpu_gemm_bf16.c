@@ -188,9 +188,10 @@ static void tile(int64_t mr, int64_t np, const uint32_t *xb, int64_t ldxb,
  * when x_bf16) @ W^T + bias (fp32 or NULL), W packed by pack_weight_bf16. Returns 0, or -1
  * when the activation scratch cannot be allocated (out is then untouched).
  */
-int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-                           const uint16_t *packed, int64_t n, const float *bias, float *out,
-                           int64_t ldo, int64_t num_threads) {
+int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                  int64_t ldx, const uint16_t *packed, int64_t n,
+                                  const float *bias, float *out, int64_t ldo,
+                                  int64_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t kp2 = (k + 1) / 2;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
@@ -256,6 +257,206 @@ int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, 
     return 0;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TM 16 /* rows of an A / C tile */
+
+/* Set once by amx_init (pthread_once): AMX granted to the process, and chosen. */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_granted;
+static int amx_chosen;
+
+/* Linux hands the tile data state to a process only on request; the grant covers every
+ * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
+ * keeps linear_packed_bf16 on the AVX512-BF16 kernel. */
+static void amx_init(void) {
+    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    const char *env = getenv("PAGEDSERVE_CPU_AMX");
+    int off = 0;
+    if (env != NULL) {
+        char low[8] = {0};
+        for (int i = 0; i < 7 && env[i] != '\0'; ++i)
+            low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
+        off = !strcmp(low, "0") || !strcmp(low, "false") || !strcmp(low, "off") ||
+              !strcmp(low, "no");
+    }
+    amx_chosen = amx_granted && !off;
+}
+
+int64_t gemm_bf16_amx_supported(void) {
+    pthread_once(&amx_once, amx_init);
+    return amx_granted;
+}
+
+int64_t gemm_bf16_amx_chosen(void) {
+    pthread_once(&amx_once, amx_init);
+    return amx_chosen;
+}
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/*
+ * C[rows, 48] (fp32, into c, row stride 48) = A @ B for one panel: A = rows of bf16 pairs
+ * (row stride lda bytes, zero past K), B = the panel's kp2 pair rows, the last partial group
+ * of 16 read from tail (zero-padded to 16 rows) when kp2 % 16 != 0. Tiles: 0-2 C (one per
+ * 16 columns), 3 A, 4-6 B.
+ */
+static inline void amx_panel(const uint16_t *a, int64_t lda, const uint16_t *panel,
+                             int64_t full, const uint16_t *tail, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t s = 0; s < full; ++s) {
+        const uint16_t *b = panel + s * TM * NR * 2;
+        _tile_loadd(3, a + s * 32, lda);
+        _tile_loadd(4, b, NR * 4);
+        _tile_loadd(5, b + 32, NR * 4);
+        _tile_loadd(6, b + 64, NR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    if (tail != NULL) {
+        _tile_loadd(3, a + full * 32, lda);
+        _tile_loadd(4, tail, NR * 4);
+        _tile_loadd(5, tail + 32, NR * 4);
+        _tile_loadd(6, tail + 64, NR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    _tile_stored(0, c, NR * 4);
+    _tile_stored(1, c + 16, NR * 4);
+    _tile_stored(2, c + 32, NR * 4);
+}
+
+/*
+ * linear_packed_bf16 on AMX tiles (TDPBF16PS). Each output element: 0, then per group of 16
+ * K pairs (32 K values) in order one TDPBF16PS step, then the bias. Rows are padded with
+ * zeros to a multiple of the tile height in the scratch and computed independently, so a
+ * row's bits do not depend on M or on the other rows. Returns -1 when the scratch cannot be
+ * allocated, -2 when AMX is not available (out untouched in both cases).
+ */
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                               const uint16_t *packed, int64_t n, const float *bias, float *out,
+                               int64_t ldo, int64_t num_threads) {
+    if (!gemm_bf16_amx_supported()) return -2;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t kp2 = (k + 1) / 2;
+    const int64_t full = kp2 / TM;
+    const int64_t rest = kp2 - full * TM;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    const int64_t ldxb = (kp2 + TM - 1) / TM * TM; /* pairs per scratch row: whole A tiles */
+    const int64_t rows = m < TM ? m : TM;          /* tile height */
+    const int64_t mpad = (m + rows - 1) / rows * rows;
+    uint32_t *xb = aligned_alloc(64, (size_t)(mpad * ldxb) * sizeof(uint32_t));
+    if (xb == NULL) return -1;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t panel_size = kp2 * NR * 2;
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = (uint8_t)(t < 4 ? rows : TM);
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1 && (panels > 1 || m > 1))
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < mpad; ++r) {
+            uint16_t *dst = (uint16_t *)(xb + r * ldxb);
+            if (r < m) {
+                convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k, dst, kp2);
+                memset(dst + 2 * kp2, 0, sizeof(uint32_t) * (size_t)(ldxb - kp2));
+            } else {
+                memset(dst, 0, sizeof(uint32_t) * (size_t)ldxb);
+            }
+        }
+        _tile_loadconfig(&cfg);
+        uint16_t tail[TM * NR * 2] __attribute__((aligned(64)));
+        float c[TM * NR] __attribute__((aligned(64)));
+        memset(tail, 0, sizeof(tail));
+        for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
+            const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const uint16_t *panel = packed + p * panel_size;
+                const int64_t cols = (n - p * NR) < NR ? (n - p * NR) : NR;
+                const __mmask16 mask[3] = {
+                    (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1),
+                    (__mmask16)(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1),
+                    (__mmask16)(cols >= 48 ? 0xffff : cols <= 32 ? 0 : (1u << (cols - 32)) - 1),
+                };
+                __m512 bv[3];
+                for (int v = 0; v < 3; ++v)
+                    bv[v] = bias == NULL ? _mm512_setzero_ps()
+                                         : _mm512_maskz_loadu_ps(mask[v], bias + p * NR + 16 * v);
+                if (rest)
+                    memcpy(tail, panel + full * TM * NR * 2, sizeof(uint16_t) * rest * NR * 2);
+                for (int64_t r0 = m0; r0 < m0 + mc; r0 += rows) {
+                    amx_panel((const uint16_t *)(xb + r0 * ldxb), ldxb * 4, panel, full,
+                              rest ? tail : NULL, c);
+                    const int64_t valid = (m - r0) < rows ? (m - r0) : rows;
+                    for (int64_t i = 0; i < valid; ++i) {
+                        float *o = out + (r0 + i) * ldo + p * NR;
+                        for (int v = 0; v < 3; ++v) {
+                            __m512 acc = _mm512_load_ps(c + i * NR + 16 * v);
+                            if (bias != NULL) acc = _mm512_add_ps(acc, bv[v]);
+                            _mm512_mask_storeu_ps(o + 16 * v, mask[v], acc);
+                        }
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+
+#else /* no AMX in this build */
+
+int64_t gemm_bf16_amx_supported(void) { return 0; }
+
+int64_t gemm_bf16_amx_chosen(void) { return 0; }
+
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                               const uint16_t *packed, int64_t n, const float *bias, float *out,
+                               int64_t ldo, int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -2;
+}
+
+#endif
+
+/*
+ * out[M, N] (row stride ldo, fp32) = x[M, K] (row stride ldx elements; fp32, or bf16 bits
+ * when x_bf16) @ W^T + bias (fp32 or NULL), W packed by pack_weight_bf16: on AMX tiles
+ * where gemm_bf16_amx_chosen(), else the AVX512-BF16 kernel. Returns 0, or -1 when the
+ * activation scratch cannot be allocated (out is then untouched).
+ */
+int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                           const uint16_t *packed, int64_t n, const float *bias, float *out,
+                           int64_t ldo, int64_t num_threads) {
+    if (gemm_bf16_amx_chosen())
+        return linear_packed_bf16_amx(x, x_bf16, m, k, ldx, packed, n, bias, out, ldo,
+                                      num_threads);
+    return linear_packed_bf16_avx512(x, x_bf16, m, k, ldx, packed, n, bias, out, ldo,
+                                     num_threads);
+}
+
 #else /* no AVX512-BF16: callers check gemm_bf16_supported() first */
 
 int64_t gemm_bf16_supported(void) { return 0; }
@@ -265,12 +466,32 @@ void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64
     (void)w; (void)w_bf16; (void)n; (void)k; (void)ldw; (void)packed; (void)num_threads;
 }
 
+int64_t gemm_bf16_amx_supported(void) { return 0; }
+
+int64_t gemm_bf16_amx_chosen(void) { return 0; }
+
 int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-                           const uint16_t *packed, int64_t n, const float *bias, float *out,
-                           int64_t ldo, int64_t num_threads) {
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
     (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
     (void)out; (void)ldo; (void)num_threads;
     return -1;
+}
+
+int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -1;
+}
+
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -2;
 }
 
 #endif
