@@ -30,8 +30,9 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
   sum over K, so a row's result does not depend on the other rows (batch invariant);
 * :func:`pack_bf16_linear_weight` / :func:`linear_packed_bf16` (``csrc/cpu_gemm_bf16.c``):
   the same on weights packed into panels of bf16 pairs, fp32 or bf16 activations rounded to
-  bf16, products summed in fp32 by AVX512-BF16's ``VDPBF16PS``, fp32 out; compiled in only
-  where the compiler targets AVX512-BF16 (:func:`has_bf16_gemm`).
+  bf16, products summed in fp32 on AMX tiles (``TDPBF16PS``, where :func:`amx_chosen`) or by
+  AVX512-BF16's ``VDPBF16PS``, fp32 out; compiled in only where the compiler targets
+  AVX512-BF16 (:func:`has_bf16_gemm`), the AMX kernel where it targets AMX (:func:`has_amx`).
 
 The library is built with the system C compiler (``$CC``, default ``gcc``) into
 ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by a hash of

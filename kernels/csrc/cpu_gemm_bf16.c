@@ -16,15 +16,23 @@
  * Activations are rounded to bf16 per call, round to nearest even with NaN kept NaN (as
  * torch's x.to(torch.bfloat16)); a bf16 x is used as is.
  *
- * Numerics: each output element starts from 0 and takes, for kk = 0 .. KP/2 - 1 in order,
- * the two exact bf16 x bf16 products of pair kk, each added with one fp32 rounding (the
- * instruction's order); bias added last. A row's result depends only on that row and W, not
- * on M or on the other rows: batch invariant by construction. VDPBF16PS treats denormal
- * inputs as zero and flushes denormal results (it ignores MXCSR).
+ * Two kernels read that layout. linear_packed_bf16_avx512: VDPBF16PS on 16-lane vectors
+ * (each output element starts from 0 and takes, for kk = 0 .. KP/2 - 1 in order, the two
+ * exact bf16 x bf16 products of pair kk, each added with one fp32 rounding, the
+ * instruction's order). linear_packed_bf16_amx: AMX tiles, TDPBF16PS (A = up to 16 rows of
+ * x x 32 K values, B = 16 pairs x 16 columns, which is a panel's rows kk .. kk + 15 read
+ * with a 192-byte row stride, so both kernels share the one packed copy; C = 16 x 16 fp32;
+ * each element takes one TDPBF16PS step per 32 K values, in order, the hardware's sum
+ * within a step). In both the bias is added last, and a row's result depends only on that
+ * row and W, not on M or on the other rows: batch invariant by construction. Both treat
+ * denormal inputs as zero and flush denormal results (they ignore MXCSR). linear_packed_bf16
+ * runs AMX where gemm_bf16_amx_chosen(), else AVX512-BF16.
  *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
  * __AVX512BF16__); elsewhere this file gives gemm_bf16_supported() == 0 and stubs that do
- * nothing, so the library still builds and its fp32 kernels still run.
+ * nothing, so the library still builds and its fp32 kernels still run. The AMX kernel is
+ * built where it also targets AMX-TILE and AMX-BF16 (__AMX_TILE__, __AMX_BF16__); it runs
+ * once Linux grants the process the tile state (asked once, see amx_init).
  */
 #include <stdint.h>
 #include <stdlib.h>

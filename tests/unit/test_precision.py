@@ -162,9 +162,7 @@ def test_bf16_kv_holds_twice_the_blocks_of_fp32(tiny_llama_dir: Path) -> None:
     fp32 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20)
     per_block = bytes_per_block(fp32.runner.arch, 4, torch.float32)
     assert per_block == 2 * 2 * 4 * 2 * 16 * 4  # K+V, 2 layers, 4 tokens, 2 heads, dim 16
-    bf16 = worker_for(
-        tiny_llama_dir, "float32", kv_cache_memory=1 << 20, kv_cache_dtype="bfloat16"
-    )
+    bf16 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20, kv_cache_dtype="bfloat16")
     a, b = fp32.get_info(), bf16.get_info()
     assert (a.dtype, a.kv_cache_dtype, a.num_blocks) == ("float32", "float32", 512)
     assert (b.dtype, b.kv_cache_dtype, b.num_blocks) == ("float32", "bfloat16", 1024)
