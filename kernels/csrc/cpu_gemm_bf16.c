@@ -22,6 +22,7 @@
  * instruction's order). linear_packed_bf16_amx: AMX tiles, TDPBF16PS (A = up to 16 rows of
  * x x 32 K values, B = 16 pairs x 16 columns, which is a panel's rows kk .. kk + 15 read
  * with a 192-byte row stride, so both kernels share the one packed copy; C = 16 x 16 fp32;
+ * up to 16 rows 1 A x 3 B tiles per panel, from 17 rows 2 A x 2 B tiles per 32 x 32 block;
  * each element takes one TDPBF16PS step per 32 K values, in order, the hardware's sum
  * within a step). In both the bias is added last, and a row's result depends only on that
  * row and W, not on M or on the other rows: batch invariant by construction. Both treat
@@ -350,6 +351,93 @@ static inline void amx_panel(const uint16_t *a, int64_t lda, const uint16_t *pan
 }
 
 /*
+ * C[32, 32] (fp32, into c, row stride 32) = A @ B for two 16-row tiles of A (a0, a1; row
+ * stride lda bytes) and two 16-column tiles of B (b0, b1: a panel's pair rows, stride 192
+ * bytes), the partial last group of pairs read from t0 / t1 (16 rows of 64 bytes, zero past
+ * the pairs) when tails is set. Tiles: 0-3 C, 4-5 A, 6-7 B. Each C element takes the same
+ * TDPBF16PS steps as in amx_panel, so the same bits.
+ */
+static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+                           const uint16_t *b0, const uint16_t *b1, int64_t full, int tails,
+                           const uint16_t *t0, const uint16_t *t1, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < full; ++s) {
+        _tile_loadd(4, a0 + s * 32, lda);
+        _tile_loadd(6, b0 + s * TM * NR * 2, NR * 4);
+        _tile_loadd(7, b1 + s * TM * NR * 2, NR * 4);
+        _tile_loadd(5, a1 + s * 32, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    if (tails) {
+        _tile_loadd(4, a0 + full * 32, lda);
+        _tile_loadd(6, t0, 64);
+        _tile_loadd(7, t1, 64);
+        _tile_loadd(5, a1 + full * 32, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/*
+ * Over 16 rows: the 1 x 3 tiles of amx_panel per 48-column panel. From 32 rows: 2 x 2 tiles
+ * (32 rows x 32 columns, column tile t = columns 16 t .. 16 t + 15, possibly straddling two
+ * panels), which loads 4 tiles per 4 TDPBF16PS instead of per 3.
+ */
+static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
+                      const uint16_t *packed, int64_t n, int64_t kp2, int64_t full, int64_t rest,
+                      const float *bias, float *out, int64_t ldo) {
+    const int64_t panel_size = kp2 * NR * 2;
+    const int64_t ctiles = (n + 15) / 16;
+    const int64_t units = (ctiles + 1) / 2;
+    uint16_t tail[2][TM * 32] __attribute__((aligned(64)));
+    float c[32 * 32] __attribute__((aligned(64)));
+    memset(tail, 0, sizeof(tail));
+    for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
+        const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t t[2] = {2 * u, 2 * u + 1 < ctiles ? 2 * u + 1 : 2 * u};
+            const uint16_t *b[2];
+            __mmask16 mask[2];
+            __m512 bv[2];
+            for (int q = 0; q < 2; ++q) {
+                b[q] = packed + (t[q] / 3) * panel_size + (t[q] % 3) * 32;
+                const int64_t cols = q == 1 && t[1] == t[0] ? 0 : n - 16 * t[q];
+                mask[q] = (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1);
+                bv[q] = bias == NULL ? _mm512_setzero_ps()
+                                     : _mm512_maskz_loadu_ps(mask[q], bias + 16 * t[q]);
+                for (int64_t r = 0; r < rest; ++r)
+                    memcpy(tail[q] + r * 32, b[q] + (full * TM + r) * NR * 2, 64);
+            }
+            for (int64_t r0 = m0; r0 < m0 + mc; r0 += 32) {
+                const uint16_t *a0 = (const uint16_t *)(xb + r0 * ldxb);
+                const uint16_t *a1 = r0 + 16 < mpad ? a0 + 32 * ldxb : a0;
+                amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c);
+                const int64_t valid = (m - r0) < 32 ? (m - r0) : 32;
+                for (int64_t i = 0; i < valid; ++i)
+                    for (int q = 0; q < 2; ++q) {
+                        __m512 acc = _mm512_load_ps(c + i * 32 + 16 * q);
+                        if (bias != NULL) acc = _mm512_add_ps(acc, bv[q]);
+                        _mm512_mask_storeu_ps(out + (r0 + i) * ldo + 16 * t[q], mask[q], acc);
+                    }
+            }
+        }
+    }
+}
+
+/*
  * linear_packed_bf16 on AMX tiles (TDPBF16PS). Each output element: 0, then per group of 16
  * K pairs (32 K values) in order one TDPBF16PS step, then the bias. Rows are padded with
  * zeros to a multiple of the tile height in the scratch and computed independently, so a
@@ -375,9 +463,9 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     tile_config_t cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) {
+    for (int t = 0; t < 8; ++t) {
         cfg.colsb[t] = 64;
-        cfg.rows[t] = (uint8_t)(t < 4 ? rows : TM);
+        cfg.rows[t] = (uint8_t)(t < 4 || m > TM ? rows : TM);
     }
 #pragma omp parallel num_threads(threads) if (threads > 1 && (panels > 1 || m > 1))
     {
@@ -392,42 +480,47 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
             }
         }
         _tile_loadconfig(&cfg);
-        uint16_t tail[TM * NR * 2] __attribute__((aligned(64)));
-        float c[TM * NR] __attribute__((aligned(64)));
-        memset(tail, 0, sizeof(tail));
-        for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
-            const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
+        if (m > TM) {
+            amx_large(xb, ldxb, m, mpad, packed, n, kp2, full, rest, bias, out, ldo);
+            _tile_release();
+        } else {
+            uint16_t tail[TM * NR * 2] __attribute__((aligned(64)));
+            float c[TM * NR] __attribute__((aligned(64)));
+            memset(tail, 0, sizeof(tail));
+            for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
+                const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < panels; ++p) {
-                const uint16_t *panel = packed + p * panel_size;
-                const int64_t cols = (n - p * NR) < NR ? (n - p * NR) : NR;
-                const __mmask16 mask[3] = {
-                    (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1),
-                    (__mmask16)(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1),
-                    (__mmask16)(cols >= 48 ? 0xffff : cols <= 32 ? 0 : (1u << (cols - 32)) - 1),
-                };
-                __m512 bv[3];
-                for (int v = 0; v < 3; ++v)
-                    bv[v] = bias == NULL ? _mm512_setzero_ps()
-                                         : _mm512_maskz_loadu_ps(mask[v], bias + p * NR + 16 * v);
-                if (rest)
-                    memcpy(tail, panel + full * TM * NR * 2, sizeof(uint16_t) * rest * NR * 2);
-                for (int64_t r0 = m0; r0 < m0 + mc; r0 += rows) {
-                    amx_panel((const uint16_t *)(xb + r0 * ldxb), ldxb * 4, panel, full,
-                              rest ? tail : NULL, c);
-                    const int64_t valid = (m - r0) < rows ? (m - r0) : rows;
-                    for (int64_t i = 0; i < valid; ++i) {
-                        float *o = out + (r0 + i) * ldo + p * NR;
-                        for (int v = 0; v < 3; ++v) {
-                            __m512 acc = _mm512_load_ps(c + i * NR + 16 * v);
-                            if (bias != NULL) acc = _mm512_add_ps(acc, bv[v]);
-                            _mm512_mask_storeu_ps(o + 16 * v, mask[v], acc);
+                for (int64_t p = 0; p < panels; ++p) {
+                    const uint16_t *panel = packed + p * panel_size;
+                    const int64_t cols = (n - p * NR) < NR ? (n - p * NR) : NR;
+                    const __mmask16 mask[3] = {
+                        (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1),
+                        (__mmask16)(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1),
+                        (__mmask16)(cols >= 48 ? 0xffff : cols <= 32 ? 0 : (1u << (cols - 32)) - 1),
+                    };
+                    __m512 bv[3];
+                    for (int v = 0; v < 3; ++v)
+                        bv[v] = bias == NULL ? _mm512_setzero_ps()
+                                             : _mm512_maskz_loadu_ps(mask[v], bias + p * NR + 16 * v);
+                    if (rest)
+                        memcpy(tail, panel + full * TM * NR * 2, sizeof(uint16_t) * rest * NR * 2);
+                    for (int64_t r0 = m0; r0 < m0 + mc; r0 += rows) {
+                        amx_panel((const uint16_t *)(xb + r0 * ldxb), ldxb * 4, panel, full,
+                                  rest ? tail : NULL, c);
+                        const int64_t valid = (m - r0) < rows ? (m - r0) : rows;
+                        for (int64_t i = 0; i < valid; ++i) {
+                            float *o = out + (r0 + i) * ldo + p * NR;
+                            for (int v = 0; v < 3; ++v) {
+                                __m512 acc = _mm512_load_ps(c + i * NR + 16 * v);
+                                if (bias != NULL) acc = _mm512_add_ps(acc, bv[v]);
+                                _mm512_mask_storeu_ps(o + 16 * v, mask[v], acc);
+                            }
                         }
                     }
                 }
             }
+            _tile_release();
         }
-        _tile_release();
     }
     free(xb);
     return 0;
