@@ -6,10 +6,10 @@ products summed in fp32 in an order fixed by K alone, so a row's result depends 
 row (batch invariant). The kernel runs on AMX tiles (``TDPBF16PS``) where
 :func:`~pagedserve.kernels.cpu_native.amx_chosen`, else on AVX512-BF16 (``VDPBF16PS``).
 
-On AMX the packed kernel is faster than oneDNN's prepacked bf16 linear at every measured M
-(1-512 token rows; ``benchmarks/kernels/cpu_gemm_bf16.py``, benchmarks/RESULTS.md "Linear
-layers in bf16"), so by default it runs every call from the one packed copy (2 bytes per
-weight). On AVX512-BF16 alone it is compute-poor from 16 rows up: there, by default, calls of
+On AMX the packed kernel is faster than oneDNN's prepacked bf16 linear from 1 to 256 token
+rows and level with it at 512 (``benchmarks/kernels/cpu_gemm_bf16.py``, benchmarks/RESULTS.md
+"Linear layers in bf16"), so by default it runs every call from the one packed copy (2 bytes
+per weight). On AVX512-BF16 alone it is compute-poor from 16 rows up: there, by default, calls of
 ``M >= ONEDNN_MIN_ROWS`` rows (prefill) run oneDNN's bf16 inner product on a second copy of
 the weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` /
 ``_linear_pointwise``, what vLLM's CPU backend runs), x cast to bf16 first. Its output is bf16
@@ -32,7 +32,7 @@ from pagedserve.kernels import cpu_native
 # over SmolLM2-135M's four layer shapes with weights from memory, 2 threads: that kernel is
 # 1.05-1.4x oneDNN's speed at M = 1-8, even at 16, about half of it at 32 and beyond
 # (benchmarks/kernels/cpu_gemm_bf16.py; benchmarks/RESULTS.md "Linear layers in bf16").
-# The AMX kernel beats oneDNN at every M: no crossover there.
+# The AMX kernel beats oneDNN up to 256 rows and ties it at 512: no crossover there.
 ONEDNN_MIN_ROWS = 16
 # The batch size oneDNN is told when reordering a weight (it picks its layout by it): one
 # reordered copy serves every M from the crossover up; the benchmark measures with it.
