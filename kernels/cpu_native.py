@@ -30,8 +30,9 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
   sum over K, so a row's result does not depend on the other rows (batch invariant);
 * :func:`pack_bf16_linear_weight` / :func:`linear_packed_bf16` (``csrc/cpu_gemm_bf16.c``):
   the same on weights packed into panels of bf16 pairs, fp32 or bf16 activations rounded to
-  bf16, products summed in fp32 by AVX512-BF16's ``VDPBF16PS``, fp32 out; compiled in only
-  where the compiler targets AVX512-BF16 (:func:`has_bf16_gemm`).
+  bf16, products summed in fp32 on AMX tiles (``TDPBF16PS``, where :func:`amx_chosen`) or by
+  AVX512-BF16's ``VDPBF16PS``, fp32 out; compiled in only where the compiler targets
+  AVX512-BF16 (:func:`has_bf16_gemm`), the AMX kernel where it targets AMX (:func:`has_amx`).
 
 The library is built with the system C compiler (``$CC``, default ``gcc``) into
 ``$PAGEDSERVE_CACHE/kernels`` (default ``~/.cache/pagedserve/kernels``), keyed by a hash of
@@ -103,8 +104,14 @@ _SIGNATURES = {
     "gemm_panel_width": [],
     "pack_weight_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64],
     "linear_packed_bf16": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64],
+    "linear_packed_bf16_avx512": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                                  _i64],
+    "linear_packed_bf16_amx": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                               _i64],
     "gemm_bf16_panel_width": [],
     "gemm_bf16_supported": [],
+    "gemm_bf16_amx_supported": [],
+    "gemm_bf16_amx_chosen": [],
     "argmax_rows_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
     "decoder_layers_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr,
                            _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
@@ -114,8 +121,12 @@ _RESTYPES = {
     "gemm_panel_width": _i64,
     "linear_packed_bf16": _i64,
     "decoder_layers_f32": _i64,
+    "linear_packed_bf16_avx512": _i64,
+    "linear_packed_bf16_amx": _i64,
     "gemm_bf16_panel_width": _i64,
     "gemm_bf16_supported": _i64,
+    "gemm_bf16_amx_supported": _i64,
+    "gemm_bf16_amx_chosen": _i64,
 }
 
 
@@ -447,6 +458,25 @@ def has_bf16_gemm() -> bool:
     return lib is not None and bool(lib.gemm_bf16_supported())
 
 
+@functools.cache
+def has_amx() -> bool:
+    """True when the bf16 GEMM can run on AMX tiles: the library holds the AMX kernel of
+    ``csrc/cpu_gemm_bf16.c`` (the compiler targets AMX-TILE and AMX-BF16: ``-march=native`` on
+    a CPU with ``amx_tile`` and ``amx_bf16``) and Linux granted the process the tile state
+    (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, requested once by the library)."""
+    return has_bf16_gemm() and bool(_lib().gemm_bf16_amx_supported())
+
+
+def amx_chosen() -> bool:
+    """True when :func:`linear_packed_bf16`'s ``kernel="auto"`` (and every C caller of
+    ``linear_packed_bf16``) runs on AMX: :func:`has_amx` and ``PAGEDSERVE_CPU_AMX`` not
+    falsy (read once per process, by the library)."""
+    return has_amx() and bool(_lib().gemm_bf16_amx_chosen())
+
+
+BF16_GEMM_KERNELS = ("auto", "amx", "avx512")
+
+
 def _bf16_lib() -> ctypes.CDLL:
     if not has_bf16_gemm():
         raise RuntimeError("the AVX512-BF16 GEMM is not available (see cpu_native.has_bf16_gemm)")
@@ -500,12 +530,15 @@ def linear_packed_bf16(
     packed: torch.Tensor,
     out_features: int,
     bias: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """``bf16(x) @ bf16(weight).T + bias`` in fp32, ``weight`` packed by
     :func:`pack_bf16_linear_weight`.
 
-    Each output element is an in-order fp32 sum over K of exact bf16 products (see
-    ``csrc/cpu_gemm_bf16.c``), so a row's result does not depend on the other rows.
+    Each output element is an fp32 sum over K of exact bf16 products in an order fixed by K
+    alone (see ``csrc/cpu_gemm_bf16.c``), so a row's result does not depend on the other
+    rows; the AMX and AVX512-BF16 kernels round differently (both within fp32 rounding of
+    the exact sum).
 
     Args:
         x: fp32 or bf16 ``[M, K]`` with unit column stride (rows may be strided); fp32 is
@@ -513,16 +546,20 @@ def linear_packed_bf16(
         packed: the packed weight of an ``[out_features, K]`` matrix.
         out_features: ``N``.
         bias: optional contiguous fp32 ``[N]``.
+        kernel: one of :data:`BF16_GEMM_KERNELS`: ``"auto"`` (AMX where :func:`amx_chosen`,
+            else AVX512-BF16), ``"amx"`` or ``"avx512"`` (forced, for tests and A/B).
 
     Returns:
         A new contiguous fp32 ``[M, N]``.
 
     Raises:
-        ValueError: dtypes or shapes that do not match the packed weight.
-        RuntimeError: no AVX512-BF16 kernel, or its scratch could not be allocated.
+        ValueError: dtypes or shapes that do not match the packed weight, or an unknown
+            ``kernel``.
+        RuntimeError: no AVX512-BF16 kernel, ``kernel="amx"`` without :func:`has_amx`, or
+            the scratch could not be allocated.
     """
     check_packed_linear_bf16(x, packed, out_features, bias, bf16_panel_width())
-    fn = linear_packed_bf16_fn()
+    fn = linear_packed_bf16_fn(kernel)
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -537,16 +574,27 @@ def linear_packed_bf16(
 
 
 @functools.cache
-def linear_packed_bf16_fn() -> Any:
-    """The C entry point of :func:`linear_packed_bf16`, looked up once: ``fn(x_ptr, x_is_bf16,
-    m, k, ldx, packed_ptr, n, bias_ptr_or_None, out_ptr, ldo, num_threads) -> 0`` (``-1``
-    when its scratch cannot be allocated). Callers must pass what :func:`linear_packed_bf16`
-    checks.
+def linear_packed_bf16_fn(kernel: str = "auto") -> Any:
+    """The C entry point of :func:`linear_packed_bf16` for ``kernel`` (see there), looked up
+    once: ``fn(x_ptr, x_is_bf16, m, k, ldx, packed_ptr, n, bias_ptr_or_None, out_ptr, ldo,
+    num_threads) -> 0`` (``-1`` when its scratch cannot be allocated). Callers must pass
+    what :func:`linear_packed_bf16` checks.
 
     Raises:
-        RuntimeError: no AVX512-BF16 kernel (:func:`has_bf16_gemm`).
+        ValueError: ``kernel`` not in :data:`BF16_GEMM_KERNELS`.
+        RuntimeError: no AVX512-BF16 kernel (:func:`has_bf16_gemm`), or ``kernel="amx"``
+            without :func:`has_amx`.
     """
-    return _bf16_lib().linear_packed_bf16
+    if kernel not in BF16_GEMM_KERNELS:
+        raise ValueError(f"kernel must be one of {BF16_GEMM_KERNELS}, got {kernel!r}")
+    lib = _bf16_lib()
+    if kernel == "amx" and not has_amx():
+        raise RuntimeError("the AMX bf16 GEMM is not available (see cpu_native.has_amx)")
+    return {
+        "auto": lib.linear_packed_bf16,
+        "amx": lib.linear_packed_bf16_amx,
+        "avx512": lib.linear_packed_bf16_avx512,
+    }[kernel]
 
 
 class DecoderLayerPtrs(ctypes.Structure):

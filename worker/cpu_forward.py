@@ -72,9 +72,10 @@ def cpu_kernels_apply(model: LlamaForCausalLM) -> bool:
 
 def bf16_cpu_path_available() -> bool:
     """True when bf16 weights run fast on this CPU: the AVX512-BF16 GEMM is built
-    (:func:`pagedserve.kernels.cpu_native.has_bf16_gemm`), with oneDNN's bf16 linear for
-    prefill-sized batches (:func:`~pagedserve.worker.packed_linear_bf16.onednn_bf16_available`)."""
-    return cpu_native.has_bf16_gemm() and onednn_bf16_available()
+    (:func:`pagedserve.kernels.cpu_native.has_bf16_gemm`), and prefill-sized batches run
+    fast too: on AMX (:func:`~pagedserve.kernels.cpu_native.amx_chosen`) or through oneDNN's
+    bf16 linear (:func:`~pagedserve.worker.packed_linear_bf16.onednn_bf16_available`)."""
+    return cpu_native.has_bf16_gemm() and (cpu_native.amx_chosen() or onednn_bf16_available())
 
 
 def prepare_metadata(

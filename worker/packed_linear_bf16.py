@@ -1,37 +1,38 @@
 """Linear layers on bf16 weights for the bf16 CPU path (:class:`PackedLinearBf16`).
 
-Each weight is rounded to bf16 once at load and held in two forms, chosen per call by the
-number of token rows ``M``:
+Each weight is rounded to bf16 once at load and packed into panels of bf16 pairs for
+:func:`pagedserve.kernels.cpu_native.linear_packed_bf16`: fp32 or bf16 in, fp32 out, bf16
+products summed in fp32 in an order fixed by K alone, so a row's result depends only on that
+row (batch invariant). The kernel runs on AMX tiles (``TDPBF16PS``) where
+:func:`~pagedserve.kernels.cpu_native.amx_chosen`, else on AVX512-BF16 (``VDPBF16PS``).
 
-* ``M < onednn_min_rows`` (decode): the bf16-pair packed GEMM of
-  :func:`pagedserve.kernels.cpu_native.linear_packed_bf16` (AVX512-BF16 ``VDPBF16PS``), which
-  streams each weight once per call at half the fp32 kernel's bytes; fp32 or bf16 in, fp32
-  out, every output element an in-order fp32 sum over K of exact bf16 products, so a row's
-  result depends only on that row (batch invariant);
-* ``M >= onednn_min_rows`` (prefill): oneDNN's bf16 inner product on a weight reordered once
-  (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what vLLM's CPU
-  backend runs, AMX tiles where the CPU has them), x cast to bf16 first. Its output is bf16
-  (the op gives its input's dtype), cast back to fp32, the fp32 bias added after: it differs
-  from the packed kernel by that rounding (relative 2^-9), and oneDNN chooses its blocking by
-  shape, so this branch is **not** batch invariant.
-
-:data:`ONEDNN_MIN_ROWS` is the measured crossover (``benchmarks/kernels/cpu_gemm_bf16.py``,
-benchmarks/RESULTS.md). Memory: the packed bf16 copy (2 bytes per weight) plus oneDNN's
-reordered bf16 copy (2 bytes), 4 bytes per weight, as much as the fp32 weight they replace
-(the row-major weight is dropped). ``onednn_min_rows=None`` keeps the packed copy alone.
+On AMX the packed kernel is faster than oneDNN's prepacked bf16 linear from 1 to 256 token
+rows and level with it at 512 (``benchmarks/kernels/cpu_gemm_bf16.py``, benchmarks/RESULTS.md
+"Linear layers in bf16"), so by default it runs every call from the one packed copy (2 bytes
+per weight). On AVX512-BF16 alone it is compute-poor from 16 rows up: there, by default, calls of
+``M >= ONEDNN_MIN_ROWS`` rows (prefill) run oneDNN's bf16 inner product on a second copy of
+the weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` /
+``_linear_pointwise``, what vLLM's CPU backend runs), x cast to bf16 first. Its output is bf16
+(the op gives its input's dtype), cast back to fp32, the fp32 bias added after: it differs
+from the packed kernel by that rounding (relative 2^-9), and oneDNN chooses its blocking by
+shape, so that branch is **not** batch invariant. :func:`default_onednn_min_rows` gives the
+default; ``onednn_min_rows=None`` keeps the packed copy alone.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
 
 from pagedserve.kernels import cpu_native
 
-# Token rows from which oneDNN's prepacked bf16 linear beats the packed kernel, over
-# SmolLM2-135M's four layer shapes with weights from memory, 2 threads: the kernel is
+# Token rows from which oneDNN's prepacked bf16 linear beats the AVX512-BF16 packed kernel,
+# over SmolLM2-135M's four layer shapes with weights from memory, 2 threads: that kernel is
 # 1.05-1.4x oneDNN's speed at M = 1-8, even at 16, about half of it at 32 and beyond
 # (benchmarks/kernels/cpu_gemm_bf16.py; benchmarks/RESULTS.md "Linear layers in bf16").
+# The AMX kernel beats oneDNN up to 256 rows and ties it at 512: no crossover there.
 ONEDNN_MIN_ROWS = 16
 # The batch size oneDNN is told when reordering a weight (it picks its layout by it): one
 # reordered copy serves every M from the crossover up; the benchmark measures with it.
@@ -45,6 +46,13 @@ def onednn_bf16_available() -> bool:
     )
 
 
+def default_onednn_min_rows() -> int | None:
+    """``onednn_min_rows`` of :class:`PackedLinearBf16` by default: ``None`` (the packed
+    kernel for every M) where it runs on AMX (:func:`cpu_native.amx_chosen`), else
+    :data:`ONEDNN_MIN_ROWS`."""
+    return None if cpu_native.amx_chosen() else ONEDNN_MIN_ROWS
+
+
 class PackedLinearBf16(nn.Module):
     """``bf16(x) @ bf16(W).T + b`` with fp32 accumulation and fp32 output, on CPU.
 
@@ -53,17 +61,26 @@ class PackedLinearBf16(nn.Module):
             rounded to bf16 (nearest even) and packed, the bias kept in fp32.
         onednn_min_rows: rows from which the call runs on oneDNN (see the module
             docstring); ``None`` never does (one bf16 copy of the weight, every call
-            batch invariant). Ignored (``None``) where oneDNN has no bf16.
+            batch invariant); ``"auto"``: :func:`default_onednn_min_rows`. Ignored
+            (``None``) where oneDNN has no bf16.
 
     Raises:
         ValueError: a weight that is not 2-D fp32/bf16 on CPU, or ``onednn_min_rows < 1``.
         RuntimeError: no AVX512-BF16 kernel (:func:`cpu_native.has_bf16_gemm`).
     """
 
-    def __init__(self, linear: nn.Linear, onednn_min_rows: int | None = ONEDNN_MIN_ROWS) -> None:
+    def __init__(
+        self, linear: nn.Linear, onednn_min_rows: int | Literal["auto"] | None = "auto"
+    ) -> None:
         super().__init__()
-        if onednn_min_rows is not None and onednn_min_rows < 1:
-            raise ValueError(f"onednn_min_rows must be >= 1 or None, got {onednn_min_rows}")
+        if onednn_min_rows == "auto":
+            onednn_min_rows = default_onednn_min_rows()
+        if isinstance(onednn_min_rows, str) or (
+            onednn_min_rows is not None and onednn_min_rows < 1
+        ):
+            raise ValueError(
+                f"onednn_min_rows must be >= 1, None or 'auto', got {onednn_min_rows!r}"
+            )
         weight = linear.weight.detach()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
@@ -171,6 +188,7 @@ __all__ = [
     "ONEDNN_BATCH_HINT",
     "ONEDNN_MIN_ROWS",
     "PackedLinearBf16",
+    "default_onednn_min_rows",
     "onednn_bf16_available",
     "pack_head_bf16",
     "packed_logits_bf16",

@@ -16,15 +16,24 @@
  * Activations are rounded to bf16 per call, round to nearest even with NaN kept NaN (as
  * torch's x.to(torch.bfloat16)); a bf16 x is used as is.
  *
- * Numerics: each output element starts from 0 and takes, for kk = 0 .. KP/2 - 1 in order,
- * the two exact bf16 x bf16 products of pair kk, each added with one fp32 rounding (the
- * instruction's order); bias added last. A row's result depends only on that row and W, not
- * on M or on the other rows: batch invariant by construction. VDPBF16PS treats denormal
- * inputs as zero and flushes denormal results (it ignores MXCSR).
+ * Two kernels read that layout. linear_packed_bf16_avx512: VDPBF16PS on 16-lane vectors
+ * (each output element starts from 0 and takes, for kk = 0 .. KP/2 - 1 in order, the two
+ * exact bf16 x bf16 products of pair kk, each added with one fp32 rounding, the
+ * instruction's order). linear_packed_bf16_amx: AMX tiles, TDPBF16PS (A = up to 16 rows of
+ * x x 32 K values, B = 16 pairs x 16 columns, which is a panel's rows kk .. kk + 15 read
+ * with a 192-byte row stride, so both kernels share the one packed copy; C = 16 x 16 fp32;
+ * up to 16 rows 1 A x 3 B tiles per panel, from 17 rows 2 A x 2 B tiles per 32 x 32 block;
+ * each element takes one TDPBF16PS step per 32 K values, in order, the hardware's sum
+ * within a step). In both the bias is added last, and a row's result depends only on that
+ * row and W, not on M or on the other rows: batch invariant by construction. Both treat
+ * denormal inputs as zero and flush denormal results (they ignore MXCSR). linear_packed_bf16
+ * runs AMX where gemm_bf16_amx_chosen(), else AVX512-BF16.
  *
  * Built only where the compiler targets AVX512-BF16 (-march=native on such a CPU defines
  * __AVX512BF16__); elsewhere this file gives gemm_bf16_supported() == 0 and stubs that do
- * nothing, so the library still builds and its fp32 kernels still run.
+ * nothing, so the library still builds and its fp32 kernels still run. The AMX kernel is
+ * built where it also targets AMX-TILE and AMX-BF16 (__AMX_TILE__, __AMX_BF16__); it runs
+ * once Linux grants the process the tile state (asked once, see amx_init).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -188,9 +197,10 @@ static void tile(int64_t mr, int64_t np, const uint32_t *xb, int64_t ldxb,
  * when x_bf16) @ W^T + bias (fp32 or NULL), W packed by pack_weight_bf16. Returns 0, or -1
  * when the activation scratch cannot be allocated (out is then untouched).
  */
-int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-                           const uint16_t *packed, int64_t n, const float *bias, float *out,
-                           int64_t ldo, int64_t num_threads) {
+int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                  int64_t ldx, const uint16_t *packed, int64_t n,
+                                  const float *bias, float *out, int64_t ldo,
+                                  int64_t num_threads) {
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t kp2 = (k + 1) / 2;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
@@ -256,6 +266,298 @@ int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, 
     return 0;
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TM 16 /* rows of an A / C tile */
+
+/* Set once by amx_init (pthread_once): AMX granted to the process, and chosen. */
+static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
+static int amx_granted;
+static int amx_chosen;
+
+/* Linux hands the tile data state to a process only on request; the grant covers every
+ * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
+ * keeps linear_packed_bf16 on the AVX512-BF16 kernel. */
+static void amx_init(void) {
+    amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    const char *env = getenv("PAGEDSERVE_CPU_AMX");
+    int off = 0;
+    if (env != NULL) {
+        char low[8] = {0};
+        for (int i = 0; i < 7 && env[i] != '\0'; ++i)
+            low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
+        off = !strcmp(low, "0") || !strcmp(low, "false") || !strcmp(low, "off") ||
+              !strcmp(low, "no");
+    }
+    amx_chosen = amx_granted && !off;
+}
+
+int64_t gemm_bf16_amx_supported(void) {
+    pthread_once(&amx_once, amx_init);
+    return amx_granted;
+}
+
+int64_t gemm_bf16_amx_chosen(void) {
+    pthread_once(&amx_once, amx_init);
+    return amx_chosen;
+}
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+/*
+ * C[rows, 48] (fp32, into c, row stride 48) = A @ B for one panel: A = rows of bf16 pairs
+ * (row stride lda bytes, zero past K), B = the panel's kp2 pair rows, the last partial group
+ * of 16 read from tail (zero-padded to 16 rows) when kp2 % 16 != 0. Tiles: 0-2 C (one per
+ * 16 columns), 3 A, 4-6 B.
+ */
+static inline void amx_panel(const uint16_t *a, int64_t lda, const uint16_t *panel,
+                             int64_t full, const uint16_t *tail, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    for (int64_t s = 0; s < full; ++s) {
+        const uint16_t *b = panel + s * TM * NR * 2;
+        _tile_loadd(3, a + s * 32, lda);
+        _tile_loadd(4, b, NR * 4);
+        _tile_loadd(5, b + 32, NR * 4);
+        _tile_loadd(6, b + 64, NR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    if (tail != NULL) {
+        _tile_loadd(3, a + full * 32, lda);
+        _tile_loadd(4, tail, NR * 4);
+        _tile_loadd(5, tail + 32, NR * 4);
+        _tile_loadd(6, tail + 64, NR * 4);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_dpbf16ps(2, 3, 6);
+    }
+    _tile_stored(0, c, NR * 4);
+    _tile_stored(1, c + 16, NR * 4);
+    _tile_stored(2, c + 32, NR * 4);
+}
+
+/*
+ * C[32, 32] (fp32, into c, row stride 32) = A @ B for two 16-row tiles of A (a0, a1; row
+ * stride lda bytes) and two 16-column tiles of B (b0, b1: a panel's pair rows, stride 192
+ * bytes), the partial last group of pairs read from t0 / t1 (16 rows of 64 bytes, zero past
+ * the pairs) when tails is set. Tiles: 0-3 C, 4-5 A, 6-7 B. Each C element takes the same
+ * TDPBF16PS steps as in amx_panel, so the same bits.
+ */
+static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
+                           const uint16_t *b0, const uint16_t *b1, int64_t full, int tails,
+                           const uint16_t *t0, const uint16_t *t1, float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < full; ++s) {
+        _tile_loadd(4, a0 + s * 32, lda);
+        _tile_loadd(6, b0 + s * TM * NR * 2, NR * 4);
+        _tile_loadd(7, b1 + s * TM * NR * 2, NR * 4);
+        _tile_loadd(5, a1 + s * 32, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    if (tails) {
+        _tile_loadd(4, a0 + full * 32, lda);
+        _tile_loadd(6, t0, 64);
+        _tile_loadd(7, t1, 64);
+        _tile_loadd(5, a1 + full * 32, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+/*
+ * Over 16 rows: the 1 x 3 tiles of amx_panel per 48-column panel. From 32 rows: 2 x 2 tiles
+ * (32 rows x 32 columns, column tile t = columns 16 t .. 16 t + 15, possibly straddling two
+ * panels), which loads 4 tiles per 4 TDPBF16PS instead of per 3.
+ */
+static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
+                      const uint16_t *packed, int64_t n, int64_t kp2, int64_t full, int64_t rest,
+                      const float *bias, float *out, int64_t ldo) {
+    const int64_t panel_size = kp2 * NR * 2;
+    const int64_t ctiles = (n + 15) / 16;
+    const int64_t units = (ctiles + 1) / 2;
+    uint16_t tail[2][TM * 32] __attribute__((aligned(64)));
+    float c[32 * 32] __attribute__((aligned(64)));
+    memset(tail, 0, sizeof(tail));
+    for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
+        const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; ++u) {
+            const int64_t t[2] = {2 * u, 2 * u + 1 < ctiles ? 2 * u + 1 : 2 * u};
+            const uint16_t *b[2];
+            __mmask16 mask[2];
+            __m512 bv[2];
+            for (int q = 0; q < 2; ++q) {
+                b[q] = packed + (t[q] / 3) * panel_size + (t[q] % 3) * 32;
+                const int64_t cols = q == 1 && t[1] == t[0] ? 0 : n - 16 * t[q];
+                mask[q] = (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1);
+                bv[q] = bias == NULL ? _mm512_setzero_ps()
+                                     : _mm512_maskz_loadu_ps(mask[q], bias + 16 * t[q]);
+                for (int64_t r = 0; r < rest; ++r)
+                    memcpy(tail[q] + r * 32, b[q] + (full * TM + r) * NR * 2, 64);
+            }
+            for (int64_t r0 = m0; r0 < m0 + mc; r0 += 32) {
+                const uint16_t *a0 = (const uint16_t *)(xb + r0 * ldxb);
+                const uint16_t *a1 = r0 + 16 < mpad ? a0 + 32 * ldxb : a0;
+                amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c);
+                const int64_t valid = (m - r0) < 32 ? (m - r0) : 32;
+                for (int64_t i = 0; i < valid; ++i)
+                    for (int q = 0; q < 2; ++q) {
+                        __m512 acc = _mm512_load_ps(c + i * 32 + 16 * q);
+                        if (bias != NULL) acc = _mm512_add_ps(acc, bv[q]);
+                        _mm512_mask_storeu_ps(out + (r0 + i) * ldo + 16 * t[q], mask[q], acc);
+                    }
+            }
+        }
+    }
+}
+
+/*
+ * linear_packed_bf16 on AMX tiles (TDPBF16PS). Each output element: 0, then per group of 16
+ * K pairs (32 K values) in order one TDPBF16PS step, then the bias. Rows are padded with
+ * zeros to a multiple of the tile height in the scratch and computed independently, so a
+ * row's bits do not depend on M or on the other rows. Returns -1 when the scratch cannot be
+ * allocated, -2 when AMX is not available (out untouched in both cases).
+ */
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                               const uint16_t *packed, int64_t n, const float *bias, float *out,
+                               int64_t ldo, int64_t num_threads) {
+    if (!gemm_bf16_amx_supported()) return -2;
+    const int64_t panels = (n + NR - 1) / NR;
+    const int64_t kp2 = (k + 1) / 2;
+    const int64_t full = kp2 / TM;
+    const int64_t rest = kp2 - full * TM;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    const int64_t ldxb = (kp2 + TM - 1) / TM * TM; /* pairs per scratch row: whole A tiles */
+    const int64_t rows = m < TM ? m : TM;          /* tile height */
+    const int64_t mpad = (m + rows - 1) / rows * rows;
+    uint32_t *xb = aligned_alloc(64, (size_t)(mpad * ldxb) * sizeof(uint32_t));
+    if (xb == NULL) return -1;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t panel_size = kp2 * NR * 2;
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = (uint8_t)(t < 4 || m > TM ? rows : TM);
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1 && (panels > 1 || m > 1))
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < mpad; ++r) {
+            uint16_t *dst = (uint16_t *)(xb + r * ldxb);
+            if (r < m) {
+                convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k, dst, kp2);
+                memset(dst + 2 * kp2, 0, sizeof(uint32_t) * (size_t)(ldxb - kp2));
+            } else {
+                memset(dst, 0, sizeof(uint32_t) * (size_t)ldxb);
+            }
+        }
+        _tile_loadconfig(&cfg);
+        if (m > TM) {
+            amx_large(xb, ldxb, m, mpad, packed, n, kp2, full, rest, bias, out, ldo);
+            _tile_release();
+        } else {
+            uint16_t tail[TM * NR * 2] __attribute__((aligned(64)));
+            float c[TM * NR] __attribute__((aligned(64)));
+            memset(tail, 0, sizeof(tail));
+            for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
+                const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
+#pragma omp for schedule(static)
+                for (int64_t p = 0; p < panels; ++p) {
+                    const uint16_t *panel = packed + p * panel_size;
+                    const int64_t cols = (n - p * NR) < NR ? (n - p * NR) : NR;
+                    const __mmask16 mask[3] = {
+                        (__mmask16)(cols >= 16 ? 0xffff : (1u << cols) - 1),
+                        (__mmask16)(cols >= 32 ? 0xffff : cols <= 16 ? 0 : (1u << (cols - 16)) - 1),
+                        (__mmask16)(cols >= 48 ? 0xffff : cols <= 32 ? 0 : (1u << (cols - 32)) - 1),
+                    };
+                    __m512 bv[3];
+                    for (int v = 0; v < 3; ++v)
+                        bv[v] = bias == NULL ? _mm512_setzero_ps()
+                                             : _mm512_maskz_loadu_ps(mask[v], bias + p * NR + 16 * v);
+                    if (rest)
+                        memcpy(tail, panel + full * TM * NR * 2, sizeof(uint16_t) * rest * NR * 2);
+                    for (int64_t r0 = m0; r0 < m0 + mc; r0 += rows) {
+                        amx_panel((const uint16_t *)(xb + r0 * ldxb), ldxb * 4, panel, full,
+                                  rest ? tail : NULL, c);
+                        const int64_t valid = (m - r0) < rows ? (m - r0) : rows;
+                        for (int64_t i = 0; i < valid; ++i) {
+                            float *o = out + (r0 + i) * ldo + p * NR;
+                            for (int v = 0; v < 3; ++v) {
+                                __m512 acc = _mm512_load_ps(c + i * NR + 16 * v);
+                                if (bias != NULL) acc = _mm512_add_ps(acc, bv[v]);
+                                _mm512_mask_storeu_ps(o + 16 * v, mask[v], acc);
+                            }
+                        }
+                    }
+                }
+            }
+            _tile_release();
+        }
+    }
+    free(xb);
+    return 0;
+}
+
+#else /* no AMX in this build */
+
+int64_t gemm_bf16_amx_supported(void) { return 0; }
+
+int64_t gemm_bf16_amx_chosen(void) { return 0; }
+
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                               const uint16_t *packed, int64_t n, const float *bias, float *out,
+                               int64_t ldo, int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -2;
+}
+
+#endif
+
+/*
+ * out[M, N] (row stride ldo, fp32) = x[M, K] (row stride ldx elements; fp32, or bf16 bits
+ * when x_bf16) @ W^T + bias (fp32 or NULL), W packed by pack_weight_bf16: on AMX tiles
+ * where gemm_bf16_amx_chosen(), else the AVX512-BF16 kernel. Returns 0, or -1 when the
+ * activation scratch cannot be allocated (out is then untouched).
+ */
+int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                           const uint16_t *packed, int64_t n, const float *bias, float *out,
+                           int64_t ldo, int64_t num_threads) {
+    if (gemm_bf16_amx_chosen())
+        return linear_packed_bf16_amx(x, x_bf16, m, k, ldx, packed, n, bias, out, ldo,
+                                      num_threads);
+    return linear_packed_bf16_avx512(x, x_bf16, m, k, ldx, packed, n, bias, out, ldo,
+                                     num_threads);
+}
+
 #else /* no AVX512-BF16: callers check gemm_bf16_supported() first */
 
 int64_t gemm_bf16_supported(void) { return 0; }
@@ -265,12 +567,32 @@ void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64
     (void)w; (void)w_bf16; (void)n; (void)k; (void)ldw; (void)packed; (void)num_threads;
 }
 
+int64_t gemm_bf16_amx_supported(void) { return 0; }
+
+int64_t gemm_bf16_amx_chosen(void) { return 0; }
+
 int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-                           const uint16_t *packed, int64_t n, const float *bias, float *out,
-                           int64_t ldo, int64_t num_threads) {
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
     (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
     (void)out; (void)ldo; (void)num_threads;
     return -1;
+}
+
+int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -1;
+}
+
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -2;
 }
 
 #endif

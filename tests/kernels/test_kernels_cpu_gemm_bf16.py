@@ -4,6 +4,10 @@ dispatch between it and oneDNN."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -199,3 +203,134 @@ def test_bf16_head_gives_fp32_logits():
     logits = packed_logits_bf16(h, packed, vocab)
     assert logits.shape == (3, vocab) and logits.dtype == torch.float32
     close(logits, h, weight.float(), None)
+
+
+needs_amx = pytest.mark.skipif(
+    not cpu_native.has_amx(),
+    reason="no AMX kernel: the CPU lacks amx_tile/amx_bf16, the compiler does not target "
+    "them, or Linux refused the tile state",
+)
+KERNELS = [pytest.param("amx", marks=needs_amx), "avx512"]
+
+
+# M: a one-row tile, partial and whole 16-row tiles, tails past 16, more than one 256-row
+# block; N: partial 16-column tiles and panels; K: whole 32-value tile steps (576, 1536), a
+# partial last step (100: 50 pairs = 3 steps + 2 pairs), odd and under one step (31).
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("m", [1, 2, 3, 15, 16, 17, 33, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(49, 576), (130, 1536), (577, 100), (17, 31)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_kernel_matches_torch(kernel: str, m: int, n: int, k: int, bias: bool):
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen) if bias else None
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    out = cpu_native.linear_packed_bf16(x, packed, n, b, kernel=kernel)
+    close(out, x, w, b)
+    torch.testing.assert_close(out, F.linear(x.bfloat16().float(), w.bfloat16().float(), b))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_kernel_takes_strided_and_bf16_rows_with_the_same_bits(kernel: str):
+    gen = torch.Generator().manual_seed(4)
+    m, n, k = 21, 100, 99
+    x = torch.randn(m, k + 9, generator=gen)[:, 5 : 5 + k]
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    out = cpu_native.linear_packed_bf16(x, packed, n, b, kernel=kernel)
+    close(out, x, w, b)
+    assert torch.equal(
+        out, cpu_native.linear_packed_bf16(x.contiguous(), packed, n, b, kernel=kernel)
+    )
+    assert torch.equal(
+        out, cpu_native.linear_packed_bf16(x.bfloat16(), packed, n, b, kernel=kernel)
+    )
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_kernel_is_batch_invariant_bitwise(kernel: str):
+    """Row i's bits are the same alone and in batches of 5, 16, 17, 64 and 300 rows."""
+    gen = torch.Generator().manual_seed(9)
+    k, n = 1536, 200
+    x = torch.randn(300, k, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(torch.randn(n, k, generator=gen) * 0.03)
+    b = torch.randn(n, generator=gen)
+    rows = (0, 1, 4, 15, 16, 17, 63, 64, 95, 150, 236, 283, 299)
+    alone = {
+        i: cpu_native.linear_packed_bf16(x[i : i + 1], packed, n, b, kernel=kernel) for i in rows
+    }
+    for size in (5, 16, 17, 64, 300):
+        for start in (0, 300 - size, (300 - size) // 3):
+            part = cpu_native.linear_packed_bf16(
+                x[start : start + size], packed, n, b, kernel=kernel
+            )
+            for i in rows:
+                if start <= i < start + size:
+                    assert torch.equal(part[i - start : i - start + 1], alone[i]), (size, start, i)
+
+
+@needs_amx
+def test_amx_partial_k_step_reads_nothing_past_its_panel():
+    """K = 34 (17 pairs: one pair in the last step); the next panel holds inf weights, which
+    a tile reading past the panel would turn into NaN (0 * inf) in the first panel's columns."""
+    width = cpu_native.bf16_panel_width()
+    gen = torch.Generator().manual_seed(6)
+    k = 34
+    w = torch.randn(2 * width, k, generator=gen)
+    w[width:] = float("inf")
+    x = torch.randn(3, k, generator=gen)
+    out = cpu_native.linear_packed_bf16(
+        x, cpu_native.pack_bf16_linear_weight(w), 2 * width, kernel="amx"
+    )
+    close(out[:, :width], x, w[:width], None)
+
+
+@needs_amx
+def test_auto_runs_amx_and_the_module_keeps_one_copy():
+    assert cpu_native.amx_chosen()  # PAGEDSERVE_CPU_AMX is not set in the test environment
+    gen = torch.Generator().manual_seed(8)
+    n, k = 130, 576
+    x = torch.randn(40, k, generator=gen)
+    linear = nn.Linear(k, n)
+    packed = cpu_native.pack_bf16_linear_weight(linear.weight.detach())
+    b = linear.bias.detach()
+    amx = cpu_native.linear_packed_bf16(x, packed, n, b, kernel="amx")
+    assert torch.equal(cpu_native.linear_packed_bf16(x, packed, n, b), amx)
+    assert not torch.equal(cpu_native.linear_packed_bf16(x, packed, n, b, kernel="avx512"), amx)
+    layer = PackedLinearBf16(linear)
+    assert layer.onednn_min_rows is None and layer._onednn is None
+    assert torch.equal(layer(x), amx)
+
+
+def test_unknown_kernel_raises_value_error():
+    packed = cpu_native.pack_bf16_linear_weight(torch.randn(10, 6))
+    with pytest.raises(ValueError, match="kernel"):
+        cpu_native.linear_packed_bf16(torch.randn(2, 6), packed, 10, kernel="amx512")
+    with pytest.raises(ValueError):
+        PackedLinearBf16(nn.Linear(6, 10), onednn_min_rows="never")  # type: ignore[arg-type]
+
+
+@needs_amx
+def test_env_switch_keeps_auto_on_avx512(tmp_path):
+    """PAGEDSERVE_CPU_AMX=0 (read once by the library) sends ``auto`` to AVX512-BF16."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import torch\n"
+        "from pagedserve.kernels import cpu_native as c\n"
+        "from pagedserve.worker.packed_linear_bf16 import default_onednn_min_rows\n"
+        "x = torch.randn(20, 64); p = c.pack_bf16_linear_weight(torch.randn(50, 64))\n"
+        "same = torch.equal(c.linear_packed_bf16(x, p, 50), c.linear_packed_bf16(x, p, 50, kernel='avx512'))\n"
+        "print(c.has_amx(), c.amx_chosen(), same, default_onednn_min_rows())\n"
+    )
+    env = {**os.environ, "PAGEDSERVE_CPU_AMX": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.split() == ["True", "False", "True", "16"]
