@@ -569,7 +569,9 @@ def run_beams(
     if worker is None:
         worker = Worker(
             WorkerConfig(
-                model=ModelConfig(model=str(model_dir, dtype="float32"), max_model_len=max_model_len),
+                model=ModelConfig(
+                    model=str(model_dir), max_model_len=max_model_len, dtype="float32"
+                ),
                 cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
                 device="cpu",
             )

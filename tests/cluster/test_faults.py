@@ -40,7 +40,7 @@ def tiny(tmp_path_factory) -> Iterator[tuple[ClusterHandle, LoopThread]]:
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     config = ClusterConfig(
-        model=ModelConfig(model=str(model, dtype="float32"), max_model_len=4096),
+        model=ModelConfig(model=str(model), max_model_len=4096, dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=NUM_BLOCKS),
         scheduler=SchedulerConfig(max_num_seqs=1),  # one running per worker, others queue
         server=ServerConfig(host="127.0.0.1", port=0, http_port=0, max_stream_buffer=64),

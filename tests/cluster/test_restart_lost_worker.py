@@ -31,7 +31,7 @@ def test_restart_serves_on_the_worker_left(tmp_path):
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
     config = ClusterConfig(
-        model=ModelConfig(model=str(model, dtype="float32"), max_model_len=256),
+        model=ModelConfig(model=str(model), max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=64),
         scheduler=SchedulerConfig(routing="round-robin"),
         server=ServerConfig(host="127.0.0.1", port=0),

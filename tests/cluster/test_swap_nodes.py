@@ -35,7 +35,7 @@ def two_workers(tiny_llama_dir):
     for k, v in launcher.RAY_ENV.items():
         os.environ.setdefault(k, v)
     config = ClusterConfig(
-        model=ModelConfig(model=str(tiny_llama_dir, dtype="float32"), max_model_len=256),
+        model=ModelConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=14),
         scheduler=SchedulerConfig(preemption_mode="swap"),
         swap_space=64 << 20,

@@ -42,7 +42,7 @@ def running_cluster(
         os.environ.setdefault(k, v)
     server.setdefault("http_port", None)
     config = ClusterConfig(
-        model=ModelConfig(model=str(model_dir, dtype="float32"), max_model_len=max_model_len),
+        model=ModelConfig(model=str(model_dir), max_model_len=max_model_len, dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         scheduler=scheduler or SchedulerConfig(),
         swap_space=swap_space,

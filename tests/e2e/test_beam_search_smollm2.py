@@ -51,7 +51,7 @@ def worker(smollm2_dir: Path):
 
     return Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(smollm2_dir, dtype="float32"), max_model_len=256),
+            model=ModelConfig(model=str(smollm2_dir), dtype="float32", max_model_len=256),
             cache=CacheConfig(block_size=16, num_blocks=64),
             device="cpu",
         )

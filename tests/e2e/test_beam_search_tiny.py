@@ -85,7 +85,7 @@ def test_an_aborted_beam_request_counts_its_choices_as_aborted(tiny_llama_dir: P
 
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32"), max_model_len=256),
+            model=ModelConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=64),
             device="cpu",
         )

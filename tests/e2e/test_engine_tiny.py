@@ -34,7 +34,7 @@ PROMPTS = [
 def run_engine(model_dir: Path, num_blocks: int, budget: int, prompts, n: int = 1, sampling=None):
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(model_dir, dtype="float32")),
+            model=ModelConfig(model=str(model_dir), dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks),
             device="cpu",
         )
@@ -90,7 +90,7 @@ def test_prefix_cache_hit_gives_cold_prefill_tokens(tiny_llama_dir: Path, expect
     # 12 tokens = 3 full blocks with prompt 1).
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32")),
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=64),
             device="cpu",
         )
@@ -126,7 +126,7 @@ def test_forked_choices_sample_like_independent_sequences(tiny_llama_dir: Path) 
     prompts = PROMPTS[:2]
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32")),
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=64),
             device="cpu",
         )
@@ -202,7 +202,7 @@ def test_logprobs_equal_hf_output_scores(tiny_llama_dir: Path) -> None:
     ref_lp = [torch.log_softmax(s[0].float(), dim=-1) for s in out.scores]
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32")),
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=64),
             device="cpu",
         )

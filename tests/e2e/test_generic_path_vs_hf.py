@@ -72,7 +72,7 @@ def generic_worker(
     """A CPU worker on the generic forward, its weights and KV pool in ``dtype``."""
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(model_dir, dtype="float32"), dtype=dtype, max_model_len=max_model_len),
+            model=ModelConfig(model=str(model_dir), dtype=dtype, max_model_len=max_model_len),
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
             device="cpu",
             attention_backend=backend,

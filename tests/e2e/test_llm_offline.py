@@ -40,7 +40,9 @@ def expected(hf) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir: Path):
-    with LLM(str(tiny_llama_dir), block_size=4, num_gpu_blocks=64, device="cpu") as engine:
+    with LLM(
+        str(tiny_llama_dir), block_size=4, num_gpu_blocks=64, device="cpu", dtype="float32"
+    ) as engine:
         yield engine
 
 
@@ -53,6 +55,7 @@ def test_greedy_equals_hf_overlapped_and_serial(tiny_llama_dir, expected, async_
         max_num_batched_tokens=6,  # chunked prefill
         async_scheduling=async_scheduling,
         device="cpu",
+        dtype="float32",
     ) as engine:
         outs = engine.generate(PROMPTS, GREEDY)
         assert engine.scheduler.workers[0].kv.num_free_blocks == 14
@@ -171,6 +174,8 @@ def test_smollm2_greedy_equals_hf(smollm2_dir: Path):
     hf_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, attn_implementation="eager").eval()
     expected = [hf_greedy(hf_model, tok(t)["input_ids"], 16) for t in texts]
     sp = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    with LLM(str(smollm2_dir), max_model_len=512, num_gpu_blocks=64, device="cpu") as engine:
+    with LLM(
+        str(smollm2_dir), max_model_len=512, num_gpu_blocks=64, device="cpu", dtype="float32"
+    ) as engine:
         outs = engine.generate(texts, sp)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected

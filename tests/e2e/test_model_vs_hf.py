@@ -67,7 +67,7 @@ def test_continuous_batching_greedy_equals_hf(
 ) -> None:
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(smollm2_dir, dtype="float32"), max_model_len=1024),
+            model=ModelConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024),
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
             device="cpu",
         )
@@ -118,7 +118,7 @@ def test_repetition_penalty_and_logprobs_equal_hf(
         refs.append((out.sequences[0, len(p) :].tolist(), lps))
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(smollm2_dir, dtype="float32"), max_model_len=1024),
+            model=ModelConfig(model=str(smollm2_dir), dtype="float32", max_model_len=1024),
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=32),
             device="cpu",
         )

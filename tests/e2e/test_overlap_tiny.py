@@ -42,7 +42,7 @@ def expected(tiny_llama_dir: Path) -> list[list[int]]:
 def engine(model_dir: Path, num_blocks: int, budget: int, admission: str):
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(model_dir, dtype="float32")),
+            model=ModelConfig(model=str(model_dir), dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=num_blocks),
             device="cpu",
         )

@@ -62,7 +62,7 @@ def make_workers(model_dir: Path, n: int, num_blocks: int, address: str | None) 
         w = Worker(
             WorkerConfig(
                 worker_id=wid,
-                model=ModelConfig(model=str(model_dir, dtype="float32")),
+                model=ModelConfig(model=str(model_dir), dtype="float32"),
                 cache=CacheConfig(block_size=4, num_blocks=num_blocks),
                 device="cpu",
             )

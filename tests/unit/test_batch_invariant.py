@@ -46,7 +46,11 @@ def run(model_dir: Path, requests, num_blocks: int, batch_invariant: bool, budge
     (token ids, logprobs of the sampled tokens)."""
     worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(model_dir, dtype="float32"), batch_invariant=batch_invariant, max_model_len=max_model_len
+            model=ModelConfig(
+                model=str(model_dir),
+                batch_invariant=batch_invariant,
+                max_model_len=max_model_len,
+                dtype="float32",
             ),
             cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
             device="cpu",
@@ -94,7 +98,7 @@ def test_seeded_request_alone_equals_in_a_batch_with_preemption(tiny_llama_dir: 
 
 def test_batch_invariant_refuses_a_path_it_does_not_cover(tiny_llama_dir: Path):
     cfg = WorkerConfig(
-        model=ModelConfig(model=str(tiny_llama_dir, dtype="float32"), batch_invariant=True),
+        model=ModelConfig(model=str(tiny_llama_dir), batch_invariant=True, dtype="float32"),
         cache=CacheConfig(block_size=4, num_blocks=8),
         device="cpu",
         attention_backend="torch",
@@ -106,7 +110,7 @@ def test_batch_invariant_refuses_a_path_it_does_not_cover(tiny_llama_dir: Path):
 def _invariant_worker(tiny_llama_dir: Path) -> Worker:
     return Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32"), batch_invariant=True),
+            model=ModelConfig(model=str(tiny_llama_dir), batch_invariant=True, dtype="float32"),
             cache=CacheConfig(block_size=4, num_blocks=8),
             device="cpu",
         )

@@ -38,7 +38,7 @@ KV_DTYPES = ["float32", "bfloat16"]
 def bf16_worker(model_dir: Path, kv_cache_dtype: str = "auto") -> Worker:
     return Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(model_dir, dtype="float32"), dtype="bfloat16"),
+            model=ModelConfig(model=str(model_dir), dtype="bfloat16"),
             cache=CacheConfig(
                 block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_cache_dtype=kv_cache_dtype
             ),
@@ -155,7 +155,7 @@ def test_layers_of_mixed_weight_dtypes_are_not_fused(tiny_llama_dir: Path) -> No
     bf16 = bf16_worker(tiny_llama_dir).runner.model
     fp32 = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32"), dtype="float32"),
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS),
             device="cpu",
         )

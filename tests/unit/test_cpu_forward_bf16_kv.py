@@ -28,7 +28,7 @@ def bf16_kv_worker(model_dir: Path) -> Worker:
     return Worker(
         WorkerConfig(
             # fp32 pinned: "auto" is bf16 on a CPU with the bf16 kernels.
-            model=ModelConfig(model=str(model_dir, dtype="float32"), dtype="float32"),
+            model=ModelConfig(model=str(model_dir), dtype="float32"),
             cache=CacheConfig(
                 block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_cache_dtype="bfloat16"
             ),

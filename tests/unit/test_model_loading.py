@@ -124,6 +124,8 @@ def test_weights_follow_the_safetensors_index(tiny_llama_dir: Path, tmp_path: Pa
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     save_file({"tok_embeddings.weight": torch.zeros(2, 2)}, folder / "consolidated.safetensors")
     worker = Worker(
-        WorkerConfig(model=ModelConfig(model=str(folder, dtype="float32")), cache=CacheConfig(num_blocks=8))
+        WorkerConfig(
+            model=ModelConfig(model=str(folder), dtype="float32"), cache=CacheConfig(num_blocks=8)
+        )
     )
     assert worker.get_info().num_blocks == 8

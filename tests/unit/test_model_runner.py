@@ -21,7 +21,7 @@ def worker_for(model_dir: Path, **cache: int) -> Worker:
     cache.setdefault("num_blocks", 64)
     return Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(model_dir, dtype="float32"), max_model_len=64),
+            model=ModelConfig(model=str(model_dir), max_model_len=64, dtype="float32"),
             cache=CacheConfig(block_size=BLOCK_SIZE, **cache),
             device="cpu",
         )
@@ -130,6 +130,14 @@ def test_device_and_length_errors(tiny_llama_dir: Path) -> None:
 
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
-            Worker(WorkerConfig(model=ModelConfig(model=str(tiny_llama_dir, dtype="float32")), device="cuda"))
+            Worker(
+                WorkerConfig(
+                    model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"), device="cuda"
+                )
+            )
     with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
-        Worker(WorkerConfig(model=ModelConfig(model=str(tiny_llama_dir, dtype="float32"), max_model_len=513)))
+        Worker(
+            WorkerConfig(
+                model=ModelConfig(model=str(tiny_llama_dir), max_model_len=513, dtype="float32")
+            )
+        )

@@ -19,7 +19,7 @@ from pagedserve.worker.model_store import (
 
 def test_hf_folder_used_as_is(tiny_llama_dir: Path) -> None:
     assert resolve_model(str(tiny_llama_dir)) == tiny_llama_dir.resolve()
-    assert resolve_model(ModelConfig(model=str(tiny_llama_dir, dtype="float32"))) == tiny_llama_dir.resolve()
+    assert resolve_model(ModelConfig(model=str(tiny_llama_dir))) == tiny_llama_dir.resolve()
 
 
 def test_incomplete_folders_are_refused(tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ PROMPTS = TINY_PROMPTS
 def make_worker(model_dir: Path, block_size: int = BLOCK_SIZE, num_blocks: int = NUM_BLOCKS):
     config = WorkerConfig(
         # fp32 pinned: "auto" is bf16 on a CPU with the bf16 kernels.
-        model=ModelConfig(model=str(model_dir, dtype="float32"), dtype="float32"),
+        model=ModelConfig(model=str(model_dir), dtype="float32"),
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks),
         device="cpu",
     )
@@ -74,7 +74,7 @@ def test_the_runner_picks_the_fused_forward_once(
     monkeypatch.delenv("PAGEDSERVE_FUSED_LAYERS")
     torch_worker = Worker(
         WorkerConfig(
-            model=ModelConfig(model=str(tiny_llama_dir, dtype="float32")),
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
             cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=8),
             device="cpu",
             attention_backend="torch",
