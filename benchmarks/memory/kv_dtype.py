@@ -219,7 +219,8 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     runs = result["runs"]
-    labels = [f"{r['dtype'][:4]}/{r['kv_cache_dtype'][:4]} r{r['round'] + 1}" for r in runs]
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    labels = [f"{short[r['dtype']]}/{short[r['kv_cache_dtype']]} r{r['round'] + 1}" for r in runs]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (k, title) in zip(
         axes,
