@@ -83,14 +83,17 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server(args: argparse.Namespace, extra: list[str]) -> Iterator[str]:
-    """``pagedserve serve`` in a subprocess; yields its gRPC address once it answers."""
+    """``pagedserve serve`` in a subprocess; yields its gRPC address once it answers.
+
+    ``args.num_blocks`` ``None`` leaves the pool size to ``extra`` (``--kv-cache-memory``).
+    """
     port, http_port = free_port(), free_port()
     cmd = [
         str(Path(sys.executable).parent / "pagedserve"),
         "serve",
         "--port", str(port),
         "--http-port", str(http_port),
-        "--num-blocks", str(args.num_blocks),
+        *(["--num-blocks", str(args.num_blocks)] if args.num_blocks is not None else []),
         "--block-size", str(args.block_size),
         "--max-model-len", str(args.max_model_len),
         "--max-num-seqs", str(args.max_num_seqs),
