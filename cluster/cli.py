@@ -80,8 +80,8 @@ def _add_serve(sub: Any) -> None:
         choices=DTYPE_CHOICES,
         default="auto",
         help="model dtype; auto: the checkpoint's 16-bit dtype where the device runs it "
-        "fast, bf16 for an fp32 checkpoint on CUDA, float32 on CPU (its fast kernels are "
-        "fp32; bfloat16/float16 on CPU run the slower generic layers)",
+        "fast; for an fp32 checkpoint bf16 on CUDA and on CPUs with native bf16 (AMX or "
+        "AVX512-BF16), float32 on other CPUs (float16 on CPU runs the slower generic layers)",
     )
     p.add_argument(
         "--kv-cache-dtype",

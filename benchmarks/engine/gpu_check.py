@@ -224,6 +224,9 @@ def random_runner(config: dict[str, Any], device: str, dtype: str, kv_bytes: int
 
     folder = Path(tempfile.mkdtemp(prefix="gpu-check-model-"))
     (folder / "config.json").write_text(json.dumps(config))
+    # An empty safetensors file (8-byte header length, then "{}"): the weights come from
+    # load_random below, but the worker's get_info hashes the folder's weight files.
+    (folder / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
 
     def load_random(
         _path: Any, arch: ModelArch, max_positions: int, dt: torch.dtype, dev: torch.device,
