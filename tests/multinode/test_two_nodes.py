@@ -40,9 +40,10 @@ SWAP = (
     "--preemption-mode", "swap", "--device", "cpu", "--swap-space", "0.25",
     "--num-blocks", "10", "--max-model-len", "160",
 )  # fmt: skip
-# Ray declares a silent node dead after its health checks fail (tens of seconds); the link
-# cut must be over well before that.
-LINK_CUT_BOUND_S = 25.0
+# Ray declares a node dead after 5 failed health checks 3 s apart at the soonest (Ray 2.60's
+# health_check_failure_threshold and health_check_period_ms: 15 s); every request must
+# finish, and the link be back, before that.
+LINK_CUT_BOUND_S = 12.0
 PROMPTS = [[1, 40 + i, 50 + 2 * i, 60 + 3 * i, 70] for i in range(6)]
 START_S = 150.0
 
