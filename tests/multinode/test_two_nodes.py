@@ -205,7 +205,7 @@ class TestSwapOnNodeB:
                 if on_b["num_swap_outs"] > on_b["num_swap_ins"]:  # a group in B's store
                     held = on_b
                     break
-                time.sleep(0.01)
+                time.sleep(0.05)
             os.kill(two_nodes.raylet_pid_b(), signal.SIGKILL)
             assert held, "no group was swapped out on node B when its raylet was killed"
             results = [f.result(timeout=180) for f in futures]
