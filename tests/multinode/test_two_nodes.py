@@ -1,21 +1,25 @@
 """Serving across two real Ray nodes (node B in its own network and mount namespaces).
 
 The driver is ``pagedserve serve --address`` in a subprocess on node A, as a user runs it;
-worker placement by ``--worker-resources`` (node A has ``node_a``, node B ``node_b``).
-The raylet case ends node B, so it runs last.
+worker placement by ``--worker-resources`` (worker 0 on node B, worker 1 on node A). One
+``serve`` runs at a time (one CPU per node): the swap cases share a class-scoped ``serve``,
+the recompute cases the module's last one. The cases that kill B's raylet end their
+group; ``serving`` starts node B again when it is gone.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from helpers import hf_greedy
@@ -28,6 +32,18 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 120
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 RECOMPUTE = ("--preemption-mode", "recompute", "--device", "cpu")
+# A step unanswered for 3 s (or 10 x the worker's mean step) requeues its sequences.
+DEADLINE = ("--step-deadline-floor", "3", "--step-deadline-factor", "10")
+# 10 blocks of 16 per worker: three 125-token sequences (8 blocks each) cannot run side by
+# side, so every worker preempts, and `swap` moves every victim to its node's host store.
+SWAP = (
+    "--preemption-mode", "swap", "--device", "cpu", "--swap-space", "0.25",
+    "--num-blocks", "10", "--max-model-len", "160",
+)  # fmt: skip
+# Ray declares a node dead after 5 failed health checks 3 s apart at the soonest (Ray 2.60's
+# health_check_failure_threshold and health_check_period_ms: 15 s); every request must
+# finish, and the link be back, before that.
+LINK_CUT_BOUND_S = 12.0
 PROMPTS = [[1, 40 + i, 50 + 2 * i, 60 + 3 * i, 70] for i in range(6)]
 START_S = 150.0
 
@@ -46,9 +62,18 @@ def _serve_cmd(nodes: TwoNodes, model: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+class Served(NamedTuple):
+    """A running ``serve``: its gRPC address and the file its output goes to."""
+
+    address: str
+    log: Path
+
+
 @contextmanager
-def serving(nodes: TwoNodes, model: Path, *extra: str) -> Iterator[str]:
-    """``serve`` running; yields its gRPC address; SIGTERM (then SIGKILL) by PID after."""
+def serving(nodes: TwoNodes, model: Path, *extra: str) -> Iterator[Served]:
+    """``serve`` running (node B started again first when a test killed it); yields its
+    address and log; SIGTERM (then SIGKILL) by PID after."""
+    nodes.ensure_node_b()
     log = nodes.root / f"serve-{time.monotonic_ns()}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -60,7 +85,7 @@ def serving(nodes: TwoNodes, model: Path, *extra: str) -> Iterator[str]:
             text = log.read_text(errors="replace")
             for line in text.splitlines():
                 if line.startswith("pagedserve: serving on "):
-                    yield line.split()[-4]
+                    yield Served(line.split()[-4], log)
                     return
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise ServeFailed(f"serve did not start (rc {proc.poll()}):\n{text[-4000:]}")
@@ -95,6 +120,32 @@ def _greedy(address: str) -> list[list[int]]:
             return list(pool.map(one, PROMPTS))
 
 
+def _streams(client: Client, pool: ThreadPoolExecutor) -> list[Future[list[int]]]:
+    """Every prompt streamed greedily; returns once each has its first token (60 s)."""
+    first_token = [0] * len(PROMPTS)
+
+    def one(i: int) -> list[int]:
+        out: list[int] = []
+        for delta in client.stream(token_ids=PROMPTS[i], **GREEDY):
+            out.extend(delta.token_ids)
+            first_token[i] = len(out)
+        return out
+
+    futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
+    deadline = time.monotonic() + 60
+    while not all(first_token) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return futures
+
+
+def _swap_log(log: Path) -> dict[int, tuple[str, float]]:
+    """Worker id -> (node id, swap MB/s) from the launcher's probe lines in ``serve``'s log."""
+    pattern = re.compile(r"worker (\d+) on node (\w+): host block store \S+, \d+ blocks; "
+                         r"swap ([\d.]+) MB/s")  # fmt: skip
+    found = (pattern.search(ln) for ln in log.read_text(errors="replace").splitlines())
+    return {int(m[1]): (m[2], float(m[3])) for m in found if m}
+
+
 def test_model_missing_on_node_b_is_one_error_line(two_nodes: TwoNodes, hidden_model: Path) -> None:
     done = subprocess.run(
         _serve_cmd(two_nodes, hidden_model, *RECOMPUTE),
@@ -110,15 +161,66 @@ def test_model_missing_on_node_b_is_one_error_line(two_nodes: TwoNodes, hidden_m
 def test_worker_on_node_b_with_default_flags_matches_hf(
     two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
 ) -> None:
-    with serving(two_nodes, tiny_model) as address:
-        assert _greedy(address) == hf_reference
+    with serving(two_nodes, tiny_model) as served:
+        assert _greedy(served.address) == hf_reference
+
+
+class TestSwapOnNodeB:
+    """``--preemption-mode swap`` with a small pool: worker 0 on B swaps to B's store."""
+
+    @pytest.fixture(scope="class")
+    def swap_serving(self, two_nodes: TwoNodes, tiny_model: Path) -> Iterator[Served]:
+        with serving(two_nodes, tiny_model, *SWAP) as served:
+            yield served
+
+    def test_swap_forced_on_node_b_counts_transfers_to_its_own_store(
+        self, swap_serving: Served, hf_reference: list[list[int]]
+    ) -> None:
+        assert _greedy(swap_serving.address) == hf_reference
+        with Client(swap_serving.address, timeout_s=30) as client:
+            on_b, on_a = client.stats()["workers"]
+        assert on_b["num_swap_outs"] >= 1 and on_b["num_swap_ins"] >= 1, on_b
+        assert on_b["num_swap_failures"] == 0, on_b
+        assert on_b["can_swap"] and on_a["can_swap"], (on_b, on_a)
+        probes = _swap_log(swap_serving.log)
+        assert set(probes) == {0, 1}, probes
+        assert probes[0][0] != probes[1][0], f"one store for both nodes: {probes}"
+        print(  # the figures docs/operations.md quotes (run with -s)
+            f"swap bandwidth: worker 0 (node B) {probes[0][1]:.1f} MB/s, "
+            f"worker 1 (node A) {probes[1][1]:.1f} MB/s"
+        )
+
+    def test_swapped_group_on_node_b_recomputed_on_a_when_b_dies(
+        self, two_nodes: TwoNodes, swap_serving: Served, hf_reference: list[list[int]]
+    ) -> None:
+        with (
+            Client(swap_serving.address, timeout_s=180) as client,
+            ThreadPoolExecutor(len(PROMPTS)) as pool,
+        ):
+            futures = _streams(client, pool)
+            held: dict[str, object] = {}
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not all(f.done() for f in futures):
+                on_b = client.stats()["workers"][0]
+                if on_b["num_swap_outs"] > on_b["num_swap_ins"]:  # a group in B's store
+                    held = on_b
+                    break
+                time.sleep(0.05)
+            os.kill(two_nodes.raylet_pid_b(), signal.SIGKILL)
+            assert held, "no group was swapped out on node B when its raylet was killed"
+            results = [f.result(timeout=180) for f in futures]
+            stats = client.stats()
+        assert results == hf_reference
+        assert stats["workers"][1]["alive"] and not stats["workers"][0]["alive"]
+        assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
 
 
 @pytest.fixture(scope="module")
 def recompute_serving(two_nodes: TwoNodes, tiny_model: Path) -> Iterator[str]:
-    """``serve`` with worker 0 on node B and worker 1 on A, recompute preemption."""
-    with serving(two_nodes, tiny_model, *RECOMPUTE) as address:
-        yield address
+    """``serve`` with worker 0 on node B and worker 1 on A, recompute preemption, a 3 s
+    step deadline floor; yields its address."""
+    with serving(two_nodes, tiny_model, *RECOMPUTE, *DEADLINE) as served:
+        yield served.address
 
 
 def test_worker_on_node_b_serves_greedy_equal_to_hf(
@@ -130,28 +232,48 @@ def test_worker_on_node_b_serves_greedy_equal_to_hf(
     assert len(workers) == 2 and all(w["alive"] for w in workers)
 
 
+def test_link_cut_mid_stream_requests_finish_on_a_after_the_step_deadline(
+    two_nodes: TwoNodes, recompute_serving: str, hf_reference: list[list[int]]
+) -> None:
+    with (
+        Client(recompute_serving, timeout_s=180) as client,
+        ThreadPoolExecutor(len(PROMPTS)) as pool,
+    ):
+        futures = _streams(client, pool)
+        on_b = client.stats()["workers"][0]["num_requests_running"]
+        with two_nodes.link_down():
+            cut = time.monotonic()
+            assert on_b > 0, "node B's worker ran nothing when the link was cut"
+            wait(futures, timeout=LINK_CUT_BOUND_S)
+            elapsed = time.monotonic() - cut
+            stalled = sum(not f.done() for f in futures)
+            b_suspect = not client.stats()["workers"][0]["alive"]
+        assert stalled == 0, f"{stalled} request(s) stalled {LINK_CUT_BOUND_S:.0f} s after the cut"
+        results = [f.result() for f in futures]
+    assert results == hf_reference
+    assert b_suspect, "node B's worker was not taken out of service during the cut"
+    print(f"link cut: every request finished {elapsed:.1f} s after the cut")
+    # Node B outlived the cut (the deadline, not Ray's node death, ended the stall) and its
+    # worker rejoins once it answers.
+    assert two_nodes.alive_nodes() == 2
+    with Client(recompute_serving, timeout_s=30) as client:
+        deadline = time.monotonic() + 60
+        while not client.stats()["workers"][0]["alive"] and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert client.stats()["workers"][0]["alive"], "node B's worker did not rejoin"
+
+
 def test_node_b_raylet_killed_mid_stream_requests_finish_on_a(
     two_nodes: TwoNodes, recompute_serving: str, hf_reference: list[list[int]]
 ) -> None:
-    with Client(recompute_serving, timeout_s=180) as client:
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            first_token = [0] * len(PROMPTS)
-
-            def one(i: int) -> list[int]:
-                out: list[int] = []
-                stream = client.stream(token_ids=PROMPTS[i], **GREEDY)
-                for delta in stream:
-                    out.extend(delta.token_ids)
-                    first_token[i] = len(out)
-                return out
-
-            futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
-            deadline = time.monotonic() + 60
-            while not all(first_token) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            on_b = client.stats()["workers"][0]["num_requests_running"]
-            os.kill(two_nodes.raylet_pid_b(), signal.SIGKILL)
-            assert on_b > 0, "node B's worker ran nothing when its raylet was killed"
-            results = [f.result(timeout=180) for f in futures]
+    with (
+        Client(recompute_serving, timeout_s=180) as client,
+        ThreadPoolExecutor(len(PROMPTS)) as pool,
+    ):
+        futures = _streams(client, pool)
+        on_b = client.stats()["workers"][0]["num_requests_running"]
+        os.kill(two_nodes.raylet_pid_b(), signal.SIGKILL)
+        assert on_b > 0, "node B's worker ran nothing when its raylet was killed"
+        results = [f.result(timeout=180) for f in futures]
         assert results == hf_reference
         assert client.stats()["workers"][1]["alive"]

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +108,11 @@ class TwoNodes:
         return f"ps2n{self.tag}"
 
     @property
+    def veth_a(self) -> str:
+        """A's end of the veth pair (in this namespace)."""
+        return f"psa{self.tag}"
+
+    @property
     def hidden_dir(self) -> Path:
         return self.root / "hidden"
 
@@ -121,7 +127,7 @@ class TwoNodes:
     def start(self) -> None:
         """Make the namespace and link, start both nodes, wait until Ray sees two."""
         self.hidden_dir.mkdir()
-        veth_a, veth_b = f"psa{self.tag}", f"psb{self.tag}"
+        veth_a, veth_b = self.veth_a, f"psb{self.tag}"
         self.ip_a, self.ip_b = _free_subnet()
         _run("ip", "netns", "add", self.netns)
         _run("ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
@@ -147,6 +153,11 @@ class TwoNodes:
         ]  # fmt: skip
         self._spawn(head, "a")
         self.wait_nodes(1)
+        self._start_node_b()
+        self.wait_nodes(2)
+
+    def _start_node_b(self) -> None:
+        common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
         worker = [
             str(RAY_BIN), "start", *common, "--address", self.gcs_address,
             "--node-ip-address", self.ip_b, "--resources", json.dumps({"node_b": 1}),
@@ -156,10 +167,43 @@ class TwoNodes:
             f"mount -t tmpfs tmpfs {self.temp_dir('b')} && "
             f"mount -t tmpfs tmpfs {self.hidden_dir} && exec {' '.join(map(repr, worker))}"
         )
+        ns = ("ip", "netns", "exec", self.netns)
         self._spawn(
             [*ns, "unshare", "--mount", "--propagation", "private", "sh", "-c", mounts], "b"
         )
+
+    def ensure_node_b(self) -> None:
+        """Node B up: when its raylet is gone (a test killed it), every process left in B's
+        namespace is killed by PID, Ray waited on to see one node, and B started afresh
+        (new node id, empty temp dir and hidden folder) until Ray sees two."""
+        if self._raylet_b() is not None and self.alive_nodes() >= 2:
+            return
+        for pid in self.netns_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        head, *old_b = self.procs
+        for p in old_b:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+        self.procs = [head]
+        deadline = time.monotonic() + NODE_WAIT_S
+        while self.alive_nodes() > 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node B still alive in Ray's view after {NODE_WAIT_S:.0f} s")
+            time.sleep(1.0)
+        self._start_node_b()
         self.wait_nodes(2)
+
+    @contextlib.contextmanager
+    def link_down(self) -> Iterator[None]:
+        """A's end of the veth pair down (B unreachable, no connection reset) for the
+        ``with`` body; up again after, even on failure."""
+        _run("ip", "link", "set", self.veth_a, "down")
+        try:
+            yield
+        finally:
+            _run("ip", "link", "set", self.veth_a, "up")
 
     def _spawn(self, cmd: list[str], node: str) -> None:
         log = open(self.root / f"node-{node}.log", "wb")  # noqa: SIM115 - closed by the child
@@ -204,8 +248,7 @@ class TwoNodes:
         out = subprocess.run(["ip", "netns", "pids", self.netns], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
-    def raylet_pid_b(self) -> int:
-        """The PID of node B's raylet."""
+    def _raylet_b(self) -> int | None:
         for pid in self.netns_pids():
             try:
                 exe = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
@@ -213,7 +256,14 @@ class TwoNodes:
                 continue
             if exe.endswith(b"/raylet"):
                 return pid
-        raise RuntimeError("node B has no raylet")
+        return None
+
+    def raylet_pid_b(self) -> int:
+        """The PID of node B's raylet; RuntimeError when it has none."""
+        pid = self._raylet_b()
+        if pid is None:
+            raise RuntimeError("node B has no raylet")
+        return pid
 
     def _own_pids(self) -> list[int]:
         """Processes whose command line names this run's temp dirs (Ray's own children)."""
