@@ -217,11 +217,16 @@ class TwoNodes:
     def alive_nodes(self) -> int:
         """Alive nodes in Ray's view (asked from a short-lived driver)."""
         code = f"import ray; ray.init(address={self.gcs_address!r}, log_to_driver=False); "
-        code += "print(sum(n['Alive'] for n in ray.nodes()))"
+        code += "print('alive-nodes:', sum(n['Alive'] for n in ray.nodes()))"
         done = subprocess.run(
             [sys.executable, "-c", code], capture_output=True, text=True, env=self.env(), timeout=60
         )
-        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+        # Ray may print warnings (e.g. "raylet has lagging heartbeats") on stdout too.
+        counts = [
+            line.split(":", 1)[1] for line in done.stdout.splitlines()
+            if line.startswith("alive-nodes:")
+        ]  # fmt: skip
+        return int(counts[-1]) if done.returncode == 0 and counts else 0
 
     def wait_nodes(self, count: int, timeout_s: float = NODE_WAIT_S) -> None:
         deadline = time.monotonic() + timeout_s
