@@ -211,7 +211,9 @@ class TestSwapOnNodeB:
             results = [f.result(timeout=180) for f in futures]
             stats = client.stats()
         assert results == hf_reference
-        assert stats["workers"][1]["alive"] and not stats["workers"][0]["alive"]
+        # Worker 1 (on A) finished them; whether worker 0 is marked dead yet depends on when
+        # Ray or the probe notices B's raylet is gone, so it is not asserted here.
+        assert stats["workers"][1]["alive"]
         assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
 
 
