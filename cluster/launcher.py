@@ -217,17 +217,9 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             )
         )
         await scheduler.ready.remote()
-        pipeline = RequestPipeline(
-            scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
+        pipeline, servicer, http, server, port = await _start_frontend(
+            config, scheduler, tokenizer, info
         )
-        servicer = GenerationServicer(pipeline)
-        http = await _start_http(config, pipeline)
-        try:
-            server, port = await start_server(config.server, servicer)
-        except BaseException:
-            if http is not None:
-                await http.stop()
-            raise
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -375,17 +367,9 @@ async def attach_frontend(config: ClusterConfig) -> AttachedFrontend:
         if data is None:
             raise RuntimeError(f"cluster {config.cluster_name!r} serves no attached frontends")
         info, tokenizer = _frontend_from_info(data)
-        pipeline = RequestPipeline(
-            scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
+        pipeline, servicer, http, server, port = await _start_frontend(
+            config, scheduler, tokenizer, info
         )
-        servicer = GenerationServicer(pipeline)
-        http = await _start_http(config, pipeline)
-        try:
-            server, port = await start_server(config.server, servicer)
-        except BaseException:
-            if http is not None:
-                await http.stop()
-            raise
     except BaseException:
         if owns_ray:
             ray.shutdown()
@@ -489,6 +473,26 @@ def _near_driver() -> Any:
 def _node_wait(config: ClusterConfig) -> float:
     """Seconds to wait for joining nodes: none in an embedded cluster (no node joins)."""
     return 0.0 if config.ray_address is None else config.node_wait_s
+
+
+async def _start_frontend(
+    config: ClusterConfig, scheduler: Any, tokenizer: Any, info: ModelInfo
+) -> tuple[RequestPipeline, GenerationServicer, Any, Any, int]:
+    """The request pipeline over ``scheduler``, the gRPC server and (when configured) the
+    HTTP server: ``(pipeline, servicer, http or None, grpc server, grpc port)``. The HTTP
+    server is stopped again when the gRPC one cannot start."""
+    pipeline = RequestPipeline(
+        scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
+    )
+    servicer = GenerationServicer(pipeline)
+    http = await _start_http(config, pipeline)
+    try:
+        server, port = await start_server(config.server, servicer)
+    except BaseException:
+        if http is not None:
+            await http.stop()
+        raise
+    return pipeline, servicer, http, server, port
 
 
 async def start_host_store(
