@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from scheduler.structured_outputs import StructuredOutputs
+
 DEFAULT_MAX_TOKENS = 64
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
 MAX_LOGPROBS = 20
@@ -58,6 +60,8 @@ class SamplingParams:
         priority: scheduling priority under the ``priority`` scheduling policy: lower is
             more urgent (admitted first, preempted last); int32 range. Ignored under
             ``fcfs``.
+        structured_outputs: a constraint on the generated text (JSON schema, any JSON
+            object, regex, choice, EBNF grammar); ``None`` = unconstrained.
 
     Raises:
         ValueError: on out-of-range values, with a message naming the field.
@@ -82,6 +86,7 @@ class SamplingParams:
     beam_width: int = 1
     length_penalty: float = 1.0
     priority: int = 0
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
