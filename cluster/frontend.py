@@ -75,7 +75,7 @@ def sampling_from_proto(msg: Any) -> SamplingRequest:
     fields = {
         f.name: getattr(msg, f.name)
         for f in dataclasses.fields(SamplingRequest)
-        if f.name not in ("stop", "stop_token_ids") and msg.HasField(f.name)
+        if f.name not in ("stop", "stop_token_ids", "structured_outputs") and msg.HasField(f.name)
     }
     return SamplingRequest(
         stop=tuple(msg.stop), stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), **fields

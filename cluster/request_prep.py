@@ -21,6 +21,7 @@ from pagedserve.cluster.flights import MAX_REQUEST_ID_CHARS
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import InvalidRequest, RequestRejected
 from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
 MAX_N = 64
 MAX_STOP_STRINGS = 16
@@ -118,6 +119,7 @@ class SamplingRequest:
     beam_width: int | None = None
     length_penalty: float | None = None
     priority: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class RequestPreparer:
@@ -290,6 +292,7 @@ class RequestPreparer:
                 beam_width=beam_width,
                 length_penalty=float(opt(req.length_penalty, 1.0)),
                 priority=opt(req.priority, 0),
+                structured_outputs=req.structured_outputs,
             )
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from scheduler.structured_outputs import StructuredOutputs
+from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
 DEFAULT_MAX_TOKENS = 64
 GREEDY_TEMPERATURE = 1e-5  # below this, sampling is argmax
