@@ -658,6 +658,7 @@ class Scheduler:
                 s.worker_id = None
                 s.num_preemptions += 1  # NOTE: num_computed_tokens is kept: the KV is saved
                 self.num_preemptions += 1
+                ws.num_preemptions += 1
                 self.metrics.on_preempted("swap")
                 self._enqueue(ws, s, front=True)
             return

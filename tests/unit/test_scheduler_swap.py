@@ -181,6 +181,9 @@ def test_forced_swap_keeps_every_token_and_frees_everything() -> None:
     sw = sched.swap_stats()
     assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
     assert sw.preemptions_by_mode == {"recompute": 0, "swap": sched.num_preemptions}
+    # The worker's own count includes swap preemptions; none of them recomputed a token.
+    (ws,) = sched.workers.values()
+    assert ws.num_preemptions == sched.num_preemptions and ws.num_recomputed_tokens == 0
     assert sw.swap_out_bytes == sw.swap_in_bytes
     all_free(sched, host)
 
