@@ -358,7 +358,7 @@ def _serve(args: argparse.Namespace) -> int:
     if attach:
         config = dataclasses.replace(config, ray_address=args.attach)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(config, attach=attach))
+        return asyncio.run(serve_forever(config, attach=attach))
     return 0
 
 

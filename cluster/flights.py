@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 
 from pagedserve.scheduler.errors import (
     ClusterUnavailable,
@@ -297,8 +298,11 @@ async def _local_process_exit(scheduler: Any, poll_s: float) -> None:
         await asyncio.sleep(poll_s)
 
 
-async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0.1) -> None:
-    """Keep ``table.scheduler_up`` in line with the scheduler actor. Runs until cancelled.
+async def watch_scheduler(
+    scheduler: Any, table: FlightTable, retry_s: float = 0.1, gone_after_s: float = 10.0
+) -> str:
+    """Keep ``table.scheduler_up`` in line with the scheduler actor; return why the
+    cluster is gone for good, or run until cancelled.
 
     Holds one call on the actor that ends only at its shutdown (``wait_stopped``), which
     Ray fails when the actor dies, and (when the actor runs on this node) watches its
@@ -307,6 +311,12 @@ async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0
     requests are refused (UNAVAILABLE) instead of queueing for a restart, and the watcher
     calls ``ready`` until a restarted actor answers (it starts empty and resets the
     workers), then admits again.
+
+    Returns (with requests refused from then on):
+        ``"the cluster stopped"`` when the actor shut down (its cluster stopped: what an
+        attached frontend sees when the owning one stops), or ``"the scheduler actor
+        died for good (...)"`` when Ray reports it dead with no restart left
+        (``ActorDiedError`` on every call for ``gone_after_s`` seconds).
     """
     while True:
         stopped = asyncio.ensure_future(_await(scheduler.wait_stopped.remote()))
@@ -317,7 +327,9 @@ async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0
             exited.cancel()
             stopped.cancel()
         if stopped.done() and not stopped.cancelled() and stopped.exception() is None:
-            return  # a clean shutdown
+            table.scheduler_up = False
+            table.fail_all(ClusterUnavailable("scheduler unavailable: the cluster stopped"))
+            return "the cluster stopped"
         if stopped.done() and not stopped.cancelled():
             reason = repr(stopped.exception())
         elif exited.done() and not exited.cancelled() and exited.exception() is not None:
@@ -327,16 +339,34 @@ async def watch_scheduler(scheduler: Any, table: FlightTable, retry_s: float = 0
         table.scheduler_up = False
         table.fail_all(ClusterUnavailable("scheduler unavailable: the scheduler actor died"))
         log.error("the scheduler actor died (%s); refusing requests until it is back", reason)
-        while True:
-            try:
-                await asyncio.wait_for(scheduler.ready.remote(), timeout=2.0)
-                break
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # dead, or still restarting
-                await asyncio.sleep(retry_s)
+        gone = await _await_restart(scheduler, retry_s, gone_after_s)
+        if gone is not None:
+            return f"the scheduler actor died for good ({gone})"
         table.scheduler_up = True
         log.warning("the scheduler actor is back (empty); admitting requests again")
+
+
+async def _await_restart(scheduler: Any, retry_s: float, gone_after_s: float) -> str | None:
+    """Call ``ready`` until a restarted scheduler answers (None), or return the error when
+    Ray has said the actor is dead (``ActorDiedError``, no restart left) on every call for
+    ``gone_after_s`` seconds (a restarting actor queues the call instead, which times out
+    and starts the count again)."""
+    loop = asyncio.get_running_loop()
+    dead_since: float | None = None
+    while True:
+        try:
+            await asyncio.wait_for(scheduler.ready.remote(), timeout=2.0)
+            return None
+        except asyncio.CancelledError:
+            raise
+        except ActorDiedError as exc:
+            now = loop.time()
+            dead_since = now if dead_since is None else dead_since
+            if now - dead_since >= gone_after_s:
+                return type(exc).__name__
+        except Exception:  # still restarting, or not reachable yet
+            dead_since = None
+        await asyncio.sleep(retry_s)
 
 
 async def _await(ref: Any) -> Any:

@@ -154,9 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = _cluster_config(serve_argv)
         if args.command == "serve":
-            asyncio.run(serve_forever(config, grace_s=JOB_STOP_GRACE_S))
+            status = asyncio.run(serve_forever(config, grace_s=JOB_STOP_GRACE_S))
             print("pagedserve: stopped", flush=True)
-            return 0
+            return status
         levels = [int(c) for c in args.concurrency.split(",")]
         result = asyncio.run(_bench(config, levels, args.requests, args.max_tokens))
     except (ValueError, RuntimeError, OSError) as exc:

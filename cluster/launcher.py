@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -87,7 +88,7 @@ class ClusterHandle:
     http: HttpServer | None = None
     pipeline: RequestPipeline | None = None
     servicer: GenerationServicer | None = None
-    watch_task: asyncio.Task[None] | None = None
+    watch_task: asyncio.Task[str] | None = None
     host_stores: dict[str, Any] = dataclasses.field(default_factory=dict)  # node id -> store
 
     @property
@@ -673,14 +674,18 @@ async def _start_http(config: ClusterConfig, pipeline: RequestPipeline) -> HttpS
     return http
 
 
-async def serve_forever(config: ClusterConfig, grace_s: float = 2.0, attach: bool = False) -> None:
+async def serve_forever(config: ClusterConfig, grace_s: float = 2.0, attach: bool = False) -> int:
     """Run the cluster (``attach``: one more frontend of the running cluster
     ``config.cluster_name``, :func:`attach_frontend`) until Ctrl-C / SIGTERM, then shut
     down gracefully: refuse new
     requests (UNAVAILABLE, health NOT_SERVING), let the ones in flight finish for up to
     ``config.server.drain_timeout_s`` seconds (a second signal cuts that short), abort
     the rest (ABORT), and stop the frontends (``grace_s`` seconds), the actors and Ray
-    (an attached frontend: its own requests and servers only)."""
+    (an attached frontend: its own requests and servers only).
+
+    Returns the exit status: 0 after a stop signal, 1 when the cluster went away for good
+    first (an attached frontend's owning cluster stopped, or the scheduler actor died with
+    no restart left), which is printed as an ``error:`` line."""
     import signal
 
     handle = await (attach_frontend(config) if attach else start_cluster(config))
@@ -709,18 +714,46 @@ async def serve_forever(config: ClusterConfig, grace_s: float = 2.0, attach: boo
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
+    gone: str | None = None
     try:
-        await stop.wait()
-        drain_s = config.server.drain_timeout_s
-        print(
-            f"pagedserve: draining: refusing new requests, waiting up to {drain_s:g} s for "
-            f"{len(handle.pipeline.flights) if handle.pipeline else 0} in flight "
-            "(Ctrl-C again to stop now)",
-            flush=True,
-        )
-        aborted = await handle.drain(drain_s, force)
-        if aborted:
-            print(f"pagedserve: aborted {aborted} request(s) still running", flush=True)
+        gone = await _until_stop_or_gone(stop, handle.watch_task)
+        if gone is not None:
+            print(f"pagedserve: error: {gone}; this frontend stops", file=sys.stderr, flush=True)
+        else:
+            await _drain(handle, config.server.drain_timeout_s, force)
     finally:
         print("pagedserve: shutting down", flush=True)
         await handle.stop(grace_s)
+    return 0 if gone is None else 1
+
+
+async def _drain(handle: ClusterHandle, drain_s: float, force: asyncio.Event) -> None:
+    print(
+        f"pagedserve: draining: refusing new requests, waiting up to {drain_s:g} s for "
+        f"{len(handle.pipeline.flights) if handle.pipeline else 0} in flight "
+        "(Ctrl-C again to stop now)",
+        flush=True,
+    )
+    aborted = await handle.drain(drain_s, force)
+    if aborted:
+        print(f"pagedserve: aborted {aborted} request(s) still running", flush=True)
+
+
+async def _until_stop_or_gone(
+    stop: asyncio.Event, watch_task: asyncio.Task[str] | None
+) -> str | None:
+    """Wait for a stop signal (None) or for the scheduler watcher to report the cluster
+    gone for good (its reason): the owning cluster stopped, or its scheduler actor died
+    with no restart left."""
+    waiter = asyncio.ensure_future(stop.wait())
+    tasks: set[asyncio.Future[Any]] = {waiter}
+    if watch_task is not None:
+        tasks.add(watch_task)
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if watch_task is None or not watch_task.done() or watch_task.cancelled():
+        return None
+    exc = watch_task.exception()
+    return watch_task.result() if exc is None else f"the scheduler watcher failed ({exc!r})"
