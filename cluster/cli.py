@@ -230,6 +230,13 @@ def _add_serve(sub: Any) -> None:
         "`ray start --resources`",
     )
     p.add_argument(
+        "--scheduler-resources",
+        type=_parse_scheduler_resources,
+        default=None,
+        help="custom Ray resources that place the scheduler actor (and its restarts), as "
+        "JSON ('{\"sched_node\": 1}'); default: the driver's node",
+    )
+    p.add_argument(
         "--startup-timeout",
         type=float,
         default=300.0,
@@ -273,6 +280,14 @@ def _parse_worker_resources(text: str) -> tuple[dict[str, float], ...]:
             'expected {"name": amount, ...} or a list of them, one per worker'
         )
     return tuple({str(k): float(v) for k, v in e.items()} for e in entries)
+
+
+def _parse_scheduler_resources(text: str) -> dict[str, float]:
+    """``--scheduler-resources`` JSON: one object of name -> amount."""
+    entries = _parse_worker_resources(text)
+    if len(entries) != 1 or text.lstrip().startswith("["):
+        raise argparse.ArgumentTypeError('expected one {"name": amount, ...} object')
+    return entries[0]
 
 
 def _add_server_security(p: argparse.ArgumentParser) -> None:
@@ -415,6 +430,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         num_workers=args.workers,
         cpus_per_worker=args.cpus_per_worker,
         worker_resources=getattr(args, "worker_resources", ()),
+        scheduler_resources=getattr(args, "scheduler_resources", None),
         startup_timeout_s=getattr(args, "startup_timeout", 300.0),
         node_wait_s=getattr(args, "node_wait", 10.0),
         device=args.device,

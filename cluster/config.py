@@ -89,6 +89,15 @@ class ServerConfig:
         return self.tls_cert is not None
 
 
+def _check_custom_resources(field_name: str, entry: dict[str, float], why: str) -> None:
+    """Only custom Ray resources, each amount > 0 (``why``: the error's reason for that)."""
+    for name, amount in entry.items():
+        if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ValueError(f"{field_name} names {name!r}: only custom resources ({why})")
+        if not amount > 0:
+            raise ValueError(f"{field_name}[{name!r}] must be > 0, got {amount}")
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     """The whole serving cluster: Ray, scheduler, workers and frontend.
@@ -104,6 +113,9 @@ class ClusterConfig:
             nodes that have them (``ray start --resources '{"node_b": 1}'``): empty for none,
             one mapping for every worker, or one per worker (worker ``k`` gets entry ``k``).
             CPU and GPU come from ``cpus_per_worker`` and ``device``, not from here.
+        scheduler_resources: custom Ray resources the scheduler actor requests, which place
+            it (and its restarts) on the nodes that have them; None pins it to the driver's
+            node (the default: its output streams go to the driver's frontend).
         startup_timeout_s: how long to wait for the workers to load their model and answer
             (seconds); past it start-up fails naming the late workers' requests.
         node_wait_s: how long to wait for nodes still joining (seconds): for the GPUs
@@ -131,6 +143,7 @@ class ClusterConfig:
     num_workers: int = 1
     cpus_per_worker: int | None = 1
     worker_resources: tuple[dict[str, float], ...] = ()
+    scheduler_resources: dict[str, float] | None = None
     startup_timeout_s: float = 300.0
     node_wait_s: float = 10.0
     device: str = "auto"
@@ -171,14 +184,15 @@ class ClusterConfig:
                 f"one per worker ({self.num_workers})"
             )
         for entry in res:
-            for name, amount in entry.items():
-                if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
-                    raise ValueError(
-                        f"worker_resources names {name!r}: only custom resources "
-                        "(CPU and GPU come from cpus_per_worker and device)"
-                    )
-                if not amount > 0:
-                    raise ValueError(f"worker_resources[{name!r}] must be > 0, got {amount}")
+            _check_custom_resources(
+                "worker_resources", entry, "CPU and GPU come from cpus_per_worker and device"
+            )
+        if self.scheduler_resources is not None:
+            if not self.scheduler_resources:
+                raise ValueError("scheduler_resources must name at least one resource (or be None)")
+            _check_custom_resources(
+                "scheduler_resources", self.scheduler_resources, "the scheduler takes no CPU or GPU"
+            )
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         """The :class:`WorkerConfig` of worker ``worker_id``."""

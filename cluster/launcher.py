@@ -204,7 +204,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
                 num_cpus=0,
                 max_concurrency=10_000,
                 max_restarts=config.scheduler_max_restarts,
-                scheduling_strategy=_near_driver(),
+                **_scheduler_placement(config),
                 **scheduler_actor_options(config.cluster_name),
             )
             .remote(  # names: see SchedulerActor
@@ -432,7 +432,11 @@ async def _start_workers(
         cpus = startup.default_cpus_per_worker(config, startup.cluster_nodes())
         config = dataclasses.replace(config, cpus_per_worker=cpus)
     requests = [startup.worker_request(config, w, cuda, cpus) for w in range(config.num_workers)]
-    await asyncio.to_thread(startup.check_placeable, requests, _node_wait(config))
+    labels = None
+    if config.scheduler_resources is not None:
+        requests.append({"num_cpus": 0, "resources": dict(config.scheduler_resources)})
+        labels = [f"worker {w}" for w in range(config.num_workers)] + ["the scheduler"]
+    await asyncio.to_thread(startup.check_placeable, requests, _node_wait(config), labels=labels)
     worker_cls = ray.remote(startup.Worker)
     workers: list[Any] = []
     names = [f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{w}" for w in range(config.num_workers)]
@@ -461,14 +465,18 @@ async def _start_workers(
     return workers, names, infos
 
 
-def _near_driver() -> Any:
-    """Ray scheduling strategy for the scheduler actor: the driver's node, whose frontends
-    read its output stream (the driver dies with that node anyway). Without it a zero-CPU
-    actor may land on any node, and dies with it."""
+def _scheduler_placement(config: ClusterConfig) -> dict[str, Any]:
+    """Ray options that place the scheduler actor: its ``scheduler_resources`` when given
+    (it and its restarts go to the nodes that hold them), else the driver's node, whose
+    frontend reads its output stream (the driver dies with that node anyway; without it a
+    zero-CPU actor may land on any node, and die with it)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    if config.scheduler_resources is not None:
+        return {"resources": dict(config.scheduler_resources)}
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
 
 def _node_wait(config: ClusterConfig) -> float:

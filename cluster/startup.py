@@ -136,17 +136,24 @@ def _shown(res: dict[str, float]) -> dict[str, float]:
             and not k.startswith("node:")}  # fmt: skip
 
 
-def placement_problem(nodes: Sequence[NodeView], requests: Sequence[dict[str, Any]]) -> str | None:
-    """Why the workers' ``requests`` (Ray actor options) cannot all be placed on
-    ``nodes``, as one line naming the worker, its demand and the nodes; None when they fit."""
+def placement_problem(
+    nodes: Sequence[NodeView],
+    requests: Sequence[dict[str, Any]],
+    labels: Sequence[str] | None = None,
+) -> str | None:
+    """Why ``requests`` (Ray actor options; ``labels`` name them, default ``worker k``)
+    cannot all be placed on ``nodes``, as one line naming the actor, its demand and the
+    nodes; None when they fit."""
     bad = _first_fit(nodes, [_as_demand(r) for r in requests])
     if bad is None:
         return None
     demand = _as_demand(requests[bad])
     have = "; ".join(f"{n.label()} {_fmt(_shown(n.resources))}" for n in nodes) or "no alive node"
     alone = _first_fit(nodes, [demand]) is None
-    why = "does not fit beside the other workers" if alone else "fits no node"
-    return f"worker {bad} requests {_fmt(demand)}, which {why}; nodes: {have}"
+    why = f"does not fit beside the other {'workers' if labels is None else 'actors'}"
+    why = why if alone else "fits no node"
+    label = f"worker {bad}" if labels is None else labels[bad]
+    return f"{label} requests {_fmt(demand)}, which {why}; nodes: {have}"
 
 
 def check_placeable(
@@ -154,20 +161,22 @@ def check_placeable(
     wait_s: float,
     nodes_fn: Callable[[], list[NodeView]] = cluster_nodes,
     sleep: Callable[[float], None] = time.sleep,
+    labels: Sequence[str] | None = None,
 ) -> None:
     """Wait up to ``wait_s`` seconds (nodes still joining) for the alive nodes to hold
-    every request.
+    every request (``labels``: as :func:`placement_problem`).
 
     Raises:
-        StartupError: they still do not (the message names the worker and its demand).
+        StartupError: they still do not (the message names the actor and its demand).
     """
     deadline = time.monotonic() + wait_s
     while True:
-        problem = placement_problem(nodes_fn(), requests)
+        problem = placement_problem(nodes_fn(), requests, labels)
         if problem is None:
             return
         if time.monotonic() >= deadline:
-            raise StartupError(f"cannot place the workers: {problem}")
+            what = "the workers" if labels is None else "the cluster's actors"
+            raise StartupError(f"cannot place {what}: {problem}")
         sleep(min(1.0, max(0.0, deadline - time.monotonic())))
 
 

@@ -3,7 +3,7 @@
 The driver is ``pagedserve serve --address`` in a subprocess on node A, as a user runs it;
 worker placement by ``--worker-resources`` (worker 0 on node B, worker 1 on node A). One
 ``serve`` runs at a time (one CPU per node): the swap cases share a class-scoped ``serve``,
-the recompute cases the module's last one. The cases that kill B's raylet end their
+the recompute cases the module's last one; the scheduler-restart case has its own. The cases that kill B's raylet end their
 group; ``serving`` starts node B again when it is gone.
 """
 
@@ -215,6 +215,36 @@ class TestSwapOnNodeB:
         # Ray or the probe notices B's raylet is gone, so it is not asserted here.
         assert stats["workers"][1]["alive"]
         assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
+
+
+def test_scheduler_on_node_b_killed_comes_back_and_serves(
+    two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
+) -> None:
+    placed = ("--scheduler-resources", '{"sched_b": 1}')
+    with serving(two_nodes, tiny_model, *RECOMPUTE, *placed) as served:
+        assert _greedy(served.address) == hf_reference
+        (pid,) = two_nodes.actor_pids_b("SchedulerActor")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # Ray restarts it where sched_b is: on node B
+            restarted = two_nodes.actor_pids_b("SchedulerActor")
+            if restarted and restarted != [pid]:
+                break
+            time.sleep(0.5)
+        assert restarted and restarted != [pid], "the scheduler was not restarted on node B"
+        deadline = time.monotonic() + 120
+        while True:  # the frontend admits again once the restarted scheduler answers
+            try:
+                results = _greedy(served.address)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
+        assert results == hf_reference
+        with Client(served.address, timeout_s=30) as client:
+            assert all(w["alive"] for w in client.stats()["workers"])
+        assert "the scheduler actor died" in served.log.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")

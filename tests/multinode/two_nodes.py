@@ -4,7 +4,8 @@ Node A runs in this machine's network namespace; node B runs in its own network 
 (``ip netns add``, its own loopback, joined to A by a veth pair with an address on each end)
 and its own mount namespace (``unshare --mount``: a tmpfs over B's Ray temp dir, and over
 ``hidden_dir`` so files there exist on A only). Each node is one ``ray start --block``
-with ``--num-cpus 1`` and a custom resource (``node_a`` / ``node_b``) that places actors.
+with ``--num-cpus 1`` and a custom resource (``node_a`` / ``node_b``) that places actors
+(node B also has ``sched_b``, for the scheduler actor).
 
 Every name (namespace, veth, temp dirs, subnet) is unique per run, so runs side by side do
 not collide. Everything started is stopped by process group and PID; ``ray stop`` is never
@@ -160,7 +161,8 @@ class TwoNodes:
         common = ["--block", "--num-cpus", "1", "--disable-usage-stats"]
         worker = [
             str(RAY_BIN), "start", *common, "--address", self.gcs_address,
-            "--node-ip-address", self.ip_b, "--resources", json.dumps({"node_b": 1}),
+            "--node-ip-address", self.ip_b,
+            "--resources", json.dumps({"node_b": 1, "sched_b": 1}),
             "--temp-dir", str(self.temp_dir("b")),
         ]  # fmt: skip
         mounts = (
@@ -262,6 +264,20 @@ class TwoNodes:
             if exe.endswith(b"/raylet"):
                 return pid
         return None
+
+    def actor_pids_b(self, class_name: str) -> list[int]:
+        """PIDs of node B's worker processes running an actor of ``class_name`` (Ray titles
+        them ``ray::CLASS``, ``ray::CLASS.method`` while one runs)."""
+        title = f"ray::{class_name}".encode()
+        pids = []
+        for pid in self.netns_pids():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(title) and cmdline[len(title) : len(title) + 1] in b".\0 ":
+                pids.append(pid)
+        return pids
 
     def raylet_pid_b(self) -> int:
         """The PID of node B's raylet; RuntimeError when it has none."""

@@ -208,3 +208,30 @@ def test_wait_workers_names_late_workers_and_dead_ones(monkeypatch: pytest.Monke
     slow_then_dead = [_FakeWorker(0, delay_s=30), _FakeWorker(1, error=died)]
     with pytest.raises(StartupError, match=r"^worker 1 died while starting: The actor died"):
         asyncio.run(wait_workers(slow_then_dead, requests, 20))
+
+
+def test_the_scheduler_resources_are_checked_with_the_workers() -> None:
+    labels = ["worker 0", "the scheduler"]
+    fits = [{"num_cpus": 1}, {"num_cpus": 0, "resources": {"node_b": 1}}]
+    assert placement_problem([A, B], fits, labels) is None
+    absent = [{"num_cpus": 1}, {"num_cpus": 0, "resources": {"sched": 1}}]
+    problem = placement_problem([A, B], absent, labels)
+    assert problem is not None and problem.startswith("the scheduler requests {sched: 1}")
+    with pytest.raises(StartupError, match="cannot place the cluster's actors: the scheduler"):
+        check_placeable(absent, 0, lambda: [A, B], lambda _s: None, labels=labels)
+
+
+def test_config_and_cli_validate_scheduler_resources() -> None:
+    from pagedserve.cluster.cli import build_parser, serve_config
+
+    with pytest.raises(ValueError, match="scheduler_resources names 'CPU'"):
+        ClusterConfig(scheduler_resources={"CPU": 1})
+    with pytest.raises(ValueError, match=r"scheduler_resources\['s'\] must be > 0"):
+        ClusterConfig(scheduler_resources={"s": 0})
+    with pytest.raises(ValueError, match="at least one"):
+        ClusterConfig(scheduler_resources={})
+    args = build_parser().parse_args(["serve", "--scheduler-resources", '{"node_b": 1}'])
+    assert serve_config(args).scheduler_resources == {"node_b": 1.0}
+    assert serve_config(build_parser().parse_args(["serve"])).scheduler_resources is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--scheduler-resources", '[{"a": 1}]'])
