@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -328,6 +329,41 @@ class AttachedFrontend(ClusterHandle):
             ray.shutdown()
 
 
+async def find_cluster(config: ClusterConfig, wait_s: float = 0.0) -> tuple[Any, ModelInfo, Any]:
+    """The running cluster named ``config.cluster_name`` on the Ray cluster this process
+    joined: ``(scheduler actor, ModelInfo, tokenizer)``, waiting up to ``wait_s`` seconds
+    for its scheduler to appear (a cluster still starting).
+
+    Raises:
+        ValueError: no ``cluster_name``.
+        RuntimeError: no cluster of that name runs there (after ``wait_s``), or it serves
+            no attached frontends.
+    """
+    import ray
+
+    if config.cluster_name is None:
+        raise ValueError("attaching needs the cluster's name (cluster_name)")
+    name = scheduler_actor_name(config.cluster_name)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            scheduler = ray.get_actor(name, namespace=CLUSTER_NAMESPACE)
+            break
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(
+                    f"no pagedserve cluster named {config.cluster_name!r} runs on the Ray "
+                    f"cluster at {config.ray_address or 'this process'}"
+                ) from None
+            await asyncio.sleep(0.5)
+    await scheduler.ready.remote()
+    data = await scheduler.get_frontend_info.remote()
+    if data is None:
+        raise RuntimeError(f"cluster {config.cluster_name!r} serves no attached frontends")
+    info, tokenizer = _frontend_from_info(data)
+    return scheduler, info, tokenizer
+
+
 async def attach_frontend(config: ClusterConfig) -> AttachedFrontend:
     """Start another gRPC (+ HTTP) frontend against the running cluster named
     ``config.cluster_name`` on the Ray cluster at ``config.ray_address`` (joined unless
@@ -354,20 +390,7 @@ async def attach_frontend(config: ClusterConfig) -> AttachedFrontend:
         check_port_free(config.server.host, config.server.http_port)
     owns_ray = init_ray(config)
     try:
-        try:
-            scheduler = ray.get_actor(
-                scheduler_actor_name(config.cluster_name), namespace=CLUSTER_NAMESPACE
-            )
-        except ValueError:
-            raise RuntimeError(
-                f"no pagedserve cluster named {config.cluster_name!r} runs on the Ray cluster "
-                f"at {config.ray_address or 'this process'}"
-            ) from None
-        await scheduler.ready.remote()
-        data = await scheduler.get_frontend_info.remote()
-        if data is None:
-            raise RuntimeError(f"cluster {config.cluster_name!r} serves no attached frontends")
-        info, tokenizer = _frontend_from_info(data)
+        scheduler, info, tokenizer = await find_cluster(config)
         pipeline, servicer, http, server, port = await _start_frontend(
             config, scheduler, tokenizer, info
         )

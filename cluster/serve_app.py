@@ -1,19 +1,28 @@
 """pagedserve as a Ray Serve application (for ``serve run``, ``serve deploy`` and KubeRay's
 RayService).
 
-One Serve deployment, :class:`PagedServeDeployment`, with one replica. Its constructor
-starts the same cluster as ``pagedserve serve`` (:func:`~pagedserve.cluster.launcher.start_cluster`)
-on the Ray cluster the replica runs in: the worker actors, the scheduler actor and the gRPC
-frontend (Generation service, health, reflection) on ``--port`` of the replica's node. Its
-HTTP routes (``/v1`` OpenAI-compatible API, ``/metrics``, ``/health``) are served by Ray
-Serve's own HTTP proxy (``serve.ingress`` with the app built at replica start), so the
-RayService's Kubernetes Service exposes them on Serve's port (8000). Serve's health check
-calls :meth:`PagedServeDeployment.check_health` (:func:`replica_health`), which fails
-whenever the gRPC health service says NOT_SERVING (draining, scheduler down), when the
-scheduler does not answer, or when no worker is alive, so Serve restarts the replica (and
-with it the cluster). When Serve stops the replica, it drains first as ``pagedserve serve``
-does on SIGTERM (new requests UNAVAILABLE, health NOT_SERVING, up to ``--drain-timeout``
-seconds, capped to fit Serve's ``graceful_shutdown_timeout_s``), then stops.
+Two Serve deployments:
+
+- :class:`PagedServeCluster`, one replica: its constructor starts the same cluster as
+  ``pagedserve serve`` (:func:`~pagedserve.cluster.launcher.start_cluster`) on the Ray cluster
+  the replica runs in: the worker actors, the scheduler actor (named by ``--cluster-name``,
+  default ``default``) and the gRPC frontend (Generation service, health, reflection) on
+  ``--port`` of the replica's node. One replica only: the scheduler actor is the single owner
+  of block metadata; scale the model with ``--workers``.
+- :class:`PagedServeDeployment`, the HTTP ingress, any number of replicas: each attaches to
+  that scheduler by name (:func:`~pagedserve.cluster.launcher.find_cluster`, as ``serve
+  --attach`` does) and serves the HTTP routes (``/v1`` OpenAI-compatible API, ``/metrics``,
+  ``/health``) through Ray Serve's own HTTP proxy (``serve.ingress``), which spreads requests
+  over the replicas; each replica has its own output stream and request pipeline, so the
+  Python work of streaming (detokenizing, JSON, SSE) scales with ``num_replicas``.
+
+Serve's health checks (:func:`replica_health`) fail whenever the frontend refuses requests
+(draining, scheduler down), the scheduler does not answer, or no worker is alive; a frontend
+replica's also fails once its cluster is gone for good (the cluster replica was replaced:
+the frontend then attaches to the new one when Serve restarts it). Serve then restarts the
+replica. When Serve stops a replica it drains first as ``pagedserve serve`` does on SIGTERM
+(new requests UNAVAILABLE, up to ``--drain-timeout`` seconds, capped to fit Serve's
+``graceful_shutdown_timeout_s``), then stops (the cluster replica: the actors too).
 
 The application builder :func:`app` takes ``serve_args``, the ``pagedserve serve`` options
 as one string (or a list)::
@@ -21,15 +30,16 @@ as one string (or a list)::
     serve run pagedserve.cluster.serve_app:app serve_args="--workers 2 --host 0.0.0.0"
 
 or, in a Serve config file (deploy/serve_config.yaml, and serveConfigV2 of
-deploy/kuberay/rayservice.yaml)::
+deploy/kuberay/rayservice.yaml), with the frontends' replica count there::
 
     applications:
       - name: pagedserve
         import_path: pagedserve.cluster.serve_app:app
         args: {serve_args: "--workers 1 --host 0.0.0.0"}
+        deployments:
+          - {name: PagedServeDeployment, num_replicas: 2}
 
-``--http-port`` is ignored here (Serve's proxy owns HTTP). One replica only: the scheduler
-actor is the single owner of block metadata; scale with ``--workers``, not replicas.
+``--http-port`` is ignored here (Serve's proxy owns HTTP).
 """
 
 from __future__ import annotations
@@ -44,29 +54,41 @@ from ray import serve
 from ray.serve import Application
 
 from pagedserve.cluster.config import ClusterConfig
-from pagedserve.cluster.launcher import ClusterHandle, build_http_app, start_cluster
+from pagedserve.cluster.flights import watch_scheduler
+from pagedserve.cluster.launcher import ClusterHandle, build_http_app, find_cluster, start_cluster
+from pagedserve.cluster.pipeline import RequestPipeline
 
 log = logging.getLogger(__name__)
 
 GRACEFUL_SHUTDOWN_S = 45  # Serve's limit on the replica's shutdown (drain + stop)
 _STOP_S = 15  # of which stopping the frontends and actors may take this long
+ATTACH_WAIT_S = 600.0  # how long a frontend replica waits for the cluster's scheduler
 
 
 async def replica_health(handle: ClusterHandle, timeout_s: float = 10.0) -> None:
-    """Serve's health verdict on a replica's cluster; returns when healthy.
+    """Serve's health verdict on a replica's cluster; returns when healthy (as
+    :func:`frontend_health` over the handle's scheduler and pipeline)."""
+    await frontend_health(handle.scheduler, handle.pipeline, timeout_s)
+
+
+async def frontend_health(
+    scheduler: Any, pipeline: RequestPipeline | None, timeout_s: float = 10.0
+) -> None:
+    """Serve's health verdict on a frontend (``pipeline`` over ``scheduler``); returns
+    when healthy.
 
     Raises:
-        RuntimeError: the replica drains or the scheduler is known down (the states in which
-            the gRPC health service answers NOT_SERVING), or no worker is alive.
+        RuntimeError: the frontend drains or the scheduler is known down (the states in
+            which the gRPC health service answers NOT_SERVING), or no worker is alive.
         TimeoutError: the scheduler does not answer within ``timeout_s`` seconds.
         ray.exceptions.RayActorError: the scheduler actor is dead.
     """
-    flights = handle.pipeline.flights if handle.pipeline is not None else None
+    flights = pipeline.flights if pipeline is not None else None
     if flights is not None and flights.draining:
         raise RuntimeError("pagedserve: draining (shutting down); not serving")
     if flights is not None and not flights.scheduler_up:
         raise RuntimeError("pagedserve: the scheduler is unavailable; not serving")
-    live = await asyncio.wait_for(handle.scheduler.num_live_workers.remote(), timeout=timeout_s)
+    live = await asyncio.wait_for(scheduler.num_live_workers.remote(), timeout=timeout_s)
     if live <= 0:
         raise RuntimeError("pagedserve: no live worker")
 
@@ -89,16 +111,14 @@ def cluster_config_from_args(serve_args: str | list[str]) -> ClusterConfig:
 
 @serve.deployment(
     num_replicas=1,
-    # The replica only hosts the frontends; workers reserve their own CPUs / GPUs.
+    # The replica only hosts the scheduler's frontend; workers reserve their own CPUs / GPUs.
     ray_actor_options={"num_cpus": 0},
-    max_ongoing_requests=1024,
     health_check_period_s=5,
     health_check_timeout_s=30,
     graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
 )
-@serve.ingress()
-class PagedServeDeployment:
-    """The pagedserve cluster inside one Serve replica.
+class PagedServeCluster:
+    """The pagedserve cluster (workers, named scheduler, gRPC frontend) in one Serve replica.
 
     Args:
         serve_args: ``pagedserve serve`` options (a string split like a shell, or a list).
@@ -112,12 +132,11 @@ class PagedServeDeployment:
     async def __init__(self, serve_args: str | list[str] = "") -> None:  # type: ignore[misc]
         self._config = cluster_config_from_args(serve_args)
         self._handle: ClusterHandle = await start_cluster(self._config)
-        log.info("pagedserve replica: gRPC on %s", self._handle.address)
+        log.info("pagedserve cluster replica: gRPC on %s", self._handle.address)
 
-    async def __serve_build_asgi_app__(self) -> Any:
-        """The FastAPI app of the HTTP frontend, bound to this replica's cluster."""
-        assert self._handle.pipeline is not None
-        return build_http_app(self._config, self._handle.pipeline)
+    async def cluster_name(self) -> str:
+        """The name the frontend replicas attach by (``--cluster-name``)."""
+        return str(self._config.cluster_name)
 
     async def check_health(self) -> None:
         """Serve's health check (:func:`replica_health`): raises while draining, while the
@@ -136,6 +155,71 @@ class PagedServeDeployment:
             await self._handle.stop()
 
 
+@serve.deployment(
+    num_replicas=1,
+    ray_actor_options={"num_cpus": 0},
+    max_ongoing_requests=1024,
+    health_check_period_s=5,
+    health_check_timeout_s=30,
+    graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_S,
+)
+@serve.ingress()
+class PagedServeDeployment:
+    """One HTTP frontend replica of the cluster that :class:`PagedServeCluster` runs.
+
+    Args:
+        cluster: the cluster deployment's handle (Serve passes it when the app is bound).
+        serve_args: the same ``pagedserve serve`` options (the server settings: API key,
+            served model name, body and stream limits; ``--cluster-name``).
+
+    Raises:
+        RuntimeError: the cluster's scheduler did not appear within 600 s.
+    """
+
+    async def __init__(  # type: ignore[misc]
+        self, cluster: Any, serve_args: str | list[str] = ""
+    ) -> None:
+        config = cluster_config_from_args(serve_args)
+        name = await cluster.cluster_name.remote()
+        self._config = dataclasses.replace(config, cluster_name=name)
+        self._scheduler, info, tokenizer = await find_cluster(self._config, ATTACH_WAIT_S)
+        server = self._config.server
+        self._pipeline = RequestPipeline(
+            self._scheduler, tokenizer, info, max_buffered_outputs=server.max_stream_buffer
+        )
+        self._watch = asyncio.get_running_loop().create_task(
+            watch_scheduler(self._scheduler, self._pipeline.flights)
+        )
+        log.info("pagedserve frontend replica: attached to cluster %r", name)
+
+    async def __serve_build_asgi_app__(self) -> Any:
+        """The FastAPI app of this replica's HTTP frontend."""
+        return build_http_app(self._config, self._pipeline)
+
+    async def check_health(self) -> None:
+        """Serve's health check: :func:`frontend_health`, and unhealthy once the cluster is
+        gone for good (Serve restarts the replica, which attaches to the new cluster)."""
+        if self._watch.done():
+            raise RuntimeError("pagedserve: the cluster is gone; this frontend must restart")
+        await frontend_health(self._scheduler, self._pipeline)
+
+    async def __del__(self) -> None:
+        """When Serve tears the replica down: drain its own requests (capped to fit
+        Serve's shutdown limit), then close its output stream (the cluster goes on)."""
+        drain_s = min(self._config.server.drain_timeout_s, GRACEFUL_SHUTDOWN_S - _STOP_S)
+        flights = self._pipeline.flights
+        try:
+            flights.begin_drain()
+            await flights.wait_idle(drain_s)
+            if len(flights):
+                aborted = await self._pipeline.abort_all()
+                log.warning("pagedserve frontend: aborted %d request(s) still running", aborted)
+                await flights.wait_idle(2.0)
+        finally:
+            self._watch.cancel()
+            await self._pipeline.router.close()
+
+
 def app(args: dict[str, Any]) -> Application:
     """Serve application builder (``import_path: pagedserve.cluster.serve_app:app``).
 
@@ -145,4 +229,6 @@ def app(args: dict[str, Any]) -> Application:
     unknown = set(args) - {"serve_args"}
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}; expected serve_args")
-    return PagedServeDeployment.bind(args.get("serve_args", ""))  # type: ignore[attr-defined]
+    serve_args = args.get("serve_args", "")
+    cluster = PagedServeCluster.bind(serve_args)  # type: ignore[attr-defined]
+    return PagedServeDeployment.bind(cluster, serve_args)  # type: ignore[attr-defined]

@@ -1,9 +1,10 @@
 """pagedserve as a Ray Serve application: `serve run` of deploy/serve_config.yaml (loopback).
 
 `serve run` starts its own local Ray and Serve (controller + HTTP proxy) and deploys
-cluster/serve_app.py: the OpenAI API, /metrics and /health answer through Serve's proxy, the
-gRPC frontend on the replica's port, both backed by one pagedserve cluster. Ctrl-C (SIGINT)
-must take everything down. Runs in its own session so no other Ray instance is touched.
+cluster/serve_app.py: the OpenAI API, /metrics and /health answer through Serve's proxy from
+two HTTP frontend replicas attached to one pagedserve cluster, whose replica serves gRPC on
+its port. Ctrl-C (SIGINT) must take everything down. Runs in its own session so no other Ray
+instance is touched.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -58,6 +60,13 @@ def _name(p: psutil.Process) -> str:
     runs (the scheduler actor always has one running: the frontend's output stream)."""
     try:
         return p.name().split(".", 1)[0]
+    except psutil.Error:
+        return ""
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
     except psutil.Error:
         return ""
 
@@ -120,12 +129,24 @@ def test_serve_run_serves_http_and_grpc_from_one_cluster(tmp_path: Path):
         )
         assert status == 200
         http_text = json.loads(body)["choices"][0]["text"]
+        # Both frontend replicas are up (attached to the one scheduler), and requests spread
+        # over them by Serve's proxy all get the same greedy text.
+        frontends = [
+            p for p in descendants()
+            if _cmdline(p).startswith("ray::ServeReplica:pagedserve:PagedServeDeployment")
+        ]  # fmt: skip
+        assert len(frontends) == 2, [_cmdline(p) for p in descendants()]
+        body_8 = {"model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": 8,
+                  "temperature": 0}  # fmt: skip
+        with ThreadPoolExecutor(6) as pool:
+            many = list(pool.map(lambda _: _http(f"{base}/v1/completions", body_8, 120), range(6)))
+        assert [json.loads(b)["choices"][0]["text"] for _, b in many] == [http_text] * 6
         with Client(f"127.0.0.1:{grpc_port}", timeout_s=120) as c:
             r = c.generate(prompt=PROMPT, max_tokens=8, temperature=0)
         assert r.choices[0].text == http_text and len(r.choices[0].token_ids) == 8
-        # Both requests were counted by the one scheduler behind both surfaces.
+        # Every request was counted by the one scheduler behind both surfaces (8 x 8 tokens).
         _, metrics = _http(f"{base}/metrics")
-        line = 'pagedserve:generation_tokens_total{model_name="SmolLM2-135M-Instruct"} 16.0'
+        line = 'pagedserve:generation_tokens_total{model_name="SmolLM2-135M-Instruct"} 64.0'
         assert line in metrics, [m for m in metrics.splitlines() if "generation_tokens" in m]
         names = {_name(p) for p in descendants()}
         assert {"ray::Worker", "ray::SchedulerActor"} <= names, names

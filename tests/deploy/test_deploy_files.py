@@ -171,8 +171,9 @@ def _check_serve_config(cfg: dict) -> None:
     config = cluster_config_from_args(args["serve_args"])  # the options parse
     assert config.server.http_port is None and config.ray_address == "auto"
     assert app(args) is not None  # the builder accepts exactly these args
-    (dep,) = application.deployments
-    assert dep.name == "PagedServeDeployment" and dep.num_replicas == 1
+    deps = {d.name: d.num_replicas for d in application.deployments}
+    # One cluster replica (the scheduler owns all block metadata); HTTP frontends scale.
+    assert deps["PagedServeCluster"] == 1 and deps["PagedServeDeployment"] >= 1, deps
 
 
 def test_serve_config_yaml():
@@ -190,12 +191,15 @@ def test_kuberay_rayservice():
     serve_cfg = yaml.safe_load(spec["serveConfigV2"])  # KubeRay takes it as a string
     _check_serve_config(serve_cfg)
     _check_ray_cluster_spec(spec["rayClusterConfig"])
-    # The replica is pinned to the head by a custom resource the head (only) offers.
-    (dep,) = serve_cfg["applications"][0]["deployments"]
-    (res,) = dep["ray_actor_options"]["resources"]
+    # The replicas are pinned to the head by a custom resource the head (only) offers, with
+    # room for all of them.
+    deps = serve_cfg["applications"][0]["deployments"]
     head = spec["rayClusterConfig"]["headGroupSpec"]
     # rayStartParams.resources is a quoted JSON string (KubeRay passes it to `ray start`).
-    assert res in json.loads(json.loads(head["rayStartParams"]["resources"]))
+    offered = json.loads(json.loads(head["rayStartParams"]["resources"]))
+    (res,) = {r for d in deps for r in d["ray_actor_options"]["resources"]}
+    wanted = sum(d["num_replicas"] * d["ray_actor_options"]["resources"][res] for d in deps)
+    assert offered[res] >= wanted, (offered, wanted)
     ports = {p["containerPort"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     front = yaml.safe_load((DEPLOY / "kuberay" / "frontend-service.yaml").read_text())
     # gRPC and HTTP both from the head: the GPU pods are Ready but run no Serve proxy.

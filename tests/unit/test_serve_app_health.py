@@ -1,11 +1,13 @@
 """Ray Serve's view of a replica's health agrees with the gRPC health service: a drain or a
-scheduler known down makes both say "not serving". No Ray, no Serve: the deployment class's
-methods on a cluster handle whose frontend is the real gRPC server (loopback) in front of a
-scheduler stand-in."""
+scheduler known down makes both say "not serving"; an HTTP frontend replica is unhealthy
+once its cluster is gone for good. No Ray, no Serve: the deployment classes' methods on a
+cluster handle whose frontend is the real gRPC server (loopback) in front of a scheduler
+stand-in."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,7 +20,11 @@ from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.launcher import ClusterHandle
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
-from pagedserve.cluster.serve_app import GRACEFUL_SHUTDOWN_S, PagedServeDeployment
+from pagedserve.cluster.serve_app import (
+    GRACEFUL_SHUTDOWN_S,
+    PagedServeCluster,
+    PagedServeDeployment,
+)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -55,10 +61,10 @@ class _Replica:
         self._state = SimpleNamespace(_handle=handle, _config=config)
 
     async def check_health(self) -> None:
-        await PagedServeDeployment.func_or_class.check_health(self._state)
+        await PagedServeCluster.func_or_class.check_health(self._state)
 
     async def shutdown(self) -> None:
-        await PagedServeDeployment.func_or_class.__del__(self._state)
+        await PagedServeCluster.func_or_class.__del__(self._state)
 
 
 async def _grpc_health(port: int) -> int:
@@ -130,3 +136,29 @@ def test_replica_shutdown_drains_within_serves_limit(drain_timeout_s: float) -> 
     (what, drain_s), stop = handle.calls
     assert what == "drain" and stop == ("stop", None)
     assert drain_s == min(drain_timeout_s, GRACEFUL_SHUTDOWN_S - 15)
+
+
+async def _frontend_scenario() -> None:
+    config = ClusterConfig(server=ServerConfig(host="127.0.0.1", port=0))
+    info = ModelInfo("m", 16, 2, (1,), 64)
+    scheduler = _Scheduler(live=1)
+    pipeline = RequestPipeline(scheduler=scheduler, tokenizer=_Tok(), info=info)
+    watch = asyncio.ensure_future(asyncio.Event().wait())  # the watcher, still watching
+    state = SimpleNamespace(_config=config, _scheduler=scheduler, _pipeline=pipeline, _watch=watch)
+    frontend = PagedServeDeployment.func_or_class
+    await frontend.check_health(state)
+    pipeline.flights.scheduler_up = False
+    with pytest.raises(RuntimeError, match="scheduler is unavailable"):
+        await frontend.check_health(state)
+    pipeline.flights.scheduler_up = True
+    watch.cancel()  # the watcher returned: the cluster is gone for good
+    with contextlib.suppress(asyncio.CancelledError):
+        await watch
+    with pytest.raises(RuntimeError, match="the cluster is gone"):
+        await frontend.check_health(state)
+    await frontend.__del__(state)  # drains its own (no) requests, closes its stream
+    assert pipeline.flights.draining
+
+
+def test_a_frontend_replica_is_unhealthy_once_its_cluster_is_gone() -> None:
+    asyncio.run(_frontend_scenario())
