@@ -34,7 +34,7 @@ from pagedserve.scheduler.config import (
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
 )
-from pagedserve.worker.precision import DTYPE_CHOICES
+from pagedserve.worker.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
 
 def _parse_bytes(text: str) -> int:
@@ -85,9 +85,10 @@ def _add_serve(sub: Any) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=DTYPE_CHOICES,
+        choices=KV_DTYPE_CHOICES,
         default="auto",
-        help="KV cache dtype; auto: the model's (bf16 holds twice the blocks of float32)",
+        help="KV cache dtype; auto: the model's (bf16 holds twice the blocks of float32); "
+        "fp8 (fp8_e4m3): 8-bit e4m3fn, scales 1.0, four times the blocks of float32",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -40,7 +40,7 @@ from pagedserve.cluster.auth import (
 from pagedserve.cluster.config import ServerConfig
 from pagedserve.worker.config import HostStoreAccess
 from pagedserve.worker.host_store import HostBlockStore, serve_host_store
-from pagedserve.worker.precision import DTYPE_NAMES
+from pagedserve.worker.precision import KV_DTYPE_NAMES
 
 GiB = 1 << 30
 log = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--kv-cache-dtype",
-        choices=DTYPE_NAMES,
+        choices=KV_DTYPE_NAMES,
         default=None,
         help="accept KV blocks of this dtype only (default: any)",
     )

@@ -22,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.fp8 import FP8_DTYPE
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
 
 
 # ------------------------------------------------------------------------- building blocks
@@ -48,8 +51,10 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, prefix: str = "") -> None:
     check_rank(f"{prefix}key_cache", key_cache, 4)
     check_rank(f"{prefix}value_cache", value_cache, 4)
-    if key_cache.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"{prefix}key_cache must be fp32/fp16/bf16, got {key_cache.dtype}")
+    if key_cache.dtype not in CACHE_DTYPES:
+        raise ValueError(
+            f"{prefix}key_cache must be fp32/fp16/bf16/float8_e4m3fn, got {key_cache.dtype}"
+        )
     if value_cache.shape != key_cache.shape:
         raise ValueError(
             f"{prefix}value_cache shape {tuple(value_cache.shape)} != "
@@ -64,11 +69,22 @@ def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, prefix: str
         raise ValueError(f"{prefix}key_cache and {prefix}value_cache must be contiguous")
 
 
+def check_activation_dtype(name: str, t: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """``t`` (a query, key or value) in the cache's dtype, or in fp32/fp16/bf16 for an
+    fp8 cache (quantised on store, dequantised on read)."""
+    if key_cache.dtype == FP8_DTYPE:
+        if t.dtype not in FLOAT_DTYPES:
+            raise ValueError(
+                f"{name} dtype {t.dtype} must be fp32/fp16/bf16 for a float8_e4m3fn cache"
+            )
+    elif t.dtype != key_cache.dtype:
+        raise ValueError(f"{name} dtype {t.dtype} != key_cache dtype {key_cache.dtype}")
+
+
 def check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     check_rank("query", query, 3)
     check_device("query", query, key_cache.device)
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} != key_cache dtype {key_cache.dtype}")
+    check_activation_dtype("query", query, key_cache)
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     if query.shape[2] != head_dim:
         raise ValueError(f"query head_dim {query.shape[2]} != key_cache head_dim {head_dim}")
@@ -442,8 +458,7 @@ def check_store(
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")
     for name, t in (("key", key), ("value", value)):
-        if t.dtype != key_cache.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != key_cache dtype {key_cache.dtype}")
+        check_activation_dtype(name, t, key_cache)
         check_device(name, t, key_cache.device)
     check_index("slot_mapping", slot_mapping, 1)
     check_device("slot_mapping", slot_mapping, key_cache.device)

@@ -55,7 +55,9 @@ def copy_blocks(
     grid = (len(caches), num_pairs, cdiv(block_elems, tile))
     _copy_blocks_kernel[grid](
         ptrs,
-        caches[0],
+        # fp8 blocks move as bytes: a copy never converts, and the interpreter's fp8
+        # load/store would not keep every bit pattern.
+        caches[0].view(torch.uint8) if caches[0].element_size() == 1 else caches[0],
         block_mapping.to(torch.int64).contiguous(),
         block_elems,
         TILE=tile,

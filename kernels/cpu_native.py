@@ -15,7 +15,10 @@ the same math in one pass each, as vLLM's CPU backend does with its C++ ops
 * both on fp32 or bf16 KV caches (:data:`KV_DTYPES`): with bf16 the K/V elements are
   widened to fp32 in registers (exact) and rounded to bf16 (nearest even, as
   ``.to(torch.bfloat16)``) when stored; queries, scores, softmax and sums stay fp32, as
-  vLLM's CPU attention does with a 16-bit cache (half the bytes read per key);
+  vLLM's CPU attention does with a 16-bit cache (half the bytes read per key); and on fp8
+  e4m3fn caches (a quarter of the bytes): elements widened exactly in registers, the
+  per-tensor ``k_scale`` folded into the softmax scale and ``v_scale`` into the output,
+  and stored as :func:`pagedserve.kernels.fp8.quantize` gives them (the same bytes);
 * :func:`rms_norm`: RMSNorm, optionally fused with the residual add;
 * :func:`silu_mul`: ``silu(gate) * up`` of the fused gate/up output;
 * :func:`decoder_layers` (``csrc/cpu_decoder.c``): all decoder layers of a step in one
@@ -83,7 +86,9 @@ SOURCES = (
 )
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
-KV_DTYPES = (torch.float32, torch.bfloat16)  # KV cache element types of the C kernels
+# KV cache element types of the C kernels (fp8: e4m3fn with per-tensor scales)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+_KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16kv", torch.float8_e4m3fn: "fp8kv"}
 _FALSY = ("0", "false", "off", "no")
 
 _i64 = ctypes.c_int64
@@ -97,6 +102,10 @@ _SIGNATURES = {
     "rope_store_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "rope_store_bf16kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
                           _ptr],
+    "paged_attention_fp8kv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                              _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _i64],
+    "rope_store_fp8kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                         _ptr, _f32, _f32],
     "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
@@ -232,17 +241,18 @@ def _lib() -> ctypes.CDLL:
 
 
 def _kv_suffix(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
-    """The C entry points' suffix for the caches' element type: ``f32`` or ``bf16kv``.
+    """The C entry points' suffix for the caches' element type: ``f32``, ``bf16kv`` or
+    ``fp8kv``.
 
     Raises:
         ValueError: a dtype not in :data:`KV_DTYPES`, or K and V of different dtypes.
     """
     if key_cache.dtype not in KV_DTYPES or value_cache.dtype != key_cache.dtype:
         raise ValueError(
-            f"the CPU kernels take fp32 or bf16 KV caches of one dtype, got key_cache "
+            f"the CPU kernels take fp32, bf16 or fp8 KV caches of one dtype, got key_cache "
             f"{key_cache.dtype} and value_cache {value_cache.dtype}"
         )
-    return "f32" if key_cache.dtype == torch.float32 else "bf16kv"
+    return _KV_SUFFIX[key_cache.dtype]
 
 
 def paged_attention(
@@ -253,6 +263,8 @@ def paged_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ragged chunks (decode = chunk of 1) on CPU.
@@ -260,13 +272,14 @@ def paged_attention(
     Args:
         query: fp32 ``[T, num_heads, head_dim]``; rows may be strided (e.g. a view into
             the fused qkv output); other layouts are copied to contiguous first.
-        key_cache, value_cache: contiguous fp32 or bf16 ``[num_blocks, block_size,
-            num_kv_heads, head_dim]`` (bf16: widened to fp32 per element; scores, softmax
-            and the weighted sum in fp32).
+        key_cache, value_cache: contiguous fp32, bf16 or fp8 e4m3fn ``[num_blocks,
+            block_size, num_kv_heads, head_dim]`` (bf16, fp8: widened to fp32 per element;
+            scores, softmax and the weighted sum in fp32).
         block_tables: contiguous int32 ``[num_seqs, max_blocks]``.
         cu_seqlens_q: contiguous int32 ``[num_seqs + 1]``.
         seq_lens: contiguous int32 ``[num_seqs]`` (context + chunk, >= chunk length).
         scale: softmax scale.
+        k_scale, v_scale: an fp8 cache's per-tensor scales (unused for the others).
         out: optional contiguous ``[T, num_heads, head_dim]`` destination.
 
     Returns:
@@ -284,11 +297,12 @@ def paged_attention(
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=torch.float32)
     if num_tokens == 0:
         return out
+    scales = (k_scale, v_scale) if key_cache.dtype == torch.float8_e4m3fn else ()
     kernel(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         cu_seqlens_q.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim,
-        block_size, scale, out.data_ptr(), torch.get_num_threads(),
+        block_size, scale, *scales, out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     return out
 
@@ -304,17 +318,22 @@ def rope_store(
     slot_mapping: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rotate the q and k heads of ``qkv`` in place, then store its K/V rows in the cache
-    (into a bf16 cache rounded to nearest even: the bits of ``.to(torch.bfloat16)``).
+    (into a bf16 cache rounded to nearest even: the bits of ``.to(torch.bfloat16)``; into
+    an fp8 cache the bytes of :func:`pagedserve.kernels.fp8.quantize` of ``K / k_scale``
+    and ``V / v_scale``).
 
     Args:
         qkv: contiguous fp32 ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``.
         cos_table, sin_table: contiguous fp32 ``[max_positions, head_dim]``.
         positions: contiguous int64 ``[T]`` (``< max_positions``).
         slot_mapping: contiguous int64 ``[T]``; negative slots are not stored.
-        key_cache, value_cache: contiguous fp32 or bf16 ``[num_blocks, block_size,
-            num_kv_heads, head_dim]``.
+        key_cache, value_cache: contiguous fp32, bf16 or fp8 e4m3fn ``[num_blocks,
+            block_size, num_kv_heads, head_dim]``.
+        k_scale, v_scale: an fp8 cache's per-tensor scales (unused for the others).
 
     Raises:
         ValueError: from :func:`_kv_suffix` (a cache dtype the kernels do not take).
@@ -324,6 +343,7 @@ def rope_store(
         qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
         cos_table.data_ptr(), sin_table.data_ptr(), positions.data_ptr(),
         slot_mapping.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        *((k_scale, v_scale) if key_cache.dtype == torch.float8_e4m3fn else ()),
     )  # fmt: skip
 
 
@@ -599,8 +619,9 @@ def linear_packed_bf16_fn(kernel: str = "auto") -> Any:
 
 class DecoderLayerPtrs(ctypes.Structure):
     """One layer's tensors for :func:`decoder_layers` (``decoder_layer_f32_t`` of
-    ``csrc/cpu_decoder.c``): data pointers, ``None`` for a missing bias; ``kv_bf16`` is 1
-    when the layer's KV caches are bf16, 0 when fp32; ``w_bf16`` is 1 when its four
+    ``csrc/cpu_decoder.c``): data pointers, ``None`` for a missing bias; ``kv_type`` is 0
+    when the layer's KV caches are fp32, 1 when bf16, 2 when fp8 e4m3fn (read and written
+    with ``k_scale`` and ``v_scale``); ``w_bf16`` is 1 when its four
     weights are packed bf16 (:func:`pack_bf16_linear_weight`), 0 when packed fp32
     (:func:`pack_linear_weight`)."""
 
@@ -612,18 +633,23 @@ class DecoderLayerPtrs(ctypes.Structure):
                 "gate_up_bias", "down", "down_bias", "k_cache", "v_cache",
             )
         ),
-        ("kv_bf16", _i64),
+        ("kv_type", _i64),
         ("w_bf16", _i64),
+        ("k_scale", _f32),
+        ("v_scale", _f32),
     ]  # fmt: skip
 
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")  # DecoderLayerPtrs' packed weights
 
 
-def decoder_layer_array(layers: list[dict[str, torch.Tensor | None]]) -> ctypes.Array[Any]:
+def decoder_layer_array(
+    layers: list[dict[str, torch.Tensor | None]], kv_scale: tuple[float, float] = (1.0, 1.0)
+) -> ctypes.Array[Any]:
     """A ctypes array of :class:`DecoderLayerPtrs`, one per dict of its pointer names to
     contiguous CPU tensors (or ``None`` for a bias): fp32, but the ``k_cache`` / ``v_cache``
-    fp32 or bf16 (``kv_bf16`` set from their dtype) and the four packed weights fp32 or
+    fp32, bf16 or fp8 (``kv_type`` set from their dtype; fp8 read and written with
+    ``kv_scale = (k_scale, v_scale)``) and the four packed weights fp32 or
     bf16 (``w_bf16`` set from their dtype). The caller keeps the tensors alive for as long
     as the array is used.
 
@@ -638,7 +664,8 @@ def decoder_layer_array(layers: list[dict[str, torch.Tensor | None]]) -> ctypes.
         k_cache, v_cache = tensors["k_cache"], tensors["v_cache"]
         if k_cache is None or v_cache is None:
             raise ValueError("a decoder layer needs its k_cache and v_cache")
-        entry.kv_bf16 = int(_kv_suffix(k_cache, v_cache) == "bf16kv")
+        entry.kv_type = ("f32", "bf16kv", "fp8kv").index(_kv_suffix(k_cache, v_cache))
+        entry.k_scale, entry.v_scale = kv_scale
         weights = [tensors.get(name) for name in _WEIGHTS]
         dtypes = {None if w is None else w.dtype for w in weights}
         if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16}:
@@ -668,8 +695,8 @@ def decoder_layers(
     """Run every decoder layer of a step (see ``csrc/cpu_decoder.c``).
 
     Args:
-        layers: from :func:`decoder_layer_array`, the KV caches included (contiguous fp32
-            or bf16 ``[num_blocks, block_size, num_kv_heads, head_dim]``).
+        layers: from :func:`decoder_layer_array`, the KV caches included (contiguous fp32,
+            bf16 or fp8 ``[num_blocks, block_size, num_kv_heads, head_dim]``).
         x: contiguous fp32 ``[T, hidden]``, the embeddings; overwritten with the last
             layer's MLP output.
         shape: ``(hidden, num_heads, num_kv_heads, head_dim, intermediate)``.

@@ -67,6 +67,7 @@ def _decode_split_kernel(
     stride_ls,
     stride_lh,
     qk_scale,
+    v_scale,
     block_size,
     tokens_per_split,
     GROUP: tl.constexpr,
@@ -76,6 +77,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -112,6 +114,8 @@ def _decode_split_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32:
             k = k.to(tl.float32)
+        elif KV_FP8:  # e4m3 widens exactly to fp16/bf16
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite.
@@ -122,12 +126,14 @@ def _decode_split_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32:
             v = v.to(tl.float32)
+        elif KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0
     l_safe = tl.where(has_keys, l_i, 1.0)
-    result = acc / l_safe[:, None]
+    result = acc / l_safe[:, None] * v_scale
     if DIRECT:
         o_ptrs = out_ptr + seq64 * stride_os + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -220,13 +226,17 @@ def paged_decode_attention(
     workspace: DecodeWorkspace | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton backend of :func:`pagedserve.kernels.paged_decode_attention`.
 
     Arguments are validated by the caller. ``max_seq_len`` bounds ``seq_lens`` (default:
     the block-table capacity, which needs no device-to-host sync); ``workspace`` supplies
     preallocated stage-1 scratch; ``num_splits`` and ``block_n`` override the heuristics
-    (tests use them to force the multi-split path on tiny grids).
+    (tests use them to force the multi-split path on tiny grids). An fp8 cache's tiles
+    are widened in registers to the query's compute dtype; ``k_scale`` is folded into the
+    score scale and ``v_scale`` multiplies each split's normalised output.
     """
     check_triton_device(query.device, _decode_split_kernel)
     check_head_dim(query.shape[2])
@@ -291,7 +301,8 @@ def paged_decode_attention(
         part_out.stride(2) if splits > 1 else 0,
         part_lse.stride(0),
         part_lse.stride(1),
-        float(scale) * LOG2E,
+        float(scale) * float(k_scale) * LOG2E,
+        float(v_scale),
         block_size,
         per_split,
         GROUP=group,
@@ -301,6 +312,7 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         DIRECT=splits == 1,
         FP32=fp32,
+        KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
     )

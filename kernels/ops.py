@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels import cpu_native, reference
+from pagedserve.kernels import cpu_native, fp8, reference
 from pagedserve.kernels._checks import (
     CheckedIndices,
     check_copy,
@@ -50,14 +50,22 @@ _TRUTHY = ("1", "true", "on", "yes")
 def uses_cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     """True when ``backend`` on ``device``/``dtype`` runs the fused C kernels (:mod:`cpu_native`).
 
-    ``"auto"`` and ``"cpu"`` do for fp32 CPU tensors when the library builds; otherwise
+    ``"auto"`` and ``"cpu"`` do for fp32 and fp8 CPU caches when the library builds; otherwise
     (another dtype, no compiler) ``"cpu"`` falls back to the torch reference like ``"auto"``.
     """
     return (
         backend in ("auto", "cpu")
         and device.type == "cpu"
-        and dtype == torch.float32
+        and dtype in (torch.float32, fp8.FP8_DTYPE)
         and cpu_native.available()
+    )
+
+
+def _cpu_attention(backend: str, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether the attention runs the C kernel: :func:`uses_cpu_kernels` for the cache,
+    and an fp32 query (what the C kernel reads; an fp8 cache may come with any query)."""
+    return query.dtype == torch.float32 and uses_cpu_kernels(
+        backend, key_cache.device, key_cache.dtype
     )
 
 
@@ -104,11 +112,16 @@ def store_kv_cache(
     backend: str = "auto",
     *,
     checked: CheckedIndices | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write new tokens' K/V into the paged cache in place (vLLM ``reshape_and_cache``).
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the cache.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, same dtype as the cache;
+            fp32/fp16/bf16 for a ``torch.float8_e4m3fn`` cache, which stores
+            :func:`pagedserve.kernels.fp8.quantize` of ``key / k_scale`` and
+            ``value / v_scale`` (saturated to +-448, round to nearest even).
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         slot_mapping: int64 (int32 accepted) ``[num_tokens]``; token ``i`` goes to block
             ``slot // block_size``, row ``slot % block_size``. ``-1`` (any negative) skips
@@ -118,18 +131,24 @@ def store_kv_cache(
         checked: the step's :func:`check_indices` result; when it holds this
             ``slot_mapping`` (the same tensor) for a cache of this geometry, the slot
             values are not checked again.
+        k_scale, v_scale: the fp8 cache's per-tensor scales (fp32, ``> 0``); unused for
+            other caches.
 
     Raises:
-        ValueError: rank, shape, dtype or device mismatch, or a slot beyond the cache
-            (message names the argument and the bad entry).
+        ValueError: rank, shape, dtype or device mismatch, a slot beyond the cache
+            (message names the argument and the bad entry), or a scale not finite and
+            ``> 0``.
     """
     check_store(key, value, key_cache, value_cache, slot_mapping, checked)
+    k_scale, v_scale = fp8.check_scale("k_scale", k_scale), fp8.check_scale("v_scale", v_scale)
     if resolve_backend(backend, key_cache.device) == "torch":
-        reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
     from pagedserve.kernels import store_triton
 
-    store_triton.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+    store_triton.store_kv_cache(
+        key, value, key_cache, value_cache, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
 
 
 def paged_decode_attention(
@@ -144,6 +163,8 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
     checked: CheckedIndices | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Single-token-per-sequence attention over a paged KV cache.
 
@@ -155,7 +176,9 @@ def paged_decode_attention(
     Args:
         query: ``[num_seqs, num_heads, head_dim]``, the new token of each sequence (its K/V
             already stored in the cache).
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, in
+            ``query``'s dtype, or ``torch.float8_e4m3fn`` (read as ``float(q) * scale``,
+            widened in registers by the Triton and C kernels).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; the entries a sequence
             reads (its first ``ceil(seq_len / block_size)``) must be in ``[0, num_blocks)``.
         seq_lens: int32 ``[num_seqs]``, context length including the new token (``>= 0``,
@@ -171,6 +194,7 @@ def paged_decode_attention(
         checked: the step's :func:`check_indices` result; when it holds these
             ``block_tables`` and ``seq_lens`` (the same tensors) for a cache of this
             geometry, their values are not checked again.
+        k_scale, v_scale: an fp8 cache's per-tensor scales (``> 0``); unused otherwise.
 
     Returns:
         ``[num_seqs, num_heads, head_dim]`` in ``query.dtype`` (accumulated in fp32).
@@ -179,10 +203,12 @@ def paged_decode_attention(
     Raises:
         ValueError: rank, shape, dtype or device mismatch, a negative ``seq_lens`` entry,
             a table too narrow for its ``seq_lens`` or a block id it reads outside
-            ``[0, num_blocks)`` (message names the argument and the bad entry).
+            ``[0, num_blocks)`` (message names the argument and the bad entry), or a
+            scale not finite and ``> 0``.
     """
     check_decode(query, key_cache, value_cache, block_tables, seq_lens, checked)
-    if uses_cpu_kernels(backend, key_cache.device, key_cache.dtype):
+    k_scale, v_scale = fp8.check_scale("k_scale", k_scale), fp8.check_scale("v_scale", v_scale)
+    if _cpu_attention(backend, query, key_cache):
         num_seqs = query.shape[0]
         cu = torch.arange(num_seqs + 1, dtype=torch.int32)
         lens = seq_lens.to(torch.int32).contiguous()
@@ -193,16 +219,16 @@ def paged_decode_attention(
             if keep.numel():
                 out[keep] = paged_decode_attention(
                     query[keep], key_cache, value_cache, block_tables[keep], lens[keep],
-                    scale, backend,
+                    scale, backend, k_scale=k_scale, v_scale=v_scale,
                 )  # fmt: skip
             return out
         tables = block_tables.to(torch.int32).contiguous()
         return cpu_native.paged_attention(
-            query, key_cache, value_cache, tables, cu, lens, float(scale)
+            query, key_cache, value_cache, tables, cu, lens, float(scale), k_scale, v_scale
         )
     if resolve_backend(backend, key_cache.device) == "torch":
         return reference.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+            query, key_cache, value_cache, block_tables, seq_lens, float(scale), k_scale, v_scale
         )
     from pagedserve.kernels import decode_triton
 
@@ -215,6 +241,8 @@ def paged_decode_attention(
         float(scale),
         max_seq_len=max_seq_len,
         workspace=workspace,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -230,6 +258,8 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,
     checked: CheckedIndices | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal chunked-prefill (extend) attention over a paged KV cache.
 
@@ -243,7 +273,8 @@ def paged_prefill_attention(
 
     Args:
         query: ``[total_query_tokens, num_heads, head_dim]``.
-        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, as
+            in :func:`paged_decode_attention` (fp8 included).
         block_tables: int32 ``[num_seqs, max_blocks_per_seq]``; the entries a sequence
             reads (its first ``ceil(seq_len / block_size)``) must be in ``[0, num_blocks)``.
         cu_seqlens_q: int32 ``[num_seqs + 1]``, prefix sums of chunk lengths: starts at 0,
@@ -258,6 +289,7 @@ def paged_prefill_attention(
             ``cu_seqlens_q``, ``block_tables`` and ``seq_lens`` (the same tensors) for this
             many query rows and a cache of this geometry, their values are not checked
             again.
+        k_scale, v_scale: an fp8 cache's per-tensor scales (``> 0``); unused otherwise.
 
     Returns:
         Tensor shaped like ``query``, in ``query.dtype``.
@@ -266,20 +298,23 @@ def paged_prefill_attention(
         ValueError: rank, shape, dtype or device mismatch; a ``cu_seqlens_q`` that does
             not start at 0, decreases, does not end at ``total_query_tokens`` or gives a
             chunk longer than its ``seq_lens`` entry; a block-table entry as in
-            :func:`paged_decode_attention` (message names the argument and the entry).
+            :func:`paged_decode_attention` (message names the argument and the entry); a
+            scale not finite and ``> 0``.
     """
     check_prefill(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, checked)
-    if uses_cpu_kernels(backend, key_cache.device, key_cache.dtype):
+    k_scale, v_scale = fp8.check_scale("k_scale", k_scale), fp8.check_scale("v_scale", v_scale)
+    if _cpu_attention(backend, query, key_cache):
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         return cpu_native.paged_attention(
             query, key_cache, value_cache, tables, cu_seqlens_q.to(torch.int32).contiguous(),
-            lens, float(scale),
+            lens, float(scale), k_scale, v_scale,
         )  # fmt: skip
     if resolve_backend(backend, key_cache.device) == "torch":
         return reference.paged_prefill_attention(
-            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale)
-        )
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale),
+            k_scale, v_scale,
+        )  # fmt: skip
     from pagedserve.kernels import prefill_triton
 
     return prefill_triton.paged_prefill_attention(
@@ -291,6 +326,8 @@ def paged_prefill_attention(
         seq_lens,
         float(scale),
         max_query_len=max_query_len,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -62,6 +62,7 @@ def _prefill_kernel(
     stride_ct,
     stride_ch,
     qk_scale,
+    v_scale,
     block_size,
     GROUP: tl.constexpr,
     TOKENS_M: tl.constexpr,
@@ -70,6 +71,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -115,6 +117,8 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32:
             k = k.to(tl.float32)
+        elif KV_FP8:  # e4m3 widens exactly to fp16/bf16
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -128,11 +132,13 @@ def _prefill_kernel(
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if FP32:
             v = v.to(tl.float32)
+        elif KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    result = acc / l_safe[:, None]
+    result = acc / l_safe[:, None] * v_scale
     o_ptrs = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
     tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -155,12 +161,16 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton backend of :func:`pagedserve.kernels.paged_prefill_attention`.
 
     Arguments are validated by the caller. ``max_query_len`` (longest chunk) sizes the
     grid; when omitted it is read from ``cu_seqlens_q`` (one device-to-host sync).
-    ``block_m`` / ``block_n`` override the tile table (powers of two, ``>= 16``).
+    ``block_m`` / ``block_n`` override the tile table (powers of two, ``>= 16``). An fp8
+    cache is widened in registers as in the decode kernel (``k_scale`` folded into the
+    score scale, ``v_scale`` on the normalised output).
     """
     check_triton_device(query.device, _prefill_kernel)
     check_head_dim(query.shape[2])
@@ -203,7 +213,8 @@ def paged_prefill_attention(
         key_cache.stride(0),
         key_cache.stride(1),
         key_cache.stride(2),
-        float(scale) * LOG2E,
+        float(scale) * float(k_scale) * LOG2E,
+        float(v_scale),
         block_size,
         GROUP=group,
         TOKENS_M=tokens_m,
@@ -212,6 +223,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         FP32=compute_in_fp32(query.dtype),
+        KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
         PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
     )

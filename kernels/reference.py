@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import fp8
 from pagedserve.kernels._math import cdiv
 
 # Up to this many KV heads the decode path multiplies against a block-diagonal query
@@ -46,8 +47,12 @@ def store_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Write ``key``/``value`` rows into their cache slots in place (``-1`` = skip)."""
+    """Write ``key``/``value`` rows into their cache slots in place (``-1`` = skip); into
+    an fp8 cache as :func:`pagedserve.kernels.fp8.quantize` of ``key / k_scale`` and
+    ``value / v_scale`` (the scales are unused for other caches)."""
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
     keep = slots >= 0
     if not bool(keep.all()):
@@ -59,8 +64,17 @@ def store_kv_cache(
     block_size = key_cache.shape[1]
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots - blocks * block_size
+    if fp8.is_fp8(key_cache.dtype):
+        key_cache[blocks, offsets] = fp8.quantize(key, k_scale)
+        value_cache[blocks, offsets] = fp8.quantize(value, v_scale)
+        return
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
+
+
+def _widen(t: torch.Tensor, scale: float) -> torch.Tensor:
+    """Gathered cache elements as fp32; fp8 ones dequantised (``float(q) * scale``)."""
+    return fp8.dequantize(t, scale) if fp8.is_fp8(t.dtype) else t.float()
 
 
 def _gather_tokens(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -83,8 +97,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query token per sequence attending to its first ``seq_lens[b]`` cached tokens.
+
+    fp8 caches are dequantised (``k_scale``, ``v_scale``) after the gather; the scales are
+    unused for other caches.
 
     Batched over sequences without a Python loop: every sequence's blocks are gathered
     (one ``index_select`` per cache) up to the longest sequence of the batch and the tail
@@ -105,8 +124,10 @@ def paged_decode_attention(
     length = n_blk * block_size
     row = block_size * num_kv_heads * head_dim
     # [B, L, Hkv * D]
-    k = key_cache.view(num_blocks, row).index_select(0, ids).view(num_seqs, length, -1).float()
-    v = value_cache.view(num_blocks, row).index_select(0, ids).view(num_seqs, length, -1).float()
+    k = _widen(key_cache.view(num_blocks, row).index_select(0, ids), k_scale)
+    v = _widen(value_cache.view(num_blocks, row).index_select(0, ids), v_scale)
+    k = k.view(num_seqs, length, -1)
+    v = v.view(num_seqs, length, -1)
     q = query.float()
     invalid = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
     # Unwritten slots of a sequence's last block may hold NaN/inf garbage: a masked
@@ -147,6 +168,8 @@ def _prefill_one(
     table: torch.Tensor,
     seq_len: int,
     scale: float,
+    k_scale: float,
+    v_scale: float,
 ) -> torch.Tensor:
     """Causal attention of one chunk ``q [T, H, D]`` against its ``seq_len`` cached tokens."""
     q_len, num_heads, head_dim = q.shape
@@ -154,8 +177,8 @@ def _prefill_one(
     group = num_heads // num_kv_heads
     n_blk = cdiv(seq_len, block_size)
     ids = _clamp_blocks(table[:n_blk], num_blocks)
-    k = _gather_tokens(key_cache, ids)[:seq_len].float()  # [L, Hkv, D]
-    v = _gather_tokens(value_cache, ids)[:seq_len].float()
+    k = _widen(_gather_tokens(key_cache, ids)[:seq_len], k_scale)  # [L, Hkv, D]
+    v = _widen(_gather_tokens(value_cache, ids)[:seq_len], v_scale)
     # [Hkv, G*T, D] x [Hkv, D, L] -> [Hkv, G*T, L]; rows ordered (g, t).
     qg = q.float().view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
     qg = qg.reshape(num_kv_heads, group * q_len, head_dim)
@@ -178,6 +201,8 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Chunked-prefill / extend attention over a ragged batch of query chunks.
 
@@ -196,7 +221,9 @@ def paged_prefill_attention(
         rows = torch.tensor([cu[i] for i in decode_seqs], device=query.device)
         tables = block_tables.to(query.device).index_select(0, idx)
         sl = seq_lens.to(query.device).index_select(0, idx)
-        out[rows] = paged_decode_attention(query[rows], key_cache, value_cache, tables, sl, scale)
+        out[rows] = paged_decode_attention(
+            query[rows], key_cache, value_cache, tables, sl, scale, k_scale, v_scale
+        )
         done = set(decode_seqs)
     else:
         done = set()
@@ -211,8 +238,15 @@ def paged_prefill_attention(
             block_tables[s].to(query.device),
             lens[s],
             scale,
+            k_scale,
+            v_scale,
         ).to(query.dtype)
     return out
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 elements as their bytes (torch has no fp8 ``index_copy_``); others as they are."""
+    return t.view(torch.uint8) if fp8.is_fp8(t.dtype) else t
 
 
 def copy_blocks(
@@ -226,7 +260,8 @@ def copy_blocks(
     mapping = block_mapping.to(device=key_caches[0].device, dtype=torch.int64)
     src, dst = mapping[:, 0], mapping[:, 1]
     for cache in (*key_caches, *value_caches):
-        cache.index_copy_(0, dst, cache.index_select(0, src))
+        raw = _raw(cache)
+        raw.index_copy_(0, dst, raw.index_select(0, src))
 
 
 def gather_blocks(
@@ -259,5 +294,5 @@ def scatter_blocks(
     ids = block_ids.to(device=device, dtype=torch.int64)
     packed = packed.to(device=device, non_blocking=True)
     for layer, (k, v) in enumerate(zip(key_caches, value_caches, strict=True)):
-        k.index_copy_(0, ids, packed[:, layer, 0].to(k.dtype))
-        v.index_copy_(0, ids, packed[:, layer, 1].to(v.dtype))
+        _raw(k).index_copy_(0, ids, _raw(packed[:, layer, 0].to(k.dtype)))
+        _raw(v).index_copy_(0, ids, _raw(packed[:, layer, 1].to(v.dtype)))

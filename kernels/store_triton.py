@@ -5,6 +5,11 @@ Algorithm as in vLLM's ``reshape_and_cache``: one program per (token, tile of th
 negative (padding) slot, and otherwise writes the K and V tiles at element offset
 ``slot * num_kv_heads * head_dim`` of the contiguous cache, computed in int64 so pools of
 more than 2**31 elements are addressed correctly.
+
+Into an fp8 (e4m3fn) cache a program stores the bytes of ``x / scale`` saturated to
++-448 and rounded to nearest even, built with integer arithmetic on the fp32 bits
+(:func:`_fp8_e4m3_bits`), so the bytes are :func:`pagedserve.kernels.fp8.quantize`'s on
+every target: the interpreter's own fp32 -> fp8 cast flushes e4m3 subnormals to zero.
 """
 
 from __future__ import annotations
@@ -14,6 +19,24 @@ import triton
 import triton.language as tl
 
 from pagedserve.kernels.common_triton import cdiv, check_triton_device, next_pow2
+
+
+@triton.jit
+def _fp8_e4m3_bits(x, scale):
+    """uint8 e4m3fn bits of fp32 ``x / scale``: saturated to +-448, round to nearest even,
+    NaN -> 0x7f with the sign. Below 2**-6 the value is a multiple of 2**-9 (subnormal),
+    rounded by the fp32 add/subtract of 2**23; from 2**-6 up the fp32 mantissa is rounded
+    to 3 bits on the integer bits and the exponent rebased from 127 to 7."""
+    y = x.to(tl.float32) / scale
+    a = tl.minimum(tl.abs(y), 448.0)
+    bits = a.to(tl.int32, bitcast=True)
+    sign = (y.to(tl.int32, bitcast=True) >> 24) & 0x80
+    sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    r = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = (((r >> 23) - 120) << 3) | ((r >> 20) & 7)
+    mag = tl.where(a < 0.015625, sub, normal)
+    mag = tl.where(y != y, 0x7F, mag)
+    return (sign | mag).to(tl.uint8)
 
 
 @triton.jit
@@ -28,8 +51,11 @@ def _store_kv_kernel(
     stride_vt,
     stride_vh,
     row_elems,
+    k_scale,
+    v_scale,
     HEAD_DIM: tl.constexpr,
     TILE: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     tile = tl.program_id(1)
@@ -44,8 +70,12 @@ def _store_kv_kernel(
     k = tl.load(key_ptr + t64 * stride_kt + head * stride_kh + dim, mask=mask)
     v = tl.load(value_ptr + t64 * stride_vt + head * stride_vh + dim, mask=mask)
     dst = slot * row_elems + idx
-    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:  # the caches are passed as uint8 views
+        tl.store(key_cache_ptr + dst, _fp8_e4m3_bits(k, k_scale), mask=mask)
+        tl.store(value_cache_ptr + dst, _fp8_e4m3_bits(v, v_scale), mask=mask)
+    else:
+        tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv_cache(
@@ -55,12 +85,16 @@ def store_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     tile: int | None = None,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Triton backend of :func:`pagedserve.kernels.store_kv_cache` (arguments validated).
 
     ``key``/``value`` may be strided over tokens and heads (e.g. views into a fused QKV
     projection) but need a unit stride over ``head_dim``. ``tile`` overrides the number of
     elements per program (a power of two; default ``min(1024, next_pow2(heads*dim))``).
+    ``k_scale`` / ``v_scale`` divide K / V before an fp8 cache quantises them.
     """
     check_triton_device(key_cache.device, _store_kv_kernel)
     num_tokens, num_kv_heads, head_dim = key.shape
@@ -73,18 +107,22 @@ def store_kv_cache(
     row = num_kv_heads * head_dim
     tile = tile or min(1024, next_pow2(row))
     grid = (num_tokens, cdiv(row, tile))
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
     _store_kv_kernel[grid](
         key,
         value,
-        key_cache,
-        value_cache,
+        key_cache.view(torch.uint8) if fp8 else key_cache,
+        value_cache.view(torch.uint8) if fp8 else value_cache,
         slot_mapping.contiguous(),
         key.stride(0),
         key.stride(1),
         value.stride(0),
         value.stride(1),
         row,
+        float(k_scale),
+        float(v_scale),
         HEAD_DIM=head_dim,
         TILE=tile,
+        FP8=fp8,
         num_warps=4 if tile >= 512 else 1,
     )

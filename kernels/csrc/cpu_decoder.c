@@ -5,8 +5,8 @@
  *
  *   normed   = rms_norm(x, residual += x)          (layer 0: residual = x, no add)
  *   qkv      = normed @ Wqkv^T (+ b)               linear_packed_f32
- *   rope_store(qkv) -> K/V cache slots            rope_store_f32 / _bf16kv
- *   attn     = paged_attention(q of qkv)          paged_attention_f32 / _bf16kv
+ *   rope_store(qkv) -> K/V cache slots            rope_store_f32 / _bf16kv / _fp8kv
+ *   attn     = paged_attention(q of qkv)          paged_attention_f32 / _bf16kv / _fp8kv
  *   x        = attn @ Wo^T (+ b)
  *   normed   = rms_norm(x, residual += x)
  *   gate_up  = normed @ Wgu^T (+ b); act = silu(gate) * up
@@ -18,9 +18,9 @@
  * its w_bf16 flag picks which. What it saves is the Python
  * around ~9 ctypes calls and ~7 tensor allocations per layer (about a tenth of a decode
  * step at small batch on the 2-core Xeon). vLLM's CPU backend gets the same from its C++
- * custom ops inside a compiled graph. A layer's KV caches are fp32 or bf16 (its
- * kv_bf16 flag picks the *_bf16kv kernels); activations, norms and the residual stream
- * are fp32 either way.
+ * custom ops inside a compiled graph. A layer's KV caches are fp32, bf16 or fp8 e4m3fn (its
+ * kv_type picks the _f32, *_bf16kv or *_fp8kv kernels; fp8 with the layer's k_scale and
+ * v_scale); activations, norms and the residual stream are fp32 either way.
  */
 #include <stdint.h>
 #include <string.h>
@@ -52,11 +52,23 @@ void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16
                             const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             float scale, float *out, int64_t num_threads);
+void rope_store_fp8kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                      const float *sin_table, const int64_t *positions, const int64_t *slots,
+                      uint8_t *k_cache, uint8_t *v_cache, float k_scale, float v_scale);
+void paged_attention_fp8kv(const float *q, int64_t q_token_stride, const uint8_t *k_cache,
+                           const uint8_t *v_cache, const int32_t *block_tables,
+                           int64_t bt_stride, const int32_t *seq_lens,
+                           const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, float k_scale, float v_scale, float *out,
+                           int64_t num_threads);
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter);
 
 /* One layer's tensors; a NULL bias (fp32) means none. The four weights are packed as
  * pack_weight_f32 makes them, or as pack_weight_bf16 does when w_bf16 is nonzero;
- * k_cache/v_cache hold fp32, or bf16 when kv_bf16 is nonzero. Mirrored by ctypes in
+ * k_cache/v_cache hold fp32 (kv_type 0), bf16 (1) or fp8 e4m3fn (2, read and written with
+ * the per-tensor k_scale and v_scale). Mirrored by ctypes in
  * pagedserve/kernels/cpu_native.py (DecoderLayerPtrs). */
 typedef struct {
     const float *input_norm;
@@ -71,8 +83,10 @@ typedef struct {
     const float *down_bias;
     void *k_cache;
     void *v_cache;
-    int64_t kv_bf16;
+    int64_t kv_type;
     int64_t w_bf16;
+    float k_scale;
+    float v_scale;
 } decoder_layer_f32_t;
 
 /* out[m, n] = x[m, k] @ W^T + bias on the layer's packed weight w; 0, or -1 when the bf16
@@ -124,7 +138,15 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         if (layer_linear(l, normed, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
                          num_threads))
             return -1;
-        if (l->kv_bf16) {
+        if (l->kv_type == 2) {
+            rope_store_fp8kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
+                             sin_table, positions, slots, l->k_cache, l->v_cache, l->k_scale,
+                             l->v_scale);
+            paged_attention_fp8kv(qkv, qkv_size, l->k_cache, l->v_cache, block_tables,
+                                  bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
+                                  num_kv_heads, head_dim, block_size, scale, l->k_scale,
+                                  l->v_scale, attn, num_threads);
+        } else if (l->kv_type == 1) {
             rope_store_bf16kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
                               sin_table, positions, slots, l->k_cache, l->v_cache);
             paged_attention_bf16kv(qkv, qkv_size, l->k_cache, l->v_cache, block_tables,

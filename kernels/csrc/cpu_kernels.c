@@ -1,9 +1,12 @@
 /*
  * Fused fp32 CPU kernels of the serving path: paged attention (decode and chunked
  * prefill in one kernel), K/V store, rotary embedding, (residual-add +) RMSNorm, SiLU*mul.
- * Attention and the K/V store also come for bf16 KV caches (the *_bf16kv entry points):
- * queries, scores, softmax and sums stay fp32, a bf16 K/V element is widened to fp32 in
- * registers (exact), and rope_store rounds K/V to bf16 (nearest even) when it stores them.
+ * Attention and the K/V store also come for bf16 KV caches (the *_bf16kv entry points) and
+ * fp8 e4m3fn ones (*_fp8kv): queries, scores, softmax and sums stay fp32, a bf16 or fp8 K/V
+ * element is widened to fp32 in registers (exact), and rope_store rounds K/V to bf16
+ * (nearest even), or quantises x / scale to fp8 (saturated to +-448, nearest even), when it
+ * stores them. An fp8 cache's per-tensor k_scale folds into the softmax scale and its
+ * v_scale multiplies the output.
  *
  * Compiled on first use by pagedserve/kernels/cpu_native.py (gcc -O3 -march=native
  * -fopenmp -ffp-contract=off) and called through ctypes; the torch reference
@@ -35,6 +38,7 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
 
 static inline v16 splat16(float a) {
     return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
@@ -48,38 +52,104 @@ static inline v16 load16(const float *p) {
 
 static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof(v)); }
 
-/*
- * KV cache elements: fp32, or bf16 (the top 16 bits of an fp32). The attention code
- * below takes `const int bf16` and is always inlined into one entry point per element
- * type with a constant there, so each entry point compiles to straight-line loads of its
- * type; with bf16 = 0 the operations are exactly the fp32-only kernel's.
- */
-static inline const void *kv_elem(const void *base, int64_t i, const int bf16) {
-    return (const char *)base + i * (bf16 ? 2 : 4);
+/* Lane-wise mask ? a : b, for a mask from a vector comparison (all ones or all zeros). */
+static inline v16 select16(v16i mask, v16 a, v16 b) {
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
-/* Elements p[i .. i+16) as fp32 (bf16 widened exactly: its bits << 16). */
-static inline v16 kv_load16(const void *p, int64_t i, const int bf16) {
-    if (bf16) {
+/*
+ * KV cache elements, by kvt: KV_F32, KV_BF16 (the top 16 bits of an fp32) or KV_FP8
+ * (e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN). The attention
+ * code below takes `const int kvt` and is always inlined into one entry point per element
+ * type with a constant there, so each entry point compiles to straight-line loads of its
+ * type; with KV_F32 the operations are exactly the fp32-only kernel's.
+ */
+#define KV_F32 0
+#define KV_BF16 1
+#define KV_FP8 2
+
+static inline const void *kv_elem(const void *base, int64_t i, const int kvt) {
+    return (const char *)base + i * (kvt == KV_F32 ? 4 : (kvt == KV_BF16 ? 2 : 1));
+}
+
+/* 16 e4m3fn bytes as fp32, exactly: exponent >= 1 rebased from bias 7 to 127 in the
+ * integer bits, exponent 0 as mantissa * 2^-9 (no float op on a denormal), NaN kept. */
+static inline v16 fp8_widen16(v16b b) {
+    const v16i x = __builtin_convertvector(b, v16i);
+    const v16i em = x & 0x7f;
+    const v16 normal = (v16)((em << 20) + (120 << 23));
+    const v16 sub = __builtin_convertvector(em, v16) * splat16(0x1p-9f);
+    v16 v = select16(em < 8, sub, normal);
+    v = select16(em == 0x7f, splat16(NAN), v);
+    return (v16)((v16i)v | ((x & 0x80) << 24));
+}
+
+static inline float fp8_widen1(uint8_t b) {
+    const uint32_t em = b & 0x7fu;
+    float f;
+    if (em == 0x7fu) {
+        f = NAN;
+    } else if (em < 8u) {
+        f = (float)em * 0x1p-9f;
+    } else {
+        const uint32_t bits = (em << 20) + (120u << 23);
+        memcpy(&f, &bits, sizeof(f));
+    }
+    return (b & 0x80u) ? -f : f;
+}
+
+/* fp32 x / scale -> e4m3fn bits: saturated to +-448, round to nearest even, NaN -> 0x7f
+ * with its sign; torch's (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn). Below 2^-6
+ * the result is a multiple of 2^-9, rounded by the fp32 add/subtract of 2^23; from 2^-6 up
+ * the mantissa is rounded to 3 bits on the integer bits and the exponent rebased to 7. */
+static inline uint8_t f32_to_fp8(float x, float scale) {
+    const float y = x / scale;
+    uint32_t u;
+    memcpy(&u, &y, sizeof(u));
+    const uint32_t sign = (u >> 24) & 0x80u;
+    if (y != y) return (uint8_t)(sign | 0x7fu);
+    float a = fabsf(y);
+    a = a < 448.0f ? a : 448.0f;
+    uint32_t mag;
+    if (a < 0x1p-6f) {
+        mag = (uint32_t)((a * 512.0f + 8388608.0f) - 8388608.0f);
+    } else {
+        uint32_t b;
+        memcpy(&b, &a, sizeof(b));
+        const uint32_t r = b + 0x7ffffu + ((b >> 20) & 1u);
+        mag = (((r >> 23) - 120u) << 3) | ((r >> 20) & 7u);
+    }
+    return (uint8_t)(sign | mag);
+}
+
+/* Elements p[i .. i+16) as fp32 (bf16 widened exactly: its bits << 16; fp8 as above). */
+static inline v16 kv_load16(const void *p, int64_t i, const int kvt) {
+    if (kvt == KV_BF16) {
         v16h h;
-        memcpy(&h, kv_elem(p, i, 1), sizeof(h));
+        memcpy(&h, kv_elem(p, i, kvt), sizeof(h));
         return (v16)(__builtin_convertvector(h, v16i) << 16);
+    }
+    if (kvt == KV_FP8) {
+        v16b b;
+        memcpy(&b, kv_elem(p, i, kvt), sizeof(b));
+        return fp8_widen16(b);
     }
     return load16((const float *)p + i);
 }
 
-static inline float kv_load1(const void *p, int64_t i, const int bf16) {
-    if (bf16) {
+static inline float kv_load1(const void *p, int64_t i, const int kvt) {
+    if (kvt == KV_BF16) {
         const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
         float f;
         memcpy(&f, &bits, sizeof(f));
         return f;
     }
+    if (kvt == KV_FP8) return fp8_widen1(((const uint8_t *)p)[i]);
     return ((const float *)p)[i];
 }
 
 /* KV elements per 64-byte cache line: the step of the prefetch loops. */
-#define KV_LINE(bf16) ((bf16) ? 32 : 16)
+#define KV_LINE(kvt) ((kvt) == KV_F32 ? 16 : ((kvt) == KV_BF16 ? 32 : 64))
 
 /* fp32 -> bf16, round to nearest even, NaN -> 0x7fc0: c10::BFloat16's
  * round_to_nearest_even, the bits of torch's x.to(torch.bfloat16). */
@@ -88,11 +158,6 @@ static inline uint16_t f32_to_bf16(float f) {
     memcpy(&u, &f, sizeof(u));
     const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
     return f != f ? (uint16_t)0x7fc0 : rounded;
-}
-
-/* Lane-wise mask ? a : b, for a mask from a vector comparison (all ones or all zeros). */
-static inline v16 select16(v16i mask, v16 a, v16 b) {
-    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
 /* Sum of the 16 lanes as a fixed tree: (i + i+8), then + i+4, then pairs. */
@@ -232,14 +297,14 @@ static void softmax_inplace(float *sc, int64_t len) {
 static inline __attribute__((always_inline)) void pv_slice(
     const int gn, const float *p, int64_t p_stride, int64_t len, const void *v_base,
     const int32_t *table, int64_t block_size, int64_t row, float *out, int64_t head_dim,
-    const int bf16) {
+    const int kvt) {
     v16 acc[VGROUP];
     for (int g = 0; g < gn; ++g) acc[g] = splat16(0.0f);
     for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
-        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, bf16);
+        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, kvt);
         const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
         for (int64_t o = 0; o < jn; ++o) {
-            const v16 v = kv_load16(vb, o * row, bf16);
+            const v16 v = kv_load16(vb, o * row, kvt);
             for (int g = 0; g < gn; ++g)
                 acc[g] = acc[g] + splat16(p[g * p_stride + j0 + o]) * v;
         }
@@ -254,23 +319,23 @@ static inline __attribute__((always_inline)) void pv_slice(
 static inline __attribute__((always_inline)) void pv_rows(
     const int gn, const int ns, const float *p, int64_t p_stride, int64_t len,
     const void *v_base, const int32_t *table, int64_t block_size, int64_t row,
-    int64_t pf_blocks, float *out, int64_t head_dim, const int bf16) {
+    int64_t pf_blocks, float *out, int64_t head_dim, const int kvt) {
     v16 acc[6][8];
     for (int g = 0; g < gn; ++g)
         for (int s = 0; s < ns; ++s) acc[g][s] = splat16(0.0f);
     for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
-        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, bf16);
+        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, kvt);
         const void *vn =
             j0 + pf_blocks * block_size < len
-                ? kv_elem(v_base, (int64_t)table[b + pf_blocks] * block_size * row, bf16)
+                ? kv_elem(v_base, (int64_t)table[b + pf_blocks] * block_size * row, kvt)
                 : NULL;
         const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
         for (int64_t o = 0; o < jn; ++o) {
             if (vn != NULL)
-                for (int s = 0; s < ns; s += KV_LINE(bf16) / 16)
-                    __builtin_prefetch(kv_elem(vn, o * row + 16 * s, bf16), 0, 3);
+                for (int s = 0; s < ns; s += KV_LINE(kvt) / 16)
+                    __builtin_prefetch(kv_elem(vn, o * row + 16 * s, kvt), 0, 3);
             v16 v[8];
-            for (int s = 0; s < ns; ++s) v[s] = kv_load16(vb, o * row + 16 * s, bf16);
+            for (int s = 0; s < ns; ++s) v[s] = kv_load16(vb, o * row + 16 * s, kvt);
             for (int g = 0; g < gn; ++g) {
                 const v16 w = splat16(p[g * p_stride + j0 + o]);
                 for (int s = 0; s < ns; ++s) acc[g][s] = acc[g][s] + w * v[s];
@@ -297,14 +362,14 @@ static inline __attribute__((always_inline)) void pv_rows(
  * by the same operations whatever its task holds, so the split changes no bits and a
  * sequence's output does not depend on the rest of the batch.
  *
- * k_cache, v_cache: fp32 (bf16 = 0) or bf16 (bf16 = 1) elements; see kv_load16.
+ * k_cache, v_cache: KV_F32, KV_BF16 or KV_FP8 elements (kvt); see kv_load16.
  */
 static inline __attribute__((always_inline)) void paged_attention_kv(
     const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads,
-    const int bf16) {
+    const int kvt) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* elements per token slot */
     const int64_t threads = num_threads > 0 ? num_threads : 1;
@@ -340,8 +405,8 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     {
         float *scores = (float *)malloc(sizeof(float) * QTILE * sub * (max_seq_len + 1));
         float *acc = (float *)malloc(sizeof(float) * head_dim);
-        /* bf16: the 16 K rows of a key group widened once for all the task's query rows */
-        float *kwide = bf16 ? (float *)malloc(sizeof(float) * 16 * head_dim) : NULL;
+        /* bf16, fp8: the 16 K rows of a key group widened once for all the task's query rows */
+        float *kwide = kvt ? (float *)malloc(sizeof(float) * 16 * head_dim) : NULL;
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
@@ -380,11 +445,11 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                 int cnt = 0;
                 for (; cnt < 16 && j + cnt < n_keys; ++cnt) {
                     const int64_t slot = (int64_t)table[cb] * block_size + co;
-                    krows[cnt] = kv_elem(k_cache, slot * row + k_off, bf16);
+                    krows[cnt] = kv_elem(k_cache, slot * row + k_off, kvt);
                     if (pj < n_keys) {
                         const int64_t kp = ((int64_t)table[pb] * block_size + po) * row + k_off;
-                        for (int64_t l = 0; l < head_dim; l += KV_LINE(bf16))
-                            __builtin_prefetch(kv_elem(k_cache, kp + l, bf16), 0, 3);
+                        for (int64_t l = 0; l < head_dim; l += KV_LINE(kvt))
+                            __builtin_prefetch(kv_elem(k_cache, kp + l, kvt), 0, 3);
                         ++pj;
                         if (++po == block_size) {
                             po = 0;
@@ -392,18 +457,20 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                         }
                     }
                     if (ns == 0 || cb < pf_blocks)
-                        for (int64_t l = 0; l < head_dim; l += KV_LINE(bf16))
-                            __builtin_prefetch(kv_elem(v_cache, slot * row + k_off + l, bf16), 0, 3);
+                        for (int64_t l = 0; l < head_dim; l += KV_LINE(kvt))
+                            __builtin_prefetch(kv_elem(v_cache, slot * row + k_off + l, kvt), 0, 3);
                     if (++co == block_size) {
                         co = 0;
                         ++cb;
                     }
                 }
                 for (int c = cnt; c < 16; ++c) krows[c] = krows[cnt - 1];
-                if (bf16) { /* exact: the same scores as the fp32 kernel on the fp32 rows */
+                if (kvt) { /* exact: the same scores as the fp32 kernel on the fp32 rows */
                     for (int c = 0; c < 16; ++c) {
                         float *w = kwide + c * head_dim;
-                        for (int64_t d = 0; d < head_dim; ++d) w[d] = kv_load1(krows[c], d, 1);
+                        int64_t d = 0;
+                        for (; d + 16 <= head_dim; d += 16) store16(w + d, kv_load16(krows[c], d, kvt));
+                        for (; d < head_dim; ++d) w[d] = kv_load1(krows[c], d, kvt);
                         krows[c] = w;
                     }
                 }
@@ -441,9 +508,9 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                     const int64_t gn = (gs - g0) < gstep ? (gs - g0) : gstep;
                     const float *p = scores + (r * gs + g0) * n_keys;
                     float *og = orow + g0 * head_dim;
-                    const void *vhead = kv_elem(v_cache, kvh * head_dim, bf16);
+                    const void *vhead = kv_elem(v_cache, kvh * head_dim, kvt);
 #define PVR(G, S) \
-    pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim, bf16)
+    pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim, kvt)
                     if (ns == 4) {
                         switch (gn) {
                         case 1: PVR(1, 4); break;
@@ -466,8 +533,8 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
 #undef PVR
                     int64_t d0 = 0;
                     for (; d0 + 16 <= head_dim; d0 += 16) {
-                        const void *vbase = kv_elem(v_cache, kvh * head_dim + d0, bf16);
-#define PV(G) pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim, bf16)
+                        const void *vbase = kv_elem(v_cache, kvh * head_dim + d0, kvt);
+#define PV(G) pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim, kvt)
                         switch (gn) {
                         case 1: PV(1); break;
                         case 2: PV(2); break;
@@ -486,10 +553,10 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                             for (int64_t j = 0; j < len; ++j) {
                                 const int64_t slot =
                                     (int64_t)table[j / block_size] * block_size + j % block_size;
-                                const void *vrow = kv_elem(v_cache, slot * row + kvh * head_dim, bf16);
+                                const void *vrow = kv_elem(v_cache, slot * row + kvh * head_dim, kvt);
                                 const float w = p[g * n_keys + j];
                                 for (int64_t d = d0; d < head_dim; ++d)
-                                    acc[d] += w * kv_load1(vrow, d, bf16);
+                                    acc[d] += w * kv_load1(vrow, d, kvt);
                             }
                             memcpy(og + g * head_dim + d0, acc + d0,
                                    sizeof(float) * (head_dim - d0));
@@ -513,7 +580,7 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                          int64_t block_size, float scale, float *out, int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, 0);
+                       scale, out, num_threads, KV_F32);
 }
 
 /* paged_attention_kv on bf16 caches (uint16_t bit patterns); q and out fp32. */
@@ -525,7 +592,26 @@ void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16
                             float scale, float *out, int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, 1);
+                       scale, out, num_threads, KV_BF16);
+}
+
+/* paged_attention_kv on fp8 e4m3fn caches (bytes) of per-tensor scales k_scale, v_scale:
+ * k_scale folds into the softmax scale, v_scale multiplies the output; q and out fp32. */
+void paged_attention_fp8kv(const float *q, int64_t q_token_stride, const uint8_t *k_cache,
+                           const uint8_t *v_cache, const int32_t *block_tables,
+                           int64_t bt_stride, const int32_t *seq_lens,
+                           const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, float k_scale, float v_scale, float *out,
+                           int64_t num_threads) {
+    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                       scale * k_scale, out, num_threads, KV_FP8);
+    if (v_scale != 1.0f) {
+        const int64_t n = cu_seqlens_q[num_seqs] * num_heads * head_dim;
+#pragma omp parallel for if (n > 65536) num_threads(num_threads > 0 ? num_threads : 1)
+        for (int64_t i = 0; i < n; ++i) out[i] *= v_scale;
+    }
 }
 
 /*
@@ -534,13 +620,15 @@ void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16
  * qkv: [T, qkv_stride] with q heads at 0, k heads at num_heads*head_dim, v heads after;
  * cos/sin tables: [max_positions, head_dim] fp32; positions int64 [T].
  * out = x*cos + rotate_half(x)*sin, rounded after each multiply and the add (no FMA), as
- * in HF transformers' apply_rotary_pos_emb. bf16 = 1: the caches are bf16 and the stored
- * K/V rows are the fp32 ones rounded by f32_to_bf16 (qkv itself stays fp32).
+ * in HF transformers' apply_rotary_pos_emb. kvt KV_BF16: the caches are bf16 and the stored
+ * K/V rows are the fp32 ones rounded by f32_to_bf16; KV_FP8: f32_to_fp8 of K / k_scale and
+ * V / v_scale (qkv itself stays fp32).
  */
 static void rope_store_kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
                           const float *sin_table, const int64_t *positions,
-                          const int64_t *slots, void *k_cache, void *v_cache, const int bf16) {
+                          const int64_t *slots, void *k_cache, void *v_cache, const int kvt,
+                          float k_scale, float v_scale) {
     const int64_t half = head_dim / 2;
     const int64_t kv_row = num_kv_heads * head_dim;
 #pragma omp parallel for if (num_tokens > 64)
@@ -565,7 +653,12 @@ static void rope_store_kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, in
         }
         const int64_t slot = slots[t];
         const float *k = x + num_heads * head_dim, *v = k + kv_row;
-        if (slot >= 0 && bf16) {
+        if (slot >= 0 && kvt == KV_FP8) {
+            uint8_t *kd = (uint8_t *)k_cache + slot * kv_row;
+            uint8_t *vd = (uint8_t *)v_cache + slot * kv_row;
+            for (int64_t d = 0; d < kv_row; ++d) kd[d] = f32_to_fp8(k[d], k_scale);
+            for (int64_t d = 0; d < kv_row; ++d) vd[d] = f32_to_fp8(v[d], v_scale);
+        } else if (slot >= 0 && kvt == KV_BF16) {
             uint16_t *kd = (uint16_t *)k_cache + slot * kv_row;
             uint16_t *vd = (uint16_t *)v_cache + slot * kv_row;
             for (int64_t d = 0; d < kv_row; ++d) kd[d] = f32_to_bf16(k[d]);
@@ -582,7 +675,7 @@ void rope_store_f32(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t 
                     const float *sin_table, const int64_t *positions, const int64_t *slots,
                     float *k_cache, float *v_cache) {
     rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
-                  sin_table, positions, slots, k_cache, v_cache, 0);
+                  sin_table, positions, slots, k_cache, v_cache, KV_F32, 1.0f, 1.0f);
 }
 
 /* rope_store_f32 into bf16 caches (uint16_t bit patterns). */
@@ -591,7 +684,16 @@ void rope_store_bf16kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64
                        const float *sin_table, const int64_t *positions, const int64_t *slots,
                        uint16_t *k_cache, uint16_t *v_cache) {
     rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
-                  sin_table, positions, slots, k_cache, v_cache, 1);
+                  sin_table, positions, slots, k_cache, v_cache, KV_BF16, 1.0f, 1.0f);
+}
+
+/* rope_store_f32 into fp8 e4m3fn caches (bytes): f32_to_fp8 of K / k_scale, V / v_scale. */
+void rope_store_fp8kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                      int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                      const float *sin_table, const int64_t *positions, const int64_t *slots,
+                      uint8_t *k_cache, uint8_t *v_cache, float k_scale, float v_scale) {
+    rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
+                  sin_table, positions, slots, k_cache, v_cache, KV_FP8, k_scale, v_scale);
 }
 
 /*

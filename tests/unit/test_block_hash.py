@@ -95,3 +95,5 @@ def test_kv_cache_dtype_enters_the_first_block_ahead_of_the_salt():
     # The chain carries block 0's key: no block of one dtype hashes like the other's.
     assert not set(fp32) & set(bf16) and not set(fp32) & set(plain)
     assert fp32[0] == hash_block_tokens(None, tokens[:4], ("kv_dtype=float32",))
+    fp8 = hash_full_blocks(tokens, 4, 3, kv_cache_dtype="float8_e4m3fn")
+    assert not set(fp8) & (set(fp32) | set(bf16) | set(plain))

@@ -63,7 +63,7 @@ def test_the_runner_picks_the_fused_forward_for_bf16_weights(
     # On AMX the bf16 layers keep no oneDNN copy: the one C call runs every step.
     assert chosen.per_layer_from == (None if cpu_native.has_amx() else ONEDNN_MIN_ROWS)
     assert [entry.w_bf16 for entry in chosen.layers] == [1, 1]
-    assert [entry.kv_bf16 for entry in chosen.layers] == [int(kv == "bfloat16")] * 2
+    assert [entry.kv_type for entry in chosen.layers] == [int(kv == "bfloat16")] * 2
     monkeypatch.setenv("PAGEDSERVE_FUSED_LAYERS", "0")
     assert bf16_worker(tiny_llama_dir, kv).runner.model.model_forward.name == "cpu-layers"
 

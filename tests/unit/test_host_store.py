@@ -36,6 +36,7 @@ def random_blocks(n: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int)
         (torch.float32, (2, 2, 16, 2, 16), 1 << 20),  # one chunk
         (torch.float16, (3, 2, 4, 1, 24), 700),  # a block per chunk (odd head dim)
         (torch.bfloat16, (1, 2, 1, 4, 64), 1000),  # several blocks per chunk
+        (torch.float8_e4m3fn, (2, 2, 4, 1, 32), 600),  # fp8: bytes, all 256 values
     ],
 )
 def test_swap_out_then_swap_in_is_bit_exact(served, dtype, shape, chunk) -> None:
@@ -175,6 +176,27 @@ def test_a_transfer_of_another_kv_dtype_is_refused() -> None:
     assert HostBlockStore(1 << 20).kv_cache_dtype is None  # a store of its own: any dtype
 
 
+def test_an_fp8_store_refuses_other_bytes_of_the_same_size() -> None:
+    server, port, store = serve_host_store(1 << 20, kv_cache_dtype="float8_e4m3fn")
+    try:
+        with HostStoreClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            # int8-sized blocks of another dtype name, and bf16 ones, are refused.
+            for dtype in (torch.bfloat16, torch.float8_e5m2):
+                other = random_blocks(2, (1, 2, 4, 1, 8), dtype, 3)
+                with pytest.raises(SwapError, match="FAILED_PRECONDITION"):
+                    client.swap_out("other", other, [0, 1])
+            assert store.num_blocks_stored == 0
+            fp8 = random_blocks(2, (1, 2, 4, 1, 8), torch.float8_e4m3fn, 4)
+            assert client.swap_out("fp8", fp8, [0, 1]) == fp8.numel()
+            with pytest.raises(SwapError, match="does not match the request"):
+                client.swap_in("back", [0, 1], torch.empty_like(fp8).view(torch.float8_e5m2))
+            back = torch.empty_like(fp8)
+            client.swap_in("back", [0, 1], back)
+            assert torch.equal(back.view(torch.uint8), fp8.view(torch.uint8))
+    finally:
+        server.stop(0)
+
+
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="capacity_bytes"):
         HostBlockStore(0)
@@ -195,5 +217,7 @@ def test_serve_flags_and_host_store_command_parse() -> None:
     assert args.kv_cache_dtype is None
     args = parser.parse_args(["host-store", "--kv-cache-dtype", "bfloat16"])
     assert args.kv_cache_dtype == "bfloat16"
+    args = parser.parse_args(["host-store", "--kv-cache-dtype", "float8_e4m3fn"])
+    assert args.kv_cache_dtype == "float8_e4m3fn"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--preemption-mode", "sometimes"])

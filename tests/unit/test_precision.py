@@ -80,6 +80,8 @@ def test_explicit_dtypes_win_over_the_rule() -> None:
         resolve_model_dtype("fp8", None, cpu)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         resolve_kv_cache_dtype("int8", "float32")
+    for name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
+        assert resolve_kv_cache_dtype(name, "bfloat16") == "float8_e4m3fn"
 
 
 def test_cpu_flags_from_cpuinfo(tmp_path: Path) -> None:
@@ -124,6 +126,8 @@ def test_configs_refuse_unknown_dtypes_naming_the_field() -> None:
         ModelConfig(dtype="fp8")
     with pytest.raises(ValueError, match=r"^kv_cache_dtype must be auto, float32"):
         CacheConfig(kv_cache_dtype="int8")
+    assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    assert CacheConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
     assert CacheConfig().kv_cache_dtype == "auto"
 
 
@@ -137,15 +141,17 @@ def test_serve_flags_reach_the_configs() -> None:
     assert (wc.model.dtype, wc.cache.kv_cache_dtype) == ("bfloat16", "float16")
     default = serve_config(parser.parse_args(["serve"]))
     assert (default.model.dtype, default.cache.kv_cache_dtype) == ("auto", "auto")
+    fp8 = serve_config(parser.parse_args(["serve", "--kv-cache-dtype", "fp8"]))
+    assert fp8.cache.kv_cache_dtype == "fp8"
 
 
-@pytest.mark.parametrize("flag", ["--dtype", "--kv-cache-dtype"])
-def test_a_bad_dtype_flag_is_refused_by_name(flag: str, capsys) -> None:
+@pytest.mark.parametrize(("flag", "bad"), [("--dtype", "fp8"), ("--kv-cache-dtype", "int8")])
+def test_a_bad_dtype_flag_is_refused_by_name(flag: str, bad: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(["serve", flag, "fp8"])
+        build_parser().parse_args(["serve", flag, bad])
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert f"argument {flag}: invalid choice: 'fp8'" in err
+    assert f"argument {flag}: invalid choice: '{bad}'" in err
 
 
 def worker_for(model_dir: Path, dtype: str = "auto", **cache) -> Worker:
@@ -174,6 +180,19 @@ def test_bf16_kv_holds_twice_the_blocks_of_fp32(tiny_llama_dir: Path) -> None:
     assert bf16.runner.model.model_forward.name == "cpu-fused"
 
 
+def test_fp8_kv_holds_four_times_the_blocks_of_fp32(tiny_llama_dir: Path) -> None:
+    fp32 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20)
+    fp8 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20, kv_cache_dtype="fp8")
+    bf16 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20, kv_cache_dtype="bfloat16")
+    a, b, c = fp32.get_info(), fp8.get_info(), bf16.get_info()
+    assert (b.dtype, b.kv_cache_dtype, b.num_blocks) == ("float32", "float8_e4m3fn", 2048)
+    assert (a.num_blocks, c.num_blocks) == (512, 1024)
+    assert b.block_bytes == a.block_bytes // 4 == 2 * 2 * 4 * 2 * 16
+    assert fp8.runner.kv_pool.dtype == torch.float8_e4m3fn
+    assert fp8.runner.kv_pool.nbytes == 1 << 20
+    assert fp8.runner.model.model_forward.name == "cpu-fused"
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -196,6 +215,8 @@ def fp32_tokens(tiny_llama_dir: Path) -> list[int]:
         # fp32 pinned: "auto" is bf16 on a CPU with the bf16 kernels.
         ({"dtype": "float32", "kv_cache_dtype": "bfloat16"}, "float32", "bfloat16"),
         ({"dtype": "bfloat16", "kv_cache_dtype": "float32"}, "bfloat16", "float32"),
+        ({"dtype": "float32", "kv_cache_dtype": "fp8"}, "float32", "float8_e4m3fn"),
+        ({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}, "bfloat16", "float8_e4m3fn"),
     ],
 )
 def test_llm_runs_other_precisions_on_cpu(
