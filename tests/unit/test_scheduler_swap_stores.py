@@ -324,6 +324,7 @@ def test_a_failed_remote_pull_recomputes() -> None:
         tokens.setdefault(key, []).extend(toks)
     assert tokens == reference(prompts)
     assert [t.source_address for t in pulls] == ["a-node:1"]
+    assert sorted(pulls[0].host_blocks_to_free) == host_ids
     sw = sched.swap_stats()
     assert sw.num_swap_failures == 1 and sw.num_remote_swap_ins == 0
     assert pool_a.num_free_blocks == pool_a.num_blocks
