@@ -3,7 +3,8 @@
 Both serve :mod:`pagedserve.worker.host_store` (``pagedserve.v1.HostBlockStore``) with
 ``swap_space`` bytes of CPU memory for swapped-out KV blocks. The launcher starts one actor
 on every node that runs workers, on 127.0.0.1 (the workers of that node reach it on
-loopback; no other node uses it); the standalone command is for running and measuring a
+loopback) and on the node's address (workers of other nodes pull swapped groups from it
+there, remote swap-ins); the standalone command is for running and measuring a
 store by hand.
 
 Who may call it (:mod:`pagedserve.cluster.auth`): with an API key, every call needs

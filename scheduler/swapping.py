@@ -23,14 +23,20 @@ Stores (:func:`pagedserve.scheduler.swap.swap_specs`): each worker that may swap
 :class:`SwapSpec`; workers whose specs name one ``store_id`` share that store's host
 block pool (the launcher starts one store per node), and each worker has its own cost
 model (its bandwidth to its store, its prefill cost) and its own backoff. A group lives in
-the store of the worker that swapped it out and resumes only on a worker of that store: a
-worker of another store never steals it (:meth:`SwapManager.pinned`), and a group queued
-on one (its worker died and routing moved it) is dissolved and recomputed there. Host
-blocks are freed on a store by the next step of any worker of that store.
+the store of the worker that swapped it out. A worker of another store resumes it by a
+remote swap-in (the transfer names the source store's ``remote_address``; the worker pulls
+the blocks from there and frees them there) only when :meth:`SwapManager.pull_wins`:
+under ``auto``, ``bytes / bandwidth(worker <- that store)`` is below the worker's prefill
+cost of the group's tokens (``swap`` pulls whatever it can); always, the pair's bandwidth
+measured (``SwapSpec.pull_bandwidth_bytes_per_s``,
+refined by each pull; an unmeasured pair never pulls) and the worker not backing off.
+Otherwise a thief of another store leaves the group alone (:meth:`SwapManager.pinned`), and
+a group routed to such a worker (its worker died) is dissolved and recomputed there. Host
+blocks are freed on a store by the next step of any worker of that store, or by the pull.
 
-Swap-in (:meth:`SwapManager.plan_swap_in`, from admission, on whichever worker of its
-store admits it: its own, a thief's, or a live one after its worker died): the whole group is admitted at
-once. Tables are rebuilt as they were shared: each member forks the longest run of full
+Swap-in (:meth:`SwapManager.plan_swap_in`, from admission, on whichever worker admits it:
+its own, a thief's, or a live one after its worker died; from another store by a pull):
+the whole group is admitted at once. Tables are rebuilt as they were shared: each member forks the longest run of full
 blocks it shared with a member restored before it and takes fresh blocks for the rest (a
 partial block that was shared becomes one copy per holder, so no copy-on-write is needed
 in the step that restores them). The worker scatters the host blocks into those blocks
@@ -38,9 +44,11 @@ before running the step and frees them on the store.
 
 Failures (store full or dead, checksum): a failed swap-out leaves its members waiting with
 no computed tokens (recompute); a failed swap-in takes its members off the worker and
-queues them for recompute (:class:`SwapResolution`). Host blocks return to the pool only
-once the worker that touched them answered, so a host id is never reused while a transfer
-may still write it.
+queues them for recompute (:class:`SwapResolution`); a failed pull (the source store or
+its node gone, a deadline) is a failed swap-in, and backs off the pulling worker. Host
+blocks return to their store's pool only once the worker that touched them answered
+(``InFlight.store_id`` names the source store of a pull), so a host id is never reused
+while a transfer may still write or read it.
 
 Overlapped scheduling (``async_scheduling``: step t+1 is planned while step t runs; the
 worker runs its steps one at a time, in order):
@@ -219,7 +227,8 @@ class SwapManager:
         """Whether ``worker_id``, a worker of another store than ``g``'s, should resume
         ``g`` by pulling its host blocks from that store rather than recompute it: the
         store is reachable from other nodes, the pair's bandwidth is measured, the blocks
-        are of one size, the worker is not backing off, and ``bytes / bandwidth`` is
+        are of one size, the worker is not backing off, and (mode ``auto``; ``swap``
+        resumes every group it can, as it swaps every victim) ``bytes / bandwidth`` is
         below the worker's prefill cost of the group's stored tokens."""
         home = self._home(g)
         bandwidth = self._pull_bandwidth.get((worker_id, home))
@@ -228,6 +237,8 @@ class SwapManager:
         spec = self.specs[worker_id]
         if spec.block_bytes != self.specs[g.worker_id].block_bytes or not self._allowed(worker_id):
             return False
+        if self.config.preemption_mode == "swap":
+            return True
         pull_s = len(g.host_ids()) * spec.block_bytes / bandwidth
         return pull_s < self.costs[worker_id].recompute_s(sum(g.num_tokens.values()))
 

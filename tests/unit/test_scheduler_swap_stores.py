@@ -42,12 +42,12 @@ def spec(host_blocks: int, store: str, pull: dict[str, float] | None = None) -> 
     )
 
 
-def make(swap: dict[int, SwapSpec], workers: int = 2) -> Scheduler:
+def make(swap: dict[int, SwapSpec], workers: int = 2, mode: str = "swap") -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_batched_tokens=6,
             max_model_len=64,
-            preemption_mode="swap",
+            preemption_mode=mode,
             max_num_seqs=8,
             enable_prefix_caching=False,
             async_scheduling=False,
@@ -334,11 +334,12 @@ def test_a_failed_remote_pull_recomputes() -> None:
 
 
 def test_a_pull_costlier_than_recompute_is_not_made() -> None:
-    """Pulling from "a" is measured at 1 byte/s for worker 1: recomputing the group is
-    cheaper, so it is dissolved and recomputed there, as with no pull at all."""
+    """Under ``auto``, pulling from "a" is measured at 1 byte/s for worker 1: recomputing
+    the group is cheaper, so it is dissolved and recomputed there, as with no pull at
+    all."""
     prompts = [[1] * 10, [2] * 10]
     hosts: dict[str, dict[int, list]] = {"a": {}, "b": {}}
-    sched = make({0: spec(64, "a", {"b": 1e9}), 1: spec(64, "b", {"a": 1.0})})
+    sched = make({0: spec(64, "a", {"b": 1e9}), 1: spec(64, "b", {"a": 1.0})}, mode="auto")
     fakes = [
         FakeKVWorker(6, hosts["a"]),
         FakeKVWorker(NUM_BLOCKS, hosts["b"], remotes={"a-node:1": hosts["a"]}),
@@ -346,6 +347,8 @@ def test_a_pull_costlier_than_recompute_is_not_made() -> None:
     tokens = swap_out_on_small_worker_0(sched, fakes, prompts)
     (g,) = {id(g): g for g in sched._swaps.groups.values() if not g.pending}.values()
     assert not sched._swaps.pull_wins(1, g)
+    forced = make({0: spec(64, "a", {"b": 1e9}), 1: spec(64, "b", {"a": 1.0})}, mode="swap")
+    assert forced._swaps.pull_wins(1, g)  # `swap` pulls whatever it can
     sched.mark_worker_dead(0)
     moves: dict[int, list[SchedulerOutput]] = {}
     more = run(sched, fakes, transfers_by_worker(moves))
@@ -363,7 +366,7 @@ def test_a_thief_of_another_store_steals_only_when_the_pull_wins(bandwidth: floa
     """Idle worker 1 (store "b") takes worker 0's stored group by a pull from "a" when the
     pull beats recompute (1 GB/s), and leaves it pinned to worker 0 when it does not."""
     hosts: dict[str, dict[int, list]] = {"a": {}, "b": {}}
-    sched = make({0: spec(64, "a", {"b": 1e9}), 1: spec(64, "b", {"a": bandwidth})})
+    sched = make({0: spec(64, "a", {"b": 1e9}), 1: spec(64, "b", {"a": bandwidth})}, mode="auto")
     fakes = [
         FakeKVWorker(6, hosts["a"]),
         FakeKVWorker(NUM_BLOCKS, hosts["b"], remotes={"a-node:1": hosts["a"]}),
