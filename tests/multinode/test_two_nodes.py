@@ -232,7 +232,7 @@ def _kill_while_a_group_is_stored(pid: int, client: Client, futures: list[Future
         os.kill(pid, signal.SIGSTOP)
         stats = client.stats()
         on_b = stats["workers"][0]
-        if stats["swap"]["num_requests_swapped"] and on_b["num_swap_outs"] > on_b["num_swap_ins"]:
+        if on_b["num_swap_outs"] > on_b["num_swap_ins"]:
             os.kill(pid, signal.SIGKILL)
             return on_b
         os.kill(pid, signal.SIGCONT)
@@ -272,7 +272,9 @@ def test_swapped_group_on_node_b_pulled_by_a_when_b_worker_dies(
     assert results == hf_reference
     assert not on_b["alive"] and on_a["alive"]
     assert on_a["num_remote_swap_ins"] >= 1 and on_a["remote_swap_in_bytes"] > 0, on_a
-    assert stats["swap"]["num_remote_swap_ins"] == on_a["num_remote_swap_ins"], stats["swap"]
+    # B's worker may have pulled one of A's groups (a thief) before it died
+    total = on_a["num_remote_swap_ins"] + on_b["num_remote_swap_ins"]
+    assert stats["swap"]["num_remote_swap_ins"] == total, stats["swap"]
     assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
 
 
