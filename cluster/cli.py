@@ -514,7 +514,8 @@ def _stats(args: argparse.Namespace) -> int:
         f"preemption {sw['preemption_mode']}  by mode {sw['preemptions_by_mode']}  swapped "
         f"{sw['num_requests_swapped']}  host blocks {sw['host_blocks_free']} free of "
         f"{sw['host_blocks_total']}  swap-out {sw['num_swap_outs']} "
-        f"({sw['swap_out_bytes']} B)  swap-in {sw['num_swap_ins']} ({sw['swap_in_bytes']} B)  "
+        f"({sw['swap_out_bytes']} B)  swap-in {sw['num_swap_ins']} ({sw['swap_in_bytes']} B; "
+        f"from another node {sw['num_remote_swap_ins']}, {sw['remote_swap_in_bytes']} B)  "
         f"failed {sw['num_swap_failures']}"
     )
     table = Table(

@@ -288,6 +288,8 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
             "num_swap_outs": r.swap.num_swap_outs,
             "num_swap_ins": r.swap.num_swap_ins,
             "num_swap_failures": r.swap.num_swap_failures,
+            "num_remote_swap_ins": r.swap.num_remote_swap_ins,
+            "remote_swap_in_bytes": r.swap.remote_swap_in_bytes,
             "preemptions_by_mode": dict(r.swap.preemptions_by_mode),
         },
         "num_recomputed_tokens": r.num_recomputed_tokens,
@@ -309,6 +311,8 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
                 "num_swap_outs": w.num_swap_outs,
                 "num_swap_ins": w.num_swap_ins,
                 "num_swap_failures": w.num_swap_failures,
+                "num_remote_swap_ins": w.num_remote_swap_ins,
+                "remote_swap_in_bytes": w.remote_swap_in_bytes,
                 "alive": w.alive,
             }
             for w in r.workers

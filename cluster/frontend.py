@@ -225,6 +225,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_swap_outs=sw.num_swap_outs,
                 num_swap_ins=sw.num_swap_ins,
                 num_swap_failures=sw.num_swap_failures,
+                num_remote_swap_ins=sw.num_remote_swap_ins,
+                remote_swap_in_bytes=sw.remote_swap_in_bytes,
                 preemptions_by_mode=sw.preemptions_by_mode,
             )
         )
@@ -247,6 +249,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_swap_outs=w.swap.num_swap_outs,
                 num_swap_ins=w.swap.num_swap_ins,
                 num_swap_failures=w.swap.num_swap_failures,
+                num_remote_swap_ins=w.swap.num_remote_swap_ins,
+                remote_swap_in_bytes=w.swap.remote_swap_in_bytes,
             )
         return resp
 

@@ -3,7 +3,8 @@
 Both serve :mod:`pagedserve.worker.host_store` (``pagedserve.v1.HostBlockStore``) with
 ``swap_space`` bytes of CPU memory for swapped-out KV blocks. The launcher starts one actor
 on every node that runs workers, on 127.0.0.1 (the workers of that node reach it on
-loopback; no other node uses it); the standalone command is for running and measuring a
+loopback) and on the node's address (workers of other nodes pull swapped groups from it
+there, remote swap-ins); the standalone command is for running and measuring a
 store by hand.
 
 Who may call it (:mod:`pagedserve.cluster.auth`): with an API key, every call needs
@@ -84,7 +85,10 @@ def cluster_store_keys(server: ServerConfig) -> tuple[StoreKeys, HostStoreAccess
     cert = key = None
     if server.tls:
         cert, key = loopback_certificate()
-    return StoreKeys(api_key, cert, key), HostStoreAccess(api_key=api_key, tls_ca=cert)
+    access = HostStoreAccess(
+        api_key=api_key, tls_ca=cert, tls_server_name="localhost" if cert else None
+    )
+    return StoreKeys(api_key, cert, key), access
 
 
 def serve_store(
@@ -93,9 +97,11 @@ def serve_store(
     port: int,
     keys: StoreKeys,
     kv_cache_dtype: str | None = None,
+    extra_hosts: tuple[str, ...] = (),
 ) -> tuple[grpc.Server, int, HostBlockStore]:
     """Start a store guarded by ``keys`` that accepts blocks of ``kv_cache_dtype`` only
-    (``None``: any; see :func:`pagedserve.worker.host_store.serve_host_store`).
+    (``None``: any), on ``host`` and ``extra_hosts`` (one port; see
+    :func:`pagedserve.worker.host_store.serve_host_store`).
 
     Raises:
         ValueError: bad capacity, or PEM data gRPC cannot use. RuntimeError: the port
@@ -112,6 +118,7 @@ def serve_store(
         credentials=credentials,
         interceptors=interceptors,
         kv_cache_dtype=kv_cache_dtype,
+        extra_hosts=extra_hosts,
     )
 
 
@@ -124,6 +131,9 @@ class HostStoreActor:
         port: TCP port; 0 picks a free one.
         keys: who may call it (:func:`cluster_store_keys`); ``None``: anyone.
         kv_cache_dtype: the workers' KV dtype name, the only one the store accepts.
+        serve_node_address: also serve on this node's address (Ray's node IP, same port),
+            where workers of other nodes pull swapped groups from (remote swap-ins); not
+            when that address is loopback.
 
     Raises:
         ValueError: bad capacity. RuntimeError: the port cannot be bound.
@@ -136,15 +146,32 @@ class HostStoreActor:
         port: int = 0,
         keys: StoreKeys | None = None,
         kv_cache_dtype: str | None = None,
+        serve_node_address: bool = False,
     ) -> None:
+        node = None
+        if serve_node_address:
+            import ray
+
+            ip = ray.util.get_node_ip_address()
+            node = None if ip in (host, "127.0.0.1", "localhost") else ip
         self._server, self._port, self._store = serve_store(
-            capacity_bytes, host, port, keys or StoreKeys(), kv_cache_dtype
+            capacity_bytes,
+            host,
+            port,
+            keys or StoreKeys(),
+            kv_cache_dtype,
+            extra_hosts=(node,) if node else (),
         )
         self._host = host
+        self._node = node
 
     def address(self) -> str:
         """``host:port`` of the gRPC service."""
         return f"{self._host}:{self._port}"
+
+    def remote_address(self) -> str | None:
+        """``host:port`` where workers of other nodes reach it; None: loopback only."""
+        return None if self._node is None else f"{self._node}:{self._port}"
 
     def used_bytes(self) -> int:
         """Payload bytes held now."""

@@ -574,7 +574,35 @@ async def start_host_store(
         if store is not None:
             stores[node] = store
         specs.update(node_specs)
-    return stores, specs
+    return stores, await _probe_pulls(workers, specs)
+
+
+async def _probe_pulls(workers: list[Any], specs: dict[int, SwapSpec]) -> dict[int, SwapSpec]:
+    """``specs`` with each worker's pull bandwidth from every other node's store that is
+    reachable from other nodes (``SwapSpec.pull_bandwidth_bytes_per_s``), one probe at a
+    time (each writes host blocks ``0..`` of the store it probes). A failed probe leaves
+    that pair unmeasured (its groups are recomputed there), with one warning."""
+    remote = {s.store_id: s.remote_address for s in specs.values() if s.remote_address}
+    out: dict[int, SwapSpec] = {}
+    for wid, spec in specs.items():
+        pulls: dict[str, float] = {}
+        for store, address in remote.items():
+            if store == spec.store_id:
+                continue
+            try:
+                pulls[store] = float(await workers[wid].measure_pull_bandwidth.remote(address))
+            except Exception as exc:  # any cause: that pair recomputes
+                _warn_no_pull(wid, store, address, exc)
+                continue
+            log.info(
+                "worker %d: pulls from the store of node %s (%s) at %.1f MB/s",
+                wid,
+                store,
+                address,
+                pulls[store] / 1e6,
+            )
+        out[wid] = dataclasses.replace(spec, pull_bandwidth_bytes_per_s=pulls)
+    return out
 
 
 async def _start_node_store(
@@ -591,17 +619,18 @@ async def _start_node_store(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     swap_space, num_host_blocks, block_bytes = size
-    # NOTE: bound to the node's loopback: only that node's workers use it (a group swapped
-    # out there resumes on a worker of that node, or is recomputed).
+    # NOTE: served on the node's loopback (its own workers) and on the node's address:
+    # workers of other nodes pull groups from it there (remote swap-ins), with the key.
     node = NodeAffinitySchedulingStrategy(node_id, soft=False)
     store: Any = (
         ray.remote(HostStoreActor)
         .options(num_cpus=0, max_concurrency=4, scheduling_strategy=node)
-        .remote(swap_space, keys=keys, kv_cache_dtype=kv_cache_dtype)
+        .remote(swap_space, keys=keys, kv_cache_dtype=kv_cache_dtype, serve_node_address=True)
     )
     specs: dict[int, SwapSpec] = {}
     try:
         address = await store.address.remote()
+        remote_address = await store.remote_address.remote()
     except Exception as exc:  # any cause: that node's workers recompute
         for wid in workers:
             _warn_no_swap(wid, node_id, "its node's host block store did not start", exc)
@@ -616,7 +645,13 @@ async def _start_node_store(
             _warn_no_swap(wid, node_id, f"the swap bandwidth probe through {address} failed", exc)
             continue
         specs[wid] = SwapSpec(
-            num_host_blocks, block_bytes, bandwidth, prefill, address, store_id=node_id
+            num_host_blocks,
+            block_bytes,
+            bandwidth,
+            prefill,
+            address,
+            store_id=node_id,
+            remote_address=remote_address,
         )
         log.info(
             "worker %d on node %s: host block store %s, %d blocks; swap %.1f MB/s, "
@@ -641,6 +676,21 @@ async def _probe_swap(worker_id: int, worker: Any, address: str) -> tuple[float,
     await worker.connect_host_store.remote(address)
     bandwidth, prefill = await worker.measure_swap_costs.remote()
     return float(bandwidth), float(prefill)
+
+
+def _warn_no_pull(worker_id: int, store: str, address: str, exc: BaseException) -> None:
+    """The one line for a pair whose pull probe failed (see :func:`_warn_no_swap`)."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = str(cause).strip().splitlines()
+    log.warning(
+        "worker %d: no remote swap-in from the store of node %s: the pull probe through "
+        "%s failed (its groups are recomputed there): %s: %s",
+        worker_id,
+        store,
+        address,
+        type(cause).__name__,
+        lines[0] if lines else "no message",
+    )
 
 
 def _warn_no_swap(worker_id: int, node_id: str, what: str, exc: BaseException) -> None:

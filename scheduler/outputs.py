@@ -102,6 +102,10 @@ class SwapTransfer:
         seq_ids: the sequences whose KV this is. A failed swap-in drops them from the
             step (the scheduler recomputes them).
         host_blocks_to_free: after a successful swap-in, host blocks to free on the store.
+        source_address: a swap-in from another worker's store (a remote swap-in):
+            ``host:port`` of that store, which the worker pulls the blocks from (with the
+            cluster's store key, ``WorkerConfig.host_store_access``) and frees
+            ``host_blocks_to_free`` on; None: the worker's own store.
     """
 
     transfer_id: str
@@ -109,6 +113,7 @@ class SwapTransfer:
     host_block_ids: list[int]
     seq_ids: list[str] = field(default_factory=list)
     host_blocks_to_free: list[int] = field(default_factory=list)
+    source_address: str | None = None
 
 
 @dataclass(frozen=True)

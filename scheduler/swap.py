@@ -9,6 +9,11 @@ in, ``2 * bytes / bandwidth`` seconds; recomputing it costs a prefill of its com
 tokens, ``tokens * prefill_s_per_token``. Both rates are measured by a worker at startup
 (a round trip through the store, a prefill of a few hundred tokens) and refined with an
 exponential moving average from observed transfers and steps.
+
+A group resumed by a worker of another store (a remote swap-in: the worker pulls its
+host blocks from the store that holds them) moves its bytes once, ``bytes / bandwidth``
+with the bandwidth of that (worker, store) pair (``SwapSpec.pull_bandwidth_bytes_per_s``,
+measured at startup, refined by the pulls); an unmeasured pair is never pulled from.
 """
 
 from __future__ import annotations
@@ -38,6 +43,11 @@ class SwapSpec:
             Ray restarted (None: not known).
         store_id: names the store; workers whose specs share it share one host block pool
             (the launcher uses the Ray node id: one store per node).
+        remote_address: ``host:port`` where workers of other stores reach this worker's
+            store (its node's address); None: they cannot, its groups never move.
+        pull_bandwidth_bytes_per_s: ``store_id`` of another store -> measured bytes/s of
+            this worker pulling blocks from it (> 0); a store not named is unmeasured and
+            never pulled from.
     """
 
     num_host_blocks: int
@@ -46,6 +56,8 @@ class SwapSpec:
     prefill_s_per_token: float
     host_store_address: str | None = None
     store_id: str = ""
+    remote_address: str | None = None
+    pull_bandwidth_bytes_per_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_host_blocks < 0 or self.block_bytes < 1:
@@ -55,6 +67,9 @@ class SwapSpec:
             )
         if not (self.bandwidth_bytes_per_s > 0 and self.prefill_s_per_token > 0):
             raise ValueError("bandwidth_bytes_per_s and prefill_s_per_token must be > 0")
+        bad = {k: v for k, v in self.pull_bandwidth_bytes_per_s.items() if not v > 0}
+        if bad:
+            raise ValueError(f"pull_bandwidth_bytes_per_s must be > 0, got {bad}")
 
 
 def swap_specs(
@@ -194,6 +209,8 @@ class InFlight:
     its members now running) or "free" (``host_ids`` being freed on the store).
     ``step_id``: the worker step that carries it (its answer resolves it; with overlapped
     scheduling a later step of the same worker may be in flight too).
+    ``store_id``: the store whose host blocks ``host_ids`` are (None: the worker's own; a
+    remote swap-in names the store it pulls from).
     """
 
     kind: str
@@ -202,6 +219,7 @@ class InFlight:
     host_ids: list[int]
     step_id: int
     seq_ids: list[str] = field(default_factory=list)
+    store_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -212,12 +230,17 @@ class WorkerSwapStats:
         can_swap: it has a host block store (False: it preempts by recompute only).
         num_swap_outs, num_swap_ins: its finished transfers (groups).
         num_swap_failures: its transfers that failed.
+        num_remote_swap_ins: its finished swap-ins pulled from another store (also
+            counted in ``num_swap_ins``).
+        remote_swap_in_bytes: payload bytes of those pulls.
     """
 
     can_swap: bool = False
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     num_swap_failures: int = 0
+    num_remote_swap_ins: int = 0
+    remote_swap_in_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -232,6 +255,8 @@ class SwapStats:
         swap_out_bytes, swap_in_bytes: payload bytes moved by finished transfers.
         num_swap_outs, num_swap_ins: finished transfers (groups).
         num_swap_failures: transfers that failed (their sequences were recomputed).
+        num_remote_swap_ins, remote_swap_in_bytes: the swap-ins (and their bytes) pulled
+            by a worker from another worker's store (included in the totals above).
         bandwidth_bytes_per_s: the cost model's current bandwidth estimate (0 without).
         prefill_s_per_token: its current prefill estimate (0 without).
         preemptions_by_mode: preemptions since start, "recompute" and "swap".
@@ -246,6 +271,8 @@ class SwapStats:
     num_swap_outs: int = 0
     num_swap_ins: int = 0
     num_swap_failures: int = 0
+    num_remote_swap_ins: int = 0
+    remote_swap_in_bytes: int = 0
     bandwidth_bytes_per_s: float = 0.0
     prefill_s_per_token: float = 0.0
     preemptions_by_mode: dict[str, int] = field(default_factory=dict)

@@ -23,14 +23,20 @@ Stores (:func:`pagedserve.scheduler.swap.swap_specs`): each worker that may swap
 :class:`SwapSpec`; workers whose specs name one ``store_id`` share that store's host
 block pool (the launcher starts one store per node), and each worker has its own cost
 model (its bandwidth to its store, its prefill cost) and its own backoff. A group lives in
-the store of the worker that swapped it out and resumes only on a worker of that store: a
-worker of another store never steals it (:meth:`SwapManager.pinned`), and a group queued
-on one (its worker died and routing moved it) is dissolved and recomputed there. Host
-blocks are freed on a store by the next step of any worker of that store.
+the store of the worker that swapped it out. A worker of another store resumes it by a
+remote swap-in (the transfer names the source store's ``remote_address``; the worker pulls
+the blocks from there and frees them there) only when :meth:`SwapManager.pull_wins`:
+under ``auto``, ``bytes / bandwidth(worker <- that store)`` is below the worker's prefill
+cost of the group's tokens (``swap`` pulls whatever it can); always, the pair's bandwidth
+measured (``SwapSpec.pull_bandwidth_bytes_per_s``,
+refined by each pull; an unmeasured pair never pulls) and the worker not backing off.
+Otherwise a thief of another store leaves the group alone (:meth:`SwapManager.pinned`), and
+a group routed to such a worker (its worker died) is dissolved and recomputed there. Host
+blocks are freed on a store by the next step of any worker of that store, or by the pull.
 
-Swap-in (:meth:`SwapManager.plan_swap_in`, from admission, on whichever worker of its
-store admits it: its own, a thief's, or a live one after its worker died): the whole group is admitted at
-once. Tables are rebuilt as they were shared: each member forks the longest run of full
+Swap-in (:meth:`SwapManager.plan_swap_in`, from admission, on whichever worker admits it:
+its own, a thief's, or a live one after its worker died; from another store by a pull):
+the whole group is admitted at once. Tables are rebuilt as they were shared: each member forks the longest run of full
 blocks it shared with a member restored before it and takes fresh blocks for the rest (a
 partial block that was shared becomes one copy per holder, so no copy-on-write is needed
 in the step that restores them). The worker scatters the host blocks into those blocks
@@ -38,9 +44,11 @@ before running the step and frees them on the store.
 
 Failures (store full or dead, checksum): a failed swap-out leaves its members waiting with
 no computed tokens (recompute); a failed swap-in takes its members off the worker and
-queues them for recompute (:class:`SwapResolution`). Host blocks return to the pool only
-once the worker that touched them answered, so a host id is never reused while a transfer
-may still write it.
+queues them for recompute (:class:`SwapResolution`); a failed pull (the source store or
+its node gone, a deadline) is a failed swap-in, and backs off the pulling worker. Host
+blocks return to their store's pool only once the worker that touched them answered
+(``InFlight.store_id`` names the source store of a pull), so a host id is never reused
+while a transfer may still write or read it.
 
 Overlapped scheduling (``async_scheduling``: step t+1 is planned while step t runs; the
 worker runs its steps one at a time, in order):
@@ -88,6 +96,7 @@ from pagedserve.scheduler.swap import (
 from pagedserve.scheduler.worker_state import WorkerState
 
 _BACKOFF_S = 1.0  # after a worker's failed transfer, it recomputes for this long
+_PULL_EMA = 0.2  # weight of a new pull in its (worker, store) bandwidth
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -173,9 +182,23 @@ class SwapManager:
         self._host_free_queue: dict[str, list[int]] = {}  # store_id -> ids to free there
         self._next_transfer = 0
         self._backoff_until: dict[int, float] = {}  # worker_id -> recompute until then
-        self._counts = {"out_bytes": 0, "in_bytes": 0, "outs": 0, "ins": 0, "failures": 0}
+        # store_id -> host:port where workers of other stores reach it
+        self._remote_addresses = {
+            spec.store_id: spec.remote_address
+            for spec in self.specs.values()
+            if spec.remote_address is not None
+        }
+        # (worker_id, store_id of another store) -> bytes/s of that worker's pulls from it
+        self._pull_bandwidth = {
+            (wid, store): bw
+            for wid, spec in self.specs.items()
+            for store, bw in spec.pull_bandwidth_bytes_per_s.items()
+            if store != spec.store_id
+        }
+        keys = ("out_bytes", "in_bytes", "outs", "ins", "failures", "remote_ins", "remote_bytes")
+        self._counts = dict.fromkeys(keys, 0)
         # worker_id -> its finished swap-outs, swap-ins and failed transfers
-        self._worker_counts = {wid: {"outs": 0, "ins": 0, "failures": 0} for wid in self.specs}
+        self._worker_counts = {wid: dict.fromkeys(keys, 0) for wid in self.specs}
 
     # ------------------------------------------------------------------ queries
     def is_swapped(self, seq: Sequence) -> bool:
@@ -189,13 +212,35 @@ class SwapManager:
     def pinned(self, seq: Sequence, thief: WorkerState | None = None) -> bool:
         """``seq`` may not move to another worker (``thief``, when known): its swap-out is
         in flight (only its own worker sees the result), or its group lives in a store
-        ``thief`` does not use."""
+        ``thief`` does not use and pulling it from there would not beat recomputing it
+        (:meth:`pull_wins`)."""
         g = self.groups.get(seq.seq_id)
         if g is None:
             return False
         if g.pending:
             return True
-        return thief is not None and self.store_of(thief.spec.worker_id) != self._home(g)
+        if thief is None or self.store_of(thief.spec.worker_id) == self._home(g):
+            return False
+        return not self.pull_wins(thief.spec.worker_id, g)
+
+    def pull_wins(self, worker_id: int, g: SwapGroup) -> bool:
+        """Whether ``worker_id``, a worker of another store than ``g``'s, should resume
+        ``g`` by pulling its host blocks from that store rather than recompute it: the
+        store is reachable from other nodes, the pair's bandwidth is measured, the blocks
+        are of one size, the worker is not backing off, and (mode ``auto``; ``swap``
+        resumes every group it can, as it swaps every victim) ``bytes / bandwidth`` is
+        below the worker's prefill cost of the group's stored tokens."""
+        home = self._home(g)
+        bandwidth = self._pull_bandwidth.get((worker_id, home))
+        if bandwidth is None or home not in self._remote_addresses:
+            return False  # NOTE: an unmeasured pair is never pulled from (conservative)
+        spec = self.specs[worker_id]
+        if spec.block_bytes != self.specs[g.worker_id].block_bytes or not self._allowed(worker_id):
+            return False
+        if self.config.preemption_mode == "swap":
+            return True
+        pull_s = len(g.host_ids()) * spec.block_bytes / bandwidth
+        return pull_s < self.costs[worker_id].recompute_s(sum(g.num_tokens.values()))
 
     def store_of(self, worker_id: int) -> str | None:
         """The ``store_id`` of ``worker_id``'s store; None: it preempts by recompute only."""
@@ -312,8 +357,11 @@ class SwapManager:
         g = self.groups[seq.seq_id]
         if g.pending:
             return None
-        if self.store_of(ws.spec.worker_id) != self._home(g):
-            # NOTE: no store-to-store transfer: its worker died and routing moved it here.
+        if self.store_of(ws.spec.worker_id) != self._home(g) and not self.pull_wins(
+            ws.spec.worker_id, g
+        ):
+            # NOTE: its worker died (routing moved it here) or a thief's pull was costed
+            # before its backoff began: recompute here.
             return self._dissolve(g)
         width = len(members) + sum(len(m.fork_children) for m in members)
         if seats + width > self.config.max_num_seqs and seats > 0:
@@ -359,10 +407,12 @@ class SwapManager:
         tid = self._transfer_id("in")
         all_host = sorted(g.host_ids())
         seq_ids = [r.seq.seq_id for r in swap_in.members]
+        home = self._home(g)
+        source = None if home == self.store_of(ws.spec.worker_id) else self._remote_addresses[home]
         self._inflight.setdefault(ws.spec.worker_id, []).append(
-            InFlight("in", tid, g, all_host, ws.next_step_id, seq_ids)
+            InFlight("in", tid, g, all_host, ws.next_step_id, seq_ids, store_id=home)
         )
-        return SwapTransfer(tid, block_ids, host_block_ids, seq_ids, all_host)
+        return SwapTransfer(tid, block_ids, host_block_ids, seq_ids, all_host, source)
 
     # ------------------------------------------------------------------ results
     def take_late(self, seq_id: str, step_id: int, num_new: int, num_computed: int) -> bool:
@@ -428,7 +478,8 @@ class SwapManager:
     def _resolve(self, worker_id: int, f: InFlight, r: SwapResult, res: SwapResolution) -> None:
         """Apply the result ``r`` of ``worker_id``'s transfer ``f`` (on that worker's store)."""
         counts, mine = self._counts, self._worker_counts[worker_id]
-        store = self.specs[worker_id].store_id
+        store = self._store_of_flight(worker_id, f)
+        remote = store != self.specs[worker_id].store_id
         pool = self.host_pools[store]
         if f.kind == "free":
             pool.free(f.host_ids)
@@ -441,6 +492,8 @@ class SwapManager:
             mine["failures"] += 1
             # NOTE: only this worker backs off: another's store (or link) may be healthy.
             self._backoff_until[worker_id] = time.monotonic() + _BACKOFF_S
+        elif remote:
+            self._observe_pull(worker_id, store, r)
         else:
             self.costs[worker_id].observe_transfer(r.num_bytes, r.seconds)
         if f.kind == "out":
@@ -460,12 +513,26 @@ class SwapManager:
         # swap-in: the worker freed the host blocks (or the store is gone)
         pool.free(f.host_ids)
         if r.ok:
-            counts["ins"] += 1
-            mine["ins"] += 1
-            counts["in_bytes"] += r.num_bytes
+            for c in (counts, mine):
+                c["ins"] += 1
+                c["in_bytes"] += r.num_bytes
+                if remote:
+                    c["remote_ins"] += 1
+                    c["remote_bytes"] += r.num_bytes
             return
         res.requeue.extend(f.seq_ids)
         res.wake = True
+
+    def _store_of_flight(self, worker_id: int, f: InFlight) -> str:
+        """The store whose host blocks ``worker_id``'s transfer ``f`` names."""
+        return self.specs[worker_id].store_id if f.store_id is None else f.store_id
+
+    def _observe_pull(self, worker_id: int, store: str, r: SwapResult) -> None:
+        """Refine the bandwidth of ``worker_id``'s pulls from ``store`` by one pull."""
+        key = (worker_id, store)
+        if r.num_bytes > 0 and r.seconds > 0 and key in self._pull_bandwidth:
+            bw = r.num_bytes / r.seconds
+            self._pull_bandwidth[key] += _PULL_EMA * (bw - self._pull_bandwidth[key])
 
     def _dissolve(self, g: SwapGroup) -> SwapResolution:
         """Give up a stored group: its members wait for recompute, its host blocks go."""
@@ -506,6 +573,8 @@ class SwapManager:
             num_swap_outs=c["outs"],
             num_swap_ins=c["ins"],
             num_swap_failures=c["failures"],
+            num_remote_swap_ins=c["remote_ins"],
+            remote_swap_in_bytes=c["remote_bytes"],
             bandwidth_bytes_per_s=_mean([m.bandwidth_bytes_per_s for m in costs]),
             prefill_s_per_token=_mean([m.prefill_s_per_token for m in costs]),
             preemptions_by_mode=preemptions_by_mode,
@@ -516,7 +585,9 @@ class SwapManager:
         c = self._worker_counts.get(worker_id)
         if c is None:
             return WorkerSwapStats()
-        return WorkerSwapStats(True, c["outs"], c["ins"], c["failures"])
+        return WorkerSwapStats(
+            True, c["outs"], c["ins"], c["failures"], c["remote_ins"], c["remote_bytes"]
+        )
 
     def check_integrity(self, sequences: Mapping[str, Sequence]) -> None:
         """Every swapped sequence waits in a queue; in each store, host blocks held by
@@ -533,7 +604,7 @@ class SwapManager:
             held[self._home(g)] |= g.host_ids()
         for wid, flights in self._inflight.items():
             for f in flights:
-                held[self.specs[wid].store_id] |= set(f.host_ids)
+                held[self._store_of_flight(wid, f)] |= set(f.host_ids)
         for store, ids in self._host_free_queue.items():
             held[store] |= set(ids)
         for store, pool in self.host_pools.items():

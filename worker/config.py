@@ -100,12 +100,17 @@ class HostStoreAccess:
             ``tls_ca``: the system roots).
         tls_cert: PEM client certificate for a store that requires one (mutual TLS).
         tls_key: PEM private key of ``tls_cert`` (``repr=False``).
+        tls_server_name: the name the store's certificate is checked against instead of
+            the address dialled (``grpc.ssl_target_name_override``); for the stores a
+            cluster starts, whose one certificate (trusted alone, ``tls_ca``) names
+            ``localhost`` and is served on every node's address. None: the address.
     """
 
     api_key: str | None = field(default=None, repr=False)
     tls_ca: bytes | None = field(default=None, repr=False)
     tls_cert: bytes | None = field(default=None, repr=False)
     tls_key: bytes | None = field(default=None, repr=False)
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):

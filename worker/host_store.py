@@ -321,8 +321,11 @@ def serve_host_store(
     credentials: grpc.ServerCredentials | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     kv_cache_dtype: str | None = None,
+    extra_hosts: Sequence[str] = (),
 ) -> tuple[grpc.Server, int, HostBlockStore]:
     """Start a store's gRPC server (threads) on ``host:port``; 0 picks a free port.
+    ``extra_hosts`` are more interfaces served on the same port (a node's address, for
+    the workers of other nodes).
 
     ``store`` serves an existing store object instead of a new one of ``capacity_bytes``;
     ``credentials`` serve TLS (plaintext without); ``interceptors`` see every call first
@@ -348,20 +351,24 @@ def serve_host_store(
         interceptors=list(interceptors),
     )
     pb_grpc.add_HostBlockStoreServicer_to_server(HostBlockStoreServicer(store), server)
-    address = f"{host}:{port}"
-    try:
-        if credentials is None:
-            bound = server.add_insecure_port(address)
-        else:
-            bound = server.add_secure_port(address, credentials)
-    except RuntimeError:  # grpcio raises where older versions returned 0
-        bound = 0
-    if bound == 0:
-        raise RuntimeError(f"cannot bind the host block store to {host}:{port}")
+    bound = port
+    for i, interface in enumerate([host, *extra_hosts]):
+        address = f"{interface}:{bound}"
+        try:
+            if credentials is None:
+                got = server.add_insecure_port(address)
+            else:
+                got = server.add_secure_port(address, credentials)
+        except RuntimeError:  # grpcio raises where older versions returned 0
+            got = 0
+        if got == 0:
+            raise RuntimeError(f"cannot bind the host block store to {address}")
+        if i == 0:
+            bound = got
     server.start()
     log.info(
         "host block store on %s:%d%s, %d bytes",
-        host,
+        ",".join([host, *extra_hosts]),
         bound,
         " (TLS)" if credentials is not None else "",
         store.capacity_bytes,

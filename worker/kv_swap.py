@@ -5,6 +5,9 @@ A swap-out packs the transfer's blocks of every layer into one contiguous buffer
 (:func:`pagedserve.kernels.gather_blocks`; on a GPU into a pinned host buffer, so the copy
 is one DMA) and streams it to the store (:class:`~pagedserve.worker.swap_client.HostStoreClient`);
 a swap-in receives into such a buffer and scatters it (:func:`pagedserve.kernels.scatter_blocks`).
+A remote swap-in (``SwapTransfer.source_address`` set: a group stored by a worker of
+another node) pulls from that node's store over gRPC (the same checked protobuf chunks;
+a chunk of another dtype or block layout is refused) and frees the blocks there.
 Failures never raise: each transfer gets a :class:`SwapResult` and the scheduler recomputes
 what did not move.
 """
@@ -40,14 +43,22 @@ class KVSwapper:
         kv_pool: the worker's caches.
         backend: the kernels backend name.
         client: the host store's client; None until connected (every transfer then fails).
+        connect: makes the client of another node's store from its ``host:port`` (for
+            remote swap-ins; each address connected once); None: remote swap-ins fail.
     """
 
     def __init__(
-        self, kv_pool: KVPool, backend: str, client: HostStoreClient | None = None
+        self,
+        kv_pool: KVPool,
+        backend: str,
+        client: HostStoreClient | None = None,
+        connect: Callable[[str], HostStoreClient] | None = None,
     ) -> None:
         self.kv_pool = kv_pool
         self.backend = backend
         self.client = client
+        self.connect = connect
+        self._remotes: dict[str, HostStoreClient] = {}  # address -> client
 
     def host_buffer(self, n: int) -> torch.Tensor:
         """An uninitialised host buffer for ``n`` packed blocks (pinned on a GPU worker)."""
@@ -94,6 +105,26 @@ class KVSwapper:
             raise SwapError("no host block store is connected")
         return self.client
 
+    def remote_client(self, address: str) -> HostStoreClient:
+        """The client of the store at ``address`` (another node's), connected once.
+
+        Raises:
+            SwapError: this worker cannot connect to other stores.
+        """
+        client = self._remotes.get(address)
+        if client is None:
+            if self.connect is None:
+                raise SwapError(f"no access to the host block store at {address}")
+            client = self._remotes[address] = self.connect(address)
+        return client
+
+    def close(self) -> None:
+        """Close every channel (the own store's and the remote ones)."""
+        for client in [self.client, *self._remotes.values()]:
+            if client is not None:
+                client.close()
+        self._remotes.clear()
+
     def _timed(self, fn: Callable[[SwapTransfer], int], t: SwapTransfer) -> SwapResult:
         start = time.perf_counter()
         try:
@@ -116,7 +147,9 @@ class KVSwapper:
             raise
 
     def _swap_in(self, t: SwapTransfer) -> int:
-        client = self._client()
+        client = (
+            self._client() if t.source_address is None else self.remote_client(t.source_address)
+        )
         unique = list(dict.fromkeys(t.host_block_ids))
         buf = self.host_buffer(len(unique))
         try:

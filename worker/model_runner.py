@@ -23,6 +23,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,6 +53,12 @@ from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.weights import load_model
 
+if TYPE_CHECKING:  # grpc only where a store is connected
+    from pagedserve.worker.swap_client import HostStoreClient
+
+# NOTE: a pull from another node's store fails fast (then recompute) rather than stall
+# the step for the local store's 60 s deadline when that node is gone or cut off.
+REMOTE_STORE_TIMEOUT_S = 10.0
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -180,7 +187,7 @@ class ModelRunner:
         self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
-        self.swapper = KVSwapper(self.kv_pool, self.backend)
+        self.swapper = KVSwapper(self.kv_pool, self.backend, connect=self._connect_remote_store)
 
     def _make_batch_invariant(self) -> None:
         """Fixed-shape matmuls (see :mod:`pagedserve.worker.batch_invariant`).
@@ -366,6 +373,16 @@ class ModelRunner:
             self.swapper.client.close()
         self.swapper.client = HostStoreClient(address, access=self.config.host_store_access)
 
+    def _connect_remote_store(self, address: str) -> HostStoreClient:
+        """The client of another node's store at ``address``: the cluster's store key and
+        TLS trust (every store of a cluster shares them), a deadline of
+        ``REMOTE_STORE_TIMEOUT_S``."""
+        from pagedserve.worker.swap_client import HostStoreClient
+
+        return HostStoreClient(
+            address, timeout_s=REMOTE_STORE_TIMEOUT_S, access=self.config.host_store_access
+        )
+
     def measure_prefill_s_per_token(self, num_tokens: int = 256) -> float:
         """Seconds per token of one prefill of ``num_tokens`` (capped by the pool and
         ``max_model_len``), run on scratch state before serving (blocks 0.. are
@@ -409,7 +426,21 @@ class ModelRunner:
         Raises:
             SwapError: no store is connected, or it fails.
         """
-        client = self.swapper.client
+        return self._round_trip(self.swapper.client, num_bytes)
+
+    def measure_pull_bandwidth(self, address: str, num_bytes: int = 8 << 20) -> float:
+        """Bytes per second of a swap-out + swap-in through another node's store at
+        ``address`` (its remote address; the mean of the two directions), as
+        :meth:`measure_swap_bandwidth`: the rate of this worker's remote swap-ins from it.
+        Host blocks ``0..`` of that store are written and freed (call before serving).
+
+        Raises:
+            SwapError: the store cannot be reached, or it fails.
+        """
+        return self._round_trip(self.swapper.remote_client(address), num_bytes)
+
+    def _round_trip(self, client: HostStoreClient | None, num_bytes: int) -> float:
+        """One-way bytes/s of a round trip of about ``num_bytes`` through ``client``."""
         if client is None:
             raise SwapError("no host block store is connected")
         per_block = bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype)

@@ -65,10 +65,12 @@ class HostStoreClient:
         self._metadata = (
             (("authorization", f"Bearer {access.api_key}"),) if access.api_key else None
         )
-        options = [
+        options: list[tuple[str, int | str]] = [
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
         ]
+        if access.tls_server_name is not None:
+            options.append(("grpc.ssl_target_name_override", access.tls_server_name))
         if access.tls:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=access.tls_ca,

@@ -69,6 +69,15 @@ class Worker:
         bandwidth = self.runner.measure_swap_bandwidth()
         return bandwidth, self.runner.measure_prefill_s_per_token(prefill_tokens)
 
+    def measure_pull_bandwidth(self, address: str) -> float:
+        """Bytes/s of this worker's transfers through another node's store at ``address``
+        (before serving; :meth:`ModelRunner.measure_pull_bandwidth`).
+
+        Raises:
+            SwapError: that store cannot be reached, or it fails.
+        """
+        return self.runner.measure_pull_bandwidth(address)
+
     def ping(self) -> str:
         """Liveness check; returns ``"pong"``."""
         return "pong"

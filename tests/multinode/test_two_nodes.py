@@ -217,6 +217,67 @@ class TestSwapOnNodeB:
         assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
 
 
+def _pull_log(log: Path) -> dict[int, float]:
+    """Worker id -> MB/s of its pull probe from the other node's store (launcher log)."""
+    pattern = re.compile(r"worker (\d+): pulls from the store of node \w+ \(\S+\) at ([\d.]+) MB/s")
+    found = (pattern.search(ln) for ln in log.read_text(errors="replace").splitlines())
+    return {int(m[1]): float(m[2]) for m in found if m}
+
+
+def _kill_while_a_group_is_stored(pid: int, client: Client, futures: list[Future]) -> dict:
+    """SIGKILL ``pid`` (node B's worker) at a moment its group sits in B's store: the
+    worker is stopped (SIGSTOP) while the stats are read, resumed if none is stored."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(f.done() for f in futures):
+        os.kill(pid, signal.SIGSTOP)
+        stats = client.stats()
+        on_b = stats["workers"][0]
+        if on_b["num_swap_outs"] > on_b["num_swap_ins"]:
+            os.kill(pid, signal.SIGKILL)
+            return on_b
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    return {}
+
+
+def test_swapped_group_on_node_b_pulled_by_a_when_b_worker_dies(
+    two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
+) -> None:
+    """Node B's worker process is killed for good (its raylet and store keep running)
+    while a group sits in B's store: worker 1 on A pulls it from B's store over the veth
+    link (a remote swap-in; ``swap`` mode pulls whatever it can, whatever the cost model
+    says) and every request ends with HF's tokens."""
+    with serving(two_nodes, tiny_model, *SWAP, "--worker-max-restarts", "0") as served:
+        probes, pulls = _swap_log(served.log), _pull_log(served.log)
+        assert set(pulls) == {0, 1}, pulls  # each worker measured the other node's store
+        with (
+            Client(served.address, timeout_s=180) as client,
+            ThreadPoolExecutor(len(PROMPTS)) as pool,
+        ):
+            client.wait_ready(60)
+            futures = _streams(client, pool)
+            (pid,) = two_nodes.actor_pids_b("Worker")
+            held = _kill_while_a_group_is_stored(pid, client, futures)
+            assert held, "no group was in node B's store when its worker was killed"
+            results = [f.result(timeout=180) for f in futures]
+            stats = client.stats()
+    on_b, on_a = stats["workers"]
+    print(  # the figures docs/operations.md quotes (run with -s)
+        f"pull bandwidth over the veth link: worker 1 (A) <- B's store {pulls[1]:.1f} MB/s, "
+        f"worker 0 (B) <- A's store {pulls[0]:.1f} MB/s; local: worker 1 (A) "
+        f"{probes[1][1]:.1f} MB/s, worker 0 (B) {probes[0][1]:.1f} MB/s; "
+        f"remote swap-ins {on_a['num_remote_swap_ins']}, {on_a['remote_swap_in_bytes']} B"
+    )
+    assert results == hf_reference
+    assert not on_b["alive"] and on_a["alive"]
+    assert on_a["num_remote_swap_ins"] >= 1 and on_a["remote_swap_in_bytes"] > 0, on_a
+    # B's worker may have pulled one of A's groups (a thief) before it died
+    total = on_a["num_remote_swap_ins"] + on_b["num_remote_swap_ins"]
+    assert stats["swap"]["num_remote_swap_ins"] == total, stats["swap"]
+    assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
+
+
 def test_scheduler_on_node_b_killed_comes_back_and_serves(
     two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
 ) -> None:

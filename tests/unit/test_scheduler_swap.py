@@ -50,9 +50,12 @@ class FakeKVWorker:
         host: dict[int, list],
         fail_swap: set[str] = frozenset(),
         store_dies_after: int | None = None,
+        remotes: dict[str, dict[int, list]] | None = None,
     ):
         self.pool: list[list[int | None]] = [[None] * BS for _ in range(num_blocks)]
         self.host = host  # shared by the workers of a "node"
+        self.remotes = remotes or {}  # other stores' host dicts, by their remote address
+        self.num_remote_pulls = 0
         self.fail_swap = set(fail_swap)  # "out", "in" and/or "free"
         self.seqs: dict[str, dict] = {}
         self.store_dies_after = store_dies_after  # transfers before the store dies
@@ -75,17 +78,19 @@ class FakeKVWorker:
                 self.host[h] = list(self.pool[b])
             res[t.transfer_id] = SwapResult(True, len(t.block_ids) * 100, 0.001)
         for t in plan.blocks_to_swap_in:
-            if "in" in self.fail_swap:
-                res[t.transfer_id] = SwapResult(False, error="checksum")
+            source = self.host if t.source_address is None else self.remotes.get(t.source_address)
+            if "in" in self.fail_swap or source is None:
+                res[t.transfer_id] = SwapResult(False, error="checksum or source unreachable")
                 for sid in t.seq_ids:
                     self.seqs.pop(sid, None)
-                for h in t.host_blocks_to_free:  # the worker frees them either way
-                    self.host.pop(h, None)
+                for h in t.host_blocks_to_free if source is not None else ():
+                    source.pop(h, None)  # the worker frees them either way
                 continue
+            self.num_remote_pulls += t.source_address is not None
             for b, h in zip(t.block_ids, t.host_block_ids, strict=True):
-                self.pool[b] = list(self.host[h])
+                self.pool[b] = list(source[h])
             for h in t.host_blocks_to_free:
-                self.host.pop(h, None)
+                source.pop(h, None)
             res[t.transfer_id] = SwapResult(True, len(set(t.host_block_ids)) * 100, 0.001)
         if plan.host_blocks_to_free and "free" in self.fail_swap:
             res[plan.free_transfer_id] = SwapResult(False, error="store down")

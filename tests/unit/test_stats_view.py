@@ -4,6 +4,7 @@ tokens of a real Scheduler (two workers, fake model), without Ray."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -65,8 +66,28 @@ def _preempted_scheduler() -> Scheduler:
     return s
 
 
+def _with_remote_swap_ins(sched: Scheduler):
+    """``sched.stats`` as if worker 1 had pulled 2 groups (300 B) from another node."""
+
+    real = sched.stats
+
+    def stats():
+        st = real()
+        pulled = dict(num_remote_swap_ins=2, remote_swap_in_bytes=300)
+        workers = [
+            dataclasses.replace(w, swap=dataclasses.replace(w.swap, **pulled))
+            if w.worker_id == 1
+            else w
+            for w in st.workers
+        ]
+        return dataclasses.replace(st, workers=workers, swap=dataclasses.replace(st.swap, **pulled))
+
+    return stats
+
+
 def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
     sched = _preempted_scheduler()
+    sched.stats = _with_remote_swap_ins(sched)  # type: ignore[method-assign]
     info = ModelInfo("m", 64, 1, (1,), 64)
     servicer = GenerationServicer(
         RequestPipeline(scheduler=_SchedulerHandle(sched), tokenizer=_Tok(), info=info)
@@ -87,12 +108,17 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert (w1["num_preemptions"], w1["num_recomputed_tokens"]) == (1, 8)
         assert (w0["dtype"], w0["kv_cache_dtype"]) == ("float32", "bfloat16")
         assert (w1["dtype"], w1["kv_cache_dtype"]) == ("float32", "float32")
+        assert (w0["num_remote_swap_ins"], w0["remote_swap_in_bytes"]) == (0, 0)
+        assert (w1["num_remote_swap_ins"], w1["remote_swap_in_bytes"]) == (2, 300)
+        sw = st["swap"]
+        assert (sw["num_remote_swap_ins"], sw["remote_swap_in_bytes"]) == (2, 300)
         assert main(["stats", "--address", address, "--output", "json"]) == 0
         assert json.loads(capsys.readouterr().out) == st
         assert main(["stats", "--address", address]) == 0
         text = capsys.readouterr().out
         assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
         assert "float32 / bfloat16" in text and "float32 / float32" in text
+        assert "from another node 2, 300 B" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
