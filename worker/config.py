@@ -125,6 +125,40 @@ class HostStoreAccess:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism of one logical worker (:mod:`pagedserve.worker.parallel`).
+
+    Attributes:
+        tensor_parallel_size: ranks ``T`` the model is sharded over (Megatron-style,
+            :mod:`pagedserve.worker.sharding`); 1 runs the whole model in one process.
+        rank: this process's rank in ``[0, T)``; rank 0 samples and answers the scheduler.
+        init_method: the torch.distributed rendezvous every rank of the group dials, e.g.
+            ``"tcp://127.0.0.1:29500"``; required when ``T > 1``.
+        timeout_s: seconds a collective (and the rendezvous) may wait for the other
+            ranks before it fails; followers wait for the next step within it too, so it
+            bounds how long a group may stay idle (default one week).
+    """
+
+    tensor_parallel_size: int = 1
+    rank: int = 0
+    init_method: str | None = None
+    timeout_s: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not (0 <= self.rank < self.tensor_parallel_size):
+            raise ValueError(
+                f"rank must be in [0, tensor_parallel_size={self.tensor_parallel_size}), "
+                f"got {self.rank}"
+            )
+        if self.tensor_parallel_size > 1 and not self.init_method:
+            raise ValueError("init_method is required when tensor_parallel_size > 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
 class WorkerConfig:
     """Everything one worker needs to load the model and size its KV pool.
 
@@ -140,6 +174,8 @@ class WorkerConfig:
             pagedserve.kernels).
         host_store_access: the key and TLS trust of the host block store the worker swaps
             through (:meth:`ModelRunner.connect_host_store`).
+        parallel: this process's rank in its tensor-parallel group (default: no
+            sharding).
     """
 
     worker_id: int = 0
@@ -150,6 +186,7 @@ class WorkerConfig:
     attention_backend: str = "auto"
     adaptive_threads: bool = True
     host_store_access: HostStoreAccess = field(default_factory=HostStoreAccess)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

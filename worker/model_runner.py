@@ -20,6 +20,8 @@ token back; it only sends block-table deltas.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -46,15 +48,19 @@ from pagedserve.worker.cpu_forward import bf16_cpu_path_available, cpu_kernels_a
 from pagedserve.worker.cpu_threads import ThreadGovernor
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
-from pagedserve.worker.kv_pool import KVPool, bytes_per_block
+from pagedserve.worker.kv_pool import KVPool, bytes_per_block, num_blocks_for
 from pagedserve.worker.kv_swap import KVSwapper, SwapError
 from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model, weights_digest
+from pagedserve.worker.parallel import TensorParallelGroup
 from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.sharding import ShardPlan, load_sharded_model
 from pagedserve.worker.weights import load_model
 
 if TYPE_CHECKING:  # grpc only where a store is connected
     from pagedserve.worker.swap_client import HostStoreClient
+
+log = logging.getLogger(__name__)
 
 # NOTE: a pull from another node's store fails fast (then recompute) rather than stall
 # the step for the local store's 60 s deadline when that node is gone or cut off.
@@ -81,13 +87,15 @@ class WorkerInfo:
         device: ``"cpu"`` or ``"cuda:N"``.
         dtype: the model's dtype name, e.g. ``"float32"``.
         model_path: the resolved Hugging Face folder.
-        block_bytes: bytes of one KV block, all layers, K and V.
+        block_bytes: bytes of one KV block, all layers, K and V (of this rank's KV heads
+            under tensor parallelism).
         kv_cache_dtype: the KV pool's dtype name (the model's unless ``kv_cache_dtype`` says).
         node_id: the Ray node id (hex) of the worker's process; ``""`` outside Ray. The
             launcher starts one host block store per node id.
         weights_digest: sha256 hex of the weight files
             (:func:`~pagedserve.worker.model_store.weights_digest`); workers of one cluster
             must agree on it.
+        tensor_parallel_size: ranks of the logical worker (1: not sharded).
     """
 
     worker_id: int
@@ -103,6 +111,7 @@ class WorkerInfo:
     kv_cache_dtype: str = "float32"
     node_id: str = ""
     weights_digest: str = ""
+    tensor_parallel_size: int = 1
 
 
 def resolve_device(name: str) -> torch.device:
@@ -174,20 +183,55 @@ class ModelRunner:
                 f"max_position_embeddings {self.arch.max_position_embeddings}"
             )
         self.backend = config.attention_backend
-        self.model = load_model(
-            self.model_path, self.arch, self.max_model_len, self.dtype, self.device, self.backend
-        )
+        self.group = TensorParallelGroup.join(config.parallel, self.device)
+        # The shapes of this rank's KV heads (the whole model's when not sharded).
+        self.kv_arch = self.arch
         self.packed_gemm = False
-        if config.model.batch_invariant:
-            self._make_batch_invariant()
+        if self.group.size > 1:
+            self._load_shard()
         else:
-            self._pack_weights()
-        self.kv_pool = KVPool.allocate(config.cache, self.arch, self.kv_cache_dtype, self.device)
-        # The forward every step runs, chosen once for these weights and this pool.
-        self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
+            self.model = load_model(
+                self.model_path, self.arch, self.max_model_len, self.dtype, self.device,
+                self.backend,
+            )  # fmt: skip
+            if config.model.batch_invariant:
+                self._make_batch_invariant()
+            else:
+                self._pack_weights()
+            self.kv_pool = KVPool.allocate(
+                config.cache, self.arch, self.kv_cache_dtype, self.device
+            )
+            # The forward every step runs, chosen once for these weights and this pool.
+            self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend, connect=self._connect_remote_store)
+
+    def _load_shard(self) -> None:
+        """Load this rank's slice of the model (:mod:`pagedserve.worker.sharding`) and a KV
+        pool of its KV heads, with as many blocks as the smallest rank's pool, so that a
+        block id means the same block on every rank.
+
+        Raises:
+            ValueError: ``batch_invariant`` (its fused fp32 kernels do not shard), or
+                heads the group size does not divide (:class:`ShardPlan`).
+        """
+        if self.config.model.batch_invariant:
+            raise ValueError("batch_invariant does not apply with tensor_parallel_size > 1")
+        plan = ShardPlan(self.arch, self.group.rank, self.group.size)
+        self.kv_arch = plan.local_arch
+        self.model = load_sharded_model(
+            self.model_path, plan, self.group, self.max_model_len, self.dtype, self.device,
+            self.backend,
+        )  # fmt: skip
+        log.info(
+            "rank %d of %d: heads %s, KV heads %s, vocabulary %s; the generic per-layer "
+            "forward (the fused CPU forward cannot all-reduce inside its C call)",
+            plan.rank, plan.size, plan.heads, plan.kv_heads, plan.vocab_range,
+        )  # fmt: skip
+        n = self.group.min_int(num_blocks_for(self.config.cache, self.kv_arch, self.kv_cache_dtype))
+        cache = dataclasses.replace(self.config.cache, num_blocks=n)
+        self.kv_pool = KVPool.allocate(cache, self.kv_arch, self.kv_cache_dtype, self.device)
 
     def _make_batch_invariant(self) -> None:
         """Fixed-shape matmuls (see :mod:`pagedserve.worker.batch_invariant`).
@@ -240,9 +284,10 @@ class ModelRunner:
             device=str(self.device),
             dtype=dtype_name(self.dtype),
             model_path=str(self.model_path),
-            block_bytes=bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype),
+            block_bytes=bytes_per_block(self.kv_arch, self.kv_pool.block_size, self.kv_cache_dtype),
             kv_cache_dtype=dtype_name(self.kv_cache_dtype),
             weights_digest=weights_digest(self.model_path),
+            tensor_parallel_size=self.group.size,
         )
 
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -332,6 +377,8 @@ class ModelRunner:
             inputs.logits_indices,
         )
         states = [self.seqs[r] for r in inputs.sample_seq_ids]
+        if not self.group.is_driver:
+            return self._follow_step(so, scheduled, states, start, started_s, swaps)
         processed = process_logits(
             logits,
             [s.sampling for s in states],
@@ -340,6 +387,7 @@ class ModelRunner:
             self.arch.eos_token_ids,
         )
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
+        self._share_tokens(tokens)
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)
         for state, n in scheduled:
@@ -351,6 +399,36 @@ class ModelRunner:
                 sampled[state.seq_id] = token
         return RunnerOutput(
             so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
+        )
+
+    def _share_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's sampled ``tokens`` (one per sampling row) on every rank of the group:
+        each rank appends them to its copy of the sequences."""
+        if self.group.size == 1 or not tokens:
+            return tokens
+        t = torch.tensor(tokens, dtype=torch.int64, device=self.group.device)
+        return [int(x) for x in self.group.broadcast_tensor(t).tolist()]
+
+    def _follow_step(
+        self,
+        so: SchedulerOutput,
+        scheduled: list[tuple[SequenceState, int]],
+        states: list[SequenceState],
+        start: float,
+        started_s: float,
+        swaps: dict[str, SwapResult],
+    ) -> RunnerOutput:
+        """The end of a step on a rank other than 0: rank 0's sampled tokens appended as
+        rank 0 appends them (beam-search sequences take theirs from the scheduler); the
+        answer carries no tokens (rank 0's is the logical worker's)."""
+        tokens = self._share_tokens([0] * len(states))
+        for state, n in scheduled:
+            state.num_computed_tokens += n
+        for state, token in zip(states, tokens):
+            if not state.sampling.use_beam_search:
+                state.token_ids.append(token)
+        return RunnerOutput(
+            so.step_id, {}, time.perf_counter() - start, swap_results=swaps, started_s=started_s
         )
 
     def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:
@@ -443,7 +521,7 @@ class ModelRunner:
         """One-way bytes/s of a round trip of about ``num_bytes`` through ``client``."""
         if client is None:
             raise SwapError("no host block store is connected")
-        per_block = bytes_per_block(self.arch, self.kv_pool.block_size, self.kv_cache_dtype)
+        per_block = bytes_per_block(self.kv_arch, self.kv_pool.block_size, self.kv_cache_dtype)
         n = max(1, min(self.kv_pool.num_blocks, num_bytes // per_block))
         ids = list(range(n))
         t0 = time.perf_counter()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -43,8 +45,21 @@ def _shard_rows(arch: ModelArch) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | os.PathLike[str]) -> None:
+def _read_whole(f: Any, hf_name: str, name: str) -> torch.Tensor:
+    return f.get_tensor(hf_name)
+
+
+def load_weights(
+    model: LlamaForCausalLM,
+    model_dir: str | os.PathLike[str],
+    read: Callable[[Any, str, str], torch.Tensor] = _read_whole,
+) -> None:
     """Copy every tensor of ``model_dir/*.safetensors`` into ``model`` (in place).
+
+    ``read(f, hf_name, name)`` gives the tensor to copy from the open safetensors file
+    ``f`` (default: all of it; a tensor-parallel rank reads its slice,
+    :meth:`pagedserve.worker.sharding.ShardPlan.read`); the fused row ranges are those of
+    ``model.arch``.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` file in ``model_dir``.
@@ -79,7 +94,7 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | os.PathLike[str]) -> 
                     continue
                 if name == "lm_head.weight" and model.lm_head is None:
                     continue  # tied: some checkpoints store the copy anyway
-                _load_one(params, pending, shards, name, f.get_tensor(hf_name), hf_name)
+                _load_one(params, pending, shards, name, read(f, hf_name, name), hf_name)
     missing = sorted(n for n, left in pending.items() if left)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing)}")

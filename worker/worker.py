@@ -3,16 +3,25 @@
 The cluster launcher creates it with ``ray.remote(num_cpus=...)(Worker).remote(config)``;
 tests construct it directly. All model and cache work is delegated to
 :class:`~pagedserve.worker.model_runner.ModelRunner`.
+
+Under tensor parallelism (``config.parallel``) a logical worker is ``T`` of these, one per
+rank: rank 0 is the one the scheduler talks to, and it broadcasts each call that touches
+the model or the sequences (:meth:`Worker.execute_model`, :meth:`Worker.reset`) over the
+group before running it; the other ranks sit in :meth:`Worker.follow`, running what rank 0
+broadcasts, until :meth:`Worker.leave`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
+
+log = logging.getLogger(__name__)
 
 
 def ray_node_id() -> str:
@@ -40,8 +49,48 @@ class Worker:
         self.runner = ModelRunner(config)
 
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
-        """Run one scheduler step and return the sampled tokens."""
+        """Run one scheduler step and return the sampled tokens.
+
+        Raises:
+            GroupBroken: under tensor parallelism, a rank of the group is gone.
+        """
+        self._tell_followers("execute", so)
         return self.runner.execute_model(so)
+
+    def follow(self) -> None:
+        """On a rank other than 0: run the calls rank 0 broadcasts, in order, until it
+        leaves. A step refused with ``ValueError`` is refused on rank 0 too (the same
+        checks on the same state), so the loop goes on.
+
+        Raises:
+            RuntimeError: called on rank 0.
+            GroupBroken: rank 0 (or another rank) is gone.
+        """
+        group = self.runner.group
+        if group.is_driver:
+            raise RuntimeError("follow() runs on the ranks other than 0")
+        while True:
+            method, *args = group.broadcast_object(None)
+            if method == "leave":
+                group.leave()
+                return
+            try:
+                if method == "execute":
+                    self.runner.execute_model(*args)
+                elif method == "reset":
+                    self.runner.seqs.clear()
+            except ValueError as exc:
+                log.warning("rank %d refused a step: %s", group.rank, exc)
+
+    def leave(self) -> None:
+        """On rank 0: release the other ranks from :meth:`follow` and leave the group
+        (nothing without tensor parallelism)."""
+        self._tell_followers("leave")
+        self.runner.group.leave()
+
+    def _tell_followers(self, method: str, *args: object) -> None:
+        if self.runner.group.size > 1:
+            self.runner.group.broadcast_object((method, *args))
 
     def get_info(self) -> WorkerInfo:
         """Pool size, block size, context length, vocabulary, EOS ids, device, dtype and
@@ -51,6 +100,7 @@ class Worker:
     def reset(self) -> None:
         """Forget every sequence's state (the KV pool's contents become garbage): a
         restarted scheduler starts empty and reuses none of them."""
+        self._tell_followers("reset")
         self.runner.seqs.clear()
 
     def connect_host_store(self, address: str) -> None:
