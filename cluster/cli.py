@@ -215,6 +215,14 @@ def _add_serve(sub: Any) -> None:
         "and model execution)",
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="ranks each worker's model is sharded over (Megatron-style; one node, "
+        "--cpus-per-worker CPUs or one GPU per rank; --workers counts such groups; "
+        "default: %(default)s)",
+    )
+    p.add_argument(
         "--cpus-per-worker",
         type=int,
         default=None,
@@ -430,6 +438,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         ray_address=args.address,
         num_workers=args.workers,
         cpus_per_worker=args.cpus_per_worker,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         worker_resources=getattr(args, "worker_resources", ()),
         scheduler_resources=getattr(args, "scheduler_resources", None),
         startup_timeout_s=getattr(args, "startup_timeout", 300.0),

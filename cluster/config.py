@@ -129,6 +129,11 @@ class ClusterConfig:
             preempts by recompute only.
         adaptive_threads: CPU workers use fewer torch threads while other processes keep
             cores busy (see :mod:`pagedserve.worker.cpu_threads`).
+        tensor_parallel_size: ranks each worker's model is sharded over (Megatron-style,
+            :mod:`pagedserve.worker.sharding`): a worker is then that many rank actors on
+            one node (:mod:`pagedserve.cluster.tp_group`), each with ``cpus_per_worker``
+            CPUs or one GPU; ``num_workers`` counts such groups. 1: no sharding. Swap
+            (``swap_space``) needs 1.
         cluster_name: names the scheduler actor (``pagedserve-scheduler-NAME`` in the Ray
             namespace ``pagedserve``) so that more frontends can attach to this cluster
             (``pagedserve serve --attach``); None leaves it anonymous. Letters, digits,
@@ -153,8 +158,13 @@ class ClusterConfig:
     swap_space: int = 0
     adaptive_threads: bool = True
     cluster_name: str | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.swap_space:
+            raise ValueError("swap_space needs tensor_parallel_size 1 (swap does not shard yet)")
         if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:
             raise ValueError("worker_max_restarts / scheduler_max_restarts must be >= -1")
         if self.swap_space < 0:

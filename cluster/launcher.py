@@ -32,6 +32,7 @@ from pagedserve.cluster.metrics import MetricsExporter
 from pagedserve.cluster.openai_api import OpenAIServer
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
+from pagedserve.cluster.tp_group import start_rank_group
 from pagedserve.scheduler.scheduler import WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
 
@@ -59,7 +60,8 @@ def init_ray(config: ClusterConfig) -> bool:
         if config.ray_address is None or key != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER":
             os.environ.setdefault(key, value)
     if config.ray_address is None:
-        cpus = max(os.cpu_count() or 1, config.num_workers * (config.cpus_per_worker or 1))
+        ranks = config.num_workers * config.tensor_parallel_size
+        cpus = max(os.cpu_count() or 1, ranks * (config.cpus_per_worker or 1))
         ray.init(
             address="local",
             num_cpus=cpus,
@@ -91,6 +93,7 @@ class ClusterHandle:
     servicer: GenerationServicer | None = None
     watch_task: asyncio.Task[str] | None = None
     host_stores: dict[str, Any] = dataclasses.field(default_factory=dict)  # node id -> store
+    rank_groups: list[Any] = dataclasses.field(default_factory=list)  # tp_group.RankGroup
 
     @property
     def address(self) -> str:
@@ -147,6 +150,8 @@ class ClusterHandle:
             ray.kill(actor)
         for store in self.host_stores.values():
             ray.kill(store)
+        for group in self.rank_groups:
+            group.kill()
         if self.owns_ray:
             ray.shutdown()
 
@@ -181,7 +186,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
     store_keys, store_access = cluster_store_keys(config.server)
     owns_ray = init_ray(config)
     try:
-        workers, names, infos = await _start_workers(config, store_access, digest)
+        workers, names, infos, groups = await _start_workers(config, store_access, digest)
         max_model_len = min(i.max_model_len for i in infos)
         specs = [
             WorkerSpec(i.worker_id, i.num_blocks, i.block_size, i.dtype, i.kv_cache_dtype)
@@ -244,6 +249,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
         servicer,
         watch_task,
         host_store,
+        groups,
     )
 
 
@@ -435,12 +441,14 @@ def _resolve_model(config: ClusterConfig) -> tuple[Any, str]:
 
 async def _start_workers(
     config: ClusterConfig, store_access: Any, digest: str
-) -> tuple[list[Any], list[str], list[Any]]:
+) -> tuple[list[Any], list[str], list[Any], list[Any]]:
     """Create the worker actors on the cluster's nodes and wait for their ``get_info``:
     device and CPUs from Ray's view of the nodes, placement checked first, the start-up
-    bounded by ``startup_timeout_s``, every worker's weights equal to ``digest``.
+    bounded by ``startup_timeout_s``, every worker's weights equal to ``digest``. With
+    ``tensor_parallel_size`` T > 1 each worker is a group of T ranks
+    (:mod:`pagedserve.cluster.tp_group`) and its actor is rank 0.
 
-    Returns ``(actors, names, infos)``.
+    Returns ``(actors, names, infos, rank groups)``.
 
     Raises:
         StartupError: see :mod:`pagedserve.cluster.startup`.
@@ -454,14 +462,17 @@ async def _start_workers(
     if cpus is None:
         cpus = startup.default_cpus_per_worker(config, startup.cluster_nodes())
         config = dataclasses.replace(config, cpus_per_worker=cpus)
+    tp = config.tensor_parallel_size
     requests = [startup.worker_request(config, w, cuda, cpus) for w in range(config.num_workers)]
+    requests = [r for r in requests for _ in range(tp)]  # one per rank
     labels = None
     if config.scheduler_resources is not None:
         requests.append({"num_cpus": 0, "resources": dict(config.scheduler_resources)})
-        labels = [f"worker {w}" for w in range(config.num_workers)] + ["the scheduler"]
+        labels = [f"worker {w // tp}" for w in range(len(requests))] + ["the scheduler"]
     await asyncio.to_thread(startup.check_placeable, requests, _node_wait(config), labels=labels)
     worker_cls = ray.remote(startup.Worker)
     workers: list[Any] = []
+    groups: list[Any] = []
     names = [f"pagedserve-worker-{uuid.uuid4().hex[:12]}-{w}" for w in range(config.num_workers)]
     for wid in range(config.num_workers):
         wcfg = dataclasses.replace(config.worker_config(wid), host_store_access=store_access)
@@ -469,6 +480,13 @@ async def _start_workers(
             wcfg = dataclasses.replace(wcfg, device="cuda", num_threads=0)
         else:
             wcfg = dataclasses.replace(wcfg, device="cpu")
+        if tp > 1:
+            group = await start_rank_group(
+                worker_cls, wcfg, tp, requests[wid * tp], names[wid], config.startup_timeout_s
+            )
+            groups.append(group)
+            workers.append(group.driver)
+            continue
         workers.append(
             worker_cls.options(
                 name=names[wid],
@@ -478,14 +496,16 @@ async def _start_workers(
             ).remote(wcfg)
         )
     try:
-        answers = await startup.wait_workers(workers, requests, config.startup_timeout_s)
+        answers = await startup.wait_workers(workers, requests[::tp], config.startup_timeout_s)
         infos = [info for info, _ in answers]
         startup.check_same_weights(infos, [node for _, node in answers], digest)
     except BaseException:
         for actor in workers:
             ray.kill(actor)
+        for group in groups:
+            group.kill()
         raise
-    return workers, names, infos
+    return workers, names, infos, groups
 
 
 def _scheduler_placement(config: ClusterConfig) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
+from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.worker.parallel import GroupBroken
 from pagedserve.worker.worker import Worker as _Worker
 
 log = logging.getLogger(__name__)
@@ -119,7 +122,9 @@ def default_cpus_per_worker(config: ClusterConfig, nodes: Sequence[NodeView]) ->
     most = int(max((n.resources.get("CPU", 0.0) for n in nodes), default=1.0))
     for cpus in range(max(most, 1), 0, -1):
         demands = [
-            _as_demand(worker_request(config, w, False, cpus)) for w in range(config.num_workers)
+            _as_demand(worker_request(config, w, False, cpus))
+            for w in range(config.num_workers)
+            for _ in range(config.tensor_parallel_size)
         ]
         if _first_fit(nodes, demands) is None:
             return cpus
@@ -199,7 +204,7 @@ def decide_cuda(
     """
     if config.device == "cpu":
         return False
-    need = config.num_workers
+    need = config.num_workers * config.tensor_parallel_size
     deadline = time.monotonic() + wait_s
     while True:
         nodes = nodes_fn()
@@ -261,12 +266,35 @@ class Worker(_Worker):
                 raise error from None
             raise error from exc
 
+    def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        """The step; a broken tensor-parallel group ends the process, so Ray reports the
+        actor dead and the scheduler requeues the logical worker's sequences."""
+        try:
+            return super().execute_model(so)
+        except GroupBroken as exc:
+            _exit_broken(exc)
+            raise
+
+    def follow(self) -> None:
+        """:meth:`pagedserve.worker.worker.Worker.follow`; the process ends when the group
+        breaks (rank 0 or another rank died)."""
+        try:
+            super().follow()
+        except GroupBroken as exc:
+            _exit_broken(exc)
+            raise
+
     def node(self) -> str:
         """``ip (node id prefix)`` of the node this actor runs on."""
         import ray
 
         ctx = ray.get_runtime_context()
         return f"{ray.util.get_node_ip_address()} (node {ctx.get_node_id()[:12]})"
+
+
+def _exit_broken(exc: GroupBroken) -> None:
+    log.error("tensor-parallel group broken, this rank exits: %s", exc)
+    os._exit(1)
 
 
 async def wait_workers(
