@@ -343,8 +343,7 @@ class ModelRunner:
         )
         fill_s = 0.0
         if grammar_step is not None:
-            processed = self.structured.apply(grammar_step, processed, logits)
-            fill_s = self.structured.last_fill_s
+            processed, fill_s = self.structured.apply(grammar_step, processed, logits)
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)

@@ -61,6 +61,12 @@ def test_time_and_size_limits(tok):
         compiler(tok, max_grammar_bytes=1).compile(StructuredOutputs(choice=("yes", "no")))
     with pytest.raises(ValueError, match="compile_timeout_s"):
         GrammarConfig(compile_timeout_s=0)
+    busy = compiler(tok, max_concurrent=1, compile_timeout_s=0.05)
+    busy._slots.acquire()  # a compile past its limit still holds the only slot
+    with pytest.raises(ValueError, match=r"^regex: the grammar compiler stayed busy for 0.05 s"):
+        busy.compile(StructuredOutputs(regex="a"))
+    busy._slots.release()
+    assert busy.compile(StructuredOutputs(regex="a")) is not None
 
 
 def test_choice_grammar_escapes_quotes_and_backslashes():
@@ -81,7 +87,8 @@ def test_mask_allows_the_next_characters_then_only_eos(tiny_llama_dir, tok):
     step = runner.start_fill([None, g])
     assert step is not None and step.rows == [1]
     logits = torch.zeros(2, VOCAB)
-    masked = runner.apply(step, logits, logits)
+    masked, fill_s = runner.apply(step, logits, logits)
+    assert fill_s > 0
     assert masked is not logits and bool((logits == 0).all())  # raw logits untouched
     assert allowed(step.bitmask[1]) == {ids["b"], ids["x"]}
     assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == sorted([ids["b"], ids["x"]])
