@@ -6,8 +6,11 @@
 ``--max-tokens`` (an array of at least 64 strings), so both keep the whole batch for every
 step and end by length. After a short warm-up batch of each, the two alternate,
 ``--rounds`` times each, on one engine; the table shows medians.
-Reported per run: output tok/s, worker execute time per step, and the grammar bitmask fill
-time per step (``RunnerOutput.grammar_fill_s``: filled on a thread while the forward runs).
+Reported per run: output tok/s, worker execute time per step, the grammar bitmask fill
+time per step (``RunnerOutput.grammar_fill_s``: filled on a thread while the forward runs)
+and the grammar's time on the step's critical path (starting the fill, waiting for it and
+masking after the forward, accepting the sampled tokens: timed by wrapping those calls
+here), which is what a constrained step costs beyond an unconstrained one.
 
 Usage::
 
@@ -30,6 +33,7 @@ from typing import Any
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.scheduler.structured_outputs import StructuredOutputs
+from pagedserve.worker.structured import SequenceGrammar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # workloads.py
 from workloads import PROMPTS
@@ -49,12 +53,37 @@ SCHEMA = {
 }
 
 
-def run_once(llm: LLM, messages: list[Any], sampling: SamplingParams) -> dict[str, float]:
+def time_grammar_calls(llm: LLM) -> dict[str, float]:
+    """Wrap the worker's grammar calls that run on the step's thread; the returned dict's
+    ``"s"`` accumulates their seconds."""
+    spent = {"s": 0.0}
+
+    def timed(fn: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - t0
+
+        return wrapper
+
+    runner = llm._worker.runner.structured
+    runner.start_fill = timed(runner.start_fill)  # type: ignore[method-assign]
+    runner.apply = timed(runner.apply)  # type: ignore[method-assign]
+    SequenceGrammar.accept = timed(SequenceGrammar.accept)  # type: ignore[method-assign]
+    return spent
+
+
+def run_once(
+    llm: LLM, messages: list[Any], sampling: SamplingParams, spent: dict[str, float]
+) -> dict[str, float]:
     """One batch; the wall time, tokens and per-step worker figures."""
-    steps: list[tuple[float, float]] = []
+    steps: list[tuple[float, float, float]] = []
 
     def on_step(worker_id: int, so: Any, ro: Any) -> None:
-        steps.append((ro.execute_time_s, ro.grammar_fill_s))
+        steps.append((ro.execute_time_s, ro.grammar_fill_s, spent["s"]))
+        spent["s"] = 0.0
 
     llm._engine._on_step = on_step  # the step timings, without changing the loop
     start = time.perf_counter()
@@ -70,6 +99,7 @@ def run_once(llm: LLM, messages: list[Any], sampling: SamplingParams) -> dict[st
         "execute_ms_per_step": 1e3 * statistics.mean(s[0] for s in decode),
         "fill_ms_per_step": 1e3 * statistics.mean(s[1] for s in decode),
         "fill_ms_per_step_max": 1e3 * max(s[1] for s in decode),
+        "critical_ms_per_step": 1e3 * statistics.mean(s[2] for s in decode),
         "finished_by_length": sum(o.outputs[0].finish_reason == "length" for o in outs),
     }
 
@@ -106,29 +136,38 @@ def main() -> None:
             structured_outputs=StructuredOutputs(json=json.dumps(SCHEMA)),
         ),
     }
+    spent = time_grammar_calls(llm)
     for sampling in kinds.values():  # warm-up: compile, first full-batch steps
-        run_once(llm, messages, dataclasses.replace(sampling, max_tokens=8))
+        run_once(llm, messages, dataclasses.replace(sampling, max_tokens=8), spent)
     runs: dict[str, list[dict[str, float]]] = {k: [] for k in kinds}
     for _ in range(args.rounds):
         for kind, sampling in kinds.items():
-            runs[kind].append(run_once(llm, messages, sampling))
+            runs[kind].append(run_once(llm, messages, sampling, spent))
     loop = "overlapped" if llm.scheduler.config.async_scheduling else "serial"
     dtype = llm.info.dtype
     llm.close()
     summary = {
         kind: {
             key: statistics.median(r[key] for r in rs)
-            for key in ("tok_per_s", "execute_ms_per_step", "fill_ms_per_step")
+            for key in (
+                "tok_per_s",
+                "execute_ms_per_step",
+                "fill_ms_per_step",
+                "critical_ms_per_step",
+            )
         }
         for kind, rs in runs.items()
     }
     ratio = summary["json_schema"]["tok_per_s"] / summary["unconstrained"]["tok_per_s"]
     print(f"batch {args.batch}, {args.max_tokens} tokens each, {dtype}, {loop} loop, medians:")
-    print(f"{'run':<15}{'tok/s':>10}{'execute ms/step':>18}{'mask fill ms/step':>20}")
+    print(
+        f"{'run':<15}{'tok/s':>10}{'execute ms/step':>18}{'mask fill ms/step':>20}"
+        f"{'grammar on critical path ms/step':>34}"
+    )
     for kind, s in summary.items():
         print(
             f"{kind:<15}{s['tok_per_s']:>10.1f}{s['execute_ms_per_step']:>18.1f}"
-            f"{s['fill_ms_per_step']:>20.3f}"
+            f"{s['fill_ms_per_step']:>20.3f}{s['critical_ms_per_step']:>34.3f}"
         )
     print(f"constrained / unconstrained tok/s: {ratio:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
