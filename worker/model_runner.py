@@ -345,7 +345,11 @@ class ModelRunner:
         )
         fill_s = 0.0
         if grammar_step is not None:
-            processed, fill_s = self.structured.apply(grammar_step, processed, logits)
+            # NOTE: masked in place unless the raw logits are read after sampling.
+            copy = processed is logits and any(
+                s.sampling.logprobs is not None or s.sampling.use_beam_search for s in states
+            )
+            processed, fill_s = self.structured.apply(grammar_step, processed, copy)
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)

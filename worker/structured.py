@@ -114,6 +114,7 @@ class StructuredOutputsRunner:
         self.config = config
         self._compiler: GrammarCompiler | None = None
         self._fill_pool: ThreadPoolExecutor | None = None
+        self._bitmask: torch.Tensor | None = None
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -145,28 +146,42 @@ class StructuredOutputsRunner:
         matchers = [(i, g) for i, g in enumerate(grammars) if g is not None and g.active]
         if not matchers:
             return None
-        import xgrammar as xgr
-
-        rows = [i for i, _ in matchers]
-        bitmask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
+        bitmask = self._bitmask_rows(len(grammars))
         if self._fill_pool is None:
             self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
+        rows = [i for i, _ in matchers]
         return StructuredStep(rows, bitmask, self._fill_pool.submit(_fill, matchers, bitmask))
 
+    def _bitmask_rows(self, n: int) -> torch.Tensor:
+        """The first ``n`` rows of the bitmask buffer, grown (doubling) when short.
+
+        NOTE: one buffer for every step: a row is written whole by its fill and only the
+        filled rows are applied, so it is never reset; steps run one at a time and the
+        fills on one thread, in order, so a step's rows are not overwritten before its
+        apply. Allocating (a ``torch.full``) each step costs milliseconds on busy cores.
+        """
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < n:
+            old = 0 if self._bitmask is None else self._bitmask.shape[0]
+            self._bitmask = xgr.allocate_token_bitmask(max(n, 2 * old), self.vocab_size)
+        return self._bitmask[:n]
+
     def apply(
-        self, step: StructuredStep, logits: torch.Tensor, raw: torch.Tensor
+        self, step: StructuredStep, logits: torch.Tensor, copy: bool
     ) -> tuple[torch.Tensor, float]:
-        """Wait for the fill and mask ``logits`` (the processed logits; copied first when
-        they are the raw logits ``raw``, which logprobs read) in the step's rows.
+        """Wait for the fill and mask the step's rows of ``logits`` (float ``[N, V]``, the
+        processed logits), in place unless ``copy`` (when the caller still reads the
+        unmasked values: logprobs and beam candidates come from the raw logits).
 
         Returns:
-            ``(masked, fill_s)``: float ``[N, V]`` with the disallowed tokens of the
-            constrained rows at ``-inf``, and the seconds the fill took.
+            ``(masked, fill_s)``: the logits with the disallowed tokens of the constrained
+            rows at ``-inf``, and the seconds the fill took.
         """
         import xgrammar as xgr
 
         fill_s = step.filled.result()
-        out = logits.clone() if logits is raw else logits
+        out = logits.clone() if copy else logits
         xgr.apply_token_bitmask_inplace(
             out, step.bitmask.to(out.device), vocab_size=self.vocab_size, indices=step.rows
         )

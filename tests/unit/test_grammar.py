@@ -87,7 +87,7 @@ def test_mask_allows_the_next_characters_then_only_eos(tiny_llama_dir, tok):
     step = runner.start_fill([None, g])
     assert step is not None and step.rows == [1]
     logits = torch.zeros(2, VOCAB)
-    masked, fill_s = runner.apply(step, logits, logits)
+    masked, fill_s = runner.apply(step, logits, copy=True)
     assert fill_s > 0
     assert masked is not logits and bool((logits == 0).all())  # raw logits untouched
     assert allowed(step.bitmask[1]) == {ids["b"], ids["x"]}
@@ -95,7 +95,9 @@ def test_mask_allows_the_next_characters_then_only_eos(tiny_llama_dir, tok):
     assert bool(torch.isfinite(masked[0]).all())  # the unconstrained row is untouched
     assert g.accept(ids["x"])
     step = runner.start_fill([g])
-    runner.apply(step, torch.zeros(1, VOCAB), torch.zeros(1, VOCAB))
+    in_place = torch.zeros(1, VOCAB)
+    assert runner.apply(step, in_place, copy=False)[0] is in_place
+    assert torch.isfinite(in_place[0]).nonzero().flatten().tolist() == [EOS]
     assert allowed(step.bitmask[0]) == {EOS}
     assert g.accept(EOS) and not g.active
     assert g.accept(ids["a"])  # a terminated matcher lets anything through
