@@ -38,7 +38,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
     SwapResult,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pagedserve.worker import precision
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
@@ -349,7 +349,10 @@ class ModelRunner:
             copy = processed is logits and any(
                 s.sampling.logprobs is not None or s.sampling.use_beam_search for s in states
             )
-            processed, fill_s = self.structured.apply(grammar_step, processed, copy)
+            greedy = [
+                s.sampling.temperature < GREEDY_TEMPERATURE or s.sampling.top_k == 1 for s in states
+            ]
+            processed, fill_s = self.structured.apply(grammar_step, processed, copy, greedy)
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)

@@ -168,22 +168,41 @@ class StructuredOutputsRunner:
         return self._bitmask[:n]
 
     def apply(
-        self, step: StructuredStep, logits: torch.Tensor, copy: bool
+        self,
+        step: StructuredStep,
+        logits: torch.Tensor,
+        copy: bool,
+        greedy: Sequence[bool] = (),
     ) -> tuple[torch.Tensor, float]:
         """Wait for the fill and mask the step's rows of ``logits`` (float ``[N, V]``, the
         processed logits), in place unless ``copy`` (when the caller still reads the
         unmasked values: logprobs and beam candidates come from the raw logits).
 
+        A row flagged in ``greedy`` (its token is the argmax) whose unmasked argmax the
+        grammar allows is left unmasked: its argmax is the same either way (argmax takes
+        the lowest index among equal maxima, so no disallowed token ties below it).
+
         Returns:
             ``(masked, fill_s)``: the logits with the disallowed tokens of the constrained
-            rows at ``-inf``, and the seconds the fill took.
+            rows at ``-inf`` (except those greedy rows), and the seconds the fill took.
         """
         import xgrammar as xgr
 
         fill_s = step.filled.result()
+        rows = step.rows
+        greedy_rows = [r for r in rows if r < len(greedy) and greedy[r]]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            top = logits.index_select(0, index).argmax(dim=-1).cpu()
+            words = step.bitmask[torch.tensor(greedy_rows), top // 32]
+            allowed = ((words >> (top % 32)) & 1).tolist()
+            keep = {r for r, ok in zip(greedy_rows, allowed) if ok}
+            rows = [r for r in rows if r not in keep]
+        if not rows:
+            return logits, fill_s
         out = logits.clone() if copy else logits
         xgr.apply_token_bitmask_inplace(
-            out, step.bitmask.to(out.device), vocab_size=self.vocab_size, indices=step.rows
+            out, step.bitmask.to(out.device), vocab_size=self.vocab_size, indices=rows
         )
         return out, fill_s
 

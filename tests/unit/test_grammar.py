@@ -110,3 +110,17 @@ def test_rejected_replay_and_bad_spec_fail_the_sequence_only(tiny_llama_dir, tok
     broken = runner.build(StructuredOutputs(regex="("), [])
     assert broken.matcher is None and broken.error.startswith("structured outputs: regex:")
     assert runner.start_fill([bad, broken]) is None
+
+
+def test_greedy_row_whose_argmax_is_allowed_is_left_unmasked(tiny_llama_dir, tok):
+    runner = StructuredOutputsRunner(str(tiny_llama_dir), VOCAB, (EOS,))
+    a, b, x = (tok.convert_tokens_to_ids(c) for c in "abx")
+    grammars = [runner.build(StructuredOutputs(choice=("b", "x")), []) for _ in range(3)]
+    logits = torch.zeros(3, VOCAB)
+    logits[0, b] = logits[1, a] = logits[2, b] = 5.0  # rows 0, 2: the top token is allowed
+    step = runner.start_fill(grammars)
+    masked, _ = runner.apply(step, logits, copy=False, greedy=[True, True, False])
+    assert bool(torch.isfinite(masked[0]).all())  # greedy, argmax allowed: untouched
+    assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == sorted([b, x])
+    assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == sorted([b, x])  # sampled
+    assert masked.argmax(dim=-1).tolist() == [b, min(b, x), b]
