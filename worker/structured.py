@@ -37,6 +37,7 @@ import torch
 
 from pagedserve.scheduler.structured_outputs import StructuredOutputs
 from pagedserve.worker.grammar import GrammarCompiler, GrammarConfig
+from pagedserve.worker.sampler import greedy_tokens
 
 
 class SequenceGrammar:
@@ -192,9 +193,9 @@ class StructuredOutputsRunner:
         rows = step.rows
         greedy_rows = [r for r in rows if r < len(greedy) and greedy[r]]
         if greedy_rows:
-            index = torch.tensor(greedy_rows, device=logits.device)
-            top = logits.index_select(0, index).argmax(dim=-1).cpu()
-            words = step.bitmask[torch.tensor(greedy_rows), top // 32]
+            index = torch.tensor(greedy_rows)
+            top = greedy_tokens(logits).cpu()[index]  # every row: no copy of the rows
+            words = step.bitmask[index, top // 32]
             allowed = ((words >> (top % 32)) & 1).tolist()
             keep = {r for r, ok in zip(greedy_rows, allowed) if ok}
             rows = [r for r in rows if r not in keep]
