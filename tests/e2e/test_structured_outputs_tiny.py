@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, StructuredOutputs
 from pagedserve.scheduler.errors import InvalidRequest
-from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
 PROMPTS = [[5, 17, 33, 9, 100], [12], [40, 41, 42, 43, 44, 45, 46], [99, 3, 3, 3, 120]]
 SCHEMA = {
