@@ -82,14 +82,20 @@ class StructuredStep:
     """One step's bitmask, being filled on a thread.
 
     Attributes:
-        rows: the sample rows (indices into the step's logits) to mask.
+        matchers: ``(sample row, grammar)`` of the rows to mask (row: an index into the
+            step's logits).
         bitmask: int32 ``[num_rows_sampled, ceil(V / 32)]`` on the CPU.
         filled: resolves to the fill time in seconds once every row is filled.
     """
 
-    rows: list[int]
+    matchers: list[tuple[int, SequenceGrammar]]
     bitmask: torch.Tensor
     filled: Future[float]
+
+    @property
+    def rows(self) -> list[int]:
+        """The sample rows to mask."""
+        return [i for i, _ in self.matchers]
 
 
 class StructuredOutputsRunner:
@@ -150,8 +156,7 @@ class StructuredOutputsRunner:
         bitmask = self._bitmask_rows(len(grammars))
         if self._fill_pool is None:
             self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
-        rows = [i for i, _ in matchers]
-        return StructuredStep(rows, bitmask, self._fill_pool.submit(_fill, matchers, bitmask))
+        return StructuredStep(matchers, bitmask, self._fill_pool.submit(_fill, matchers, bitmask))
 
     def _bitmask_rows(self, n: int) -> torch.Tensor:
         """The first ``n`` rows of the bitmask buffer, grown (doubling) when short.
@@ -187,9 +192,19 @@ class StructuredOutputsRunner:
             ``(masked, fill_s)``: the logits with the disallowed tokens of the constrained
             rows at ``-inf`` (except those greedy rows), and the seconds the fill took.
         """
+        fill_s = step.filled.result()
+        try:
+            return self._mask(step, logits, copy, greedy), fill_s
+        except Exception as exc:  # an xgrammar error ends these sequences, not the step
+            for _, grammar in step.matchers:
+                grammar.fail(f"applying the grammar mask failed: {exc}")
+            return logits, fill_s
+
+    def _mask(
+        self, step: StructuredStep, logits: torch.Tensor, copy: bool, greedy: Sequence[bool]
+    ) -> torch.Tensor:
         import xgrammar as xgr
 
-        fill_s = step.filled.result()
         rows = step.rows
         greedy_rows = [r for r in rows if r < len(greedy) and greedy[r]]
         if greedy_rows:
@@ -200,12 +215,12 @@ class StructuredOutputsRunner:
             keep = {r for r, ok in zip(greedy_rows, allowed) if ok}
             rows = [r for r in rows if r not in keep]
         if not rows:
-            return logits, fill_s
+            return logits
         out = logits.clone() if copy else logits
         xgr.apply_token_bitmask_inplace(
             out, step.bitmask.to(out.device), vocab_size=self.vocab_size, indices=rows
         )
-        return out, fill_s
+        return out
 
 
 def _fill(matchers: list[tuple[int, SequenceGrammar]], bitmask: torch.Tensor) -> float:

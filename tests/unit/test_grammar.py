@@ -124,3 +124,13 @@ def test_greedy_row_whose_argmax_is_allowed_is_left_unmasked(tiny_llama_dir, tok
     assert torch.isfinite(masked[1]).nonzero().flatten().tolist() == sorted([b, x])
     assert torch.isfinite(masked[2]).nonzero().flatten().tolist() == sorted([b, x])  # sampled
     assert masked.argmax(dim=-1).tolist() == [b, min(b, x), b]
+
+
+def test_mask_error_fails_the_step_sequences_not_the_step(tiny_llama_dir, tok):
+    runner = StructuredOutputsRunner(str(tiny_llama_dir), VOCAB, (EOS,))
+    grammar = runner.build(StructuredOutputs(choice=("ab",)), [])
+    step = runner.start_fill([grammar])
+    bad = torch.zeros(1, 1, VOCAB)  # 3-D: xgrammar refuses it
+    out, _ = runner.apply(step, bad, copy=False)
+    assert out is bad and grammar.matcher is None
+    assert grammar.error.startswith("applying the grammar mask failed: ")
