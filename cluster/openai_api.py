@@ -48,15 +48,18 @@ from starlette.exceptions import HTTPException
 from pagedserve.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ToolPlan,
     chat_input,
     completion_inputs,
     sampling_request,
+    tool_plan,
 )
 from pagedserve.cluster.openai_render import (
     ResponseRenderer,
     error_body,
     error_response,
 )
+from pagedserve.cluster.openai_tools import choose_parser, template_takes_tools
 from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, RequestStream
 from pagedserve.cluster.request_prep import GenerateInput, SamplingRequest, unicode_problem
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -167,7 +170,11 @@ async def wait_disconnect(request: Request, poll_s: float = 0.2) -> None:
 
 
 def _union_member(loc_part: str | int) -> bool:
-    return loc_part == "str" or str(loc_part).startswith(("list[", "dict["))
+    """Whether a part of an error's location is a union member's tag (a type such as
+    ``str`` or ``list[int]``, or a model's class name; fields are lower case)."""
+    if not isinstance(loc_part, str):
+        return False
+    return loc_part == "str" or loc_part.startswith(("list[", "dict[")) or loc_part[:1].isupper()
 
 
 def parse_body(data: dict[str, Any], model: type[M]) -> M:
@@ -200,13 +207,27 @@ class OpenAIServer:
         pipeline: the shared request path.
         model_names: names clients may send as ``model``; the first is the one reported.
         max_body_bytes: largest accepted request body, bytes.
+        tool_call_parser: the tool-call format of the served model (a name of
+            :data:`~pagedserve.cluster.openai_tools.PARSERS`); None picks it from the chat
+            template (:func:`~pagedserve.cluster.openai_tools.choose_parser`).
+
+    Raises:
+        ValueError: no model name, or an unknown ``tool_call_parser``.
     """
 
     def __init__(
-        self, pipeline: RequestPipeline, model_names: tuple[str, ...], max_body_bytes: int
+        self,
+        pipeline: RequestPipeline,
+        model_names: tuple[str, ...],
+        max_body_bytes: int,
+        tool_call_parser: str | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("model_names must name at least one model")
+        self.parser = choose_parser(pipeline.tokenizer, tool_call_parser)
+        # NOTE: a template that never names `tools` would drop them silently: write the
+        # tools, calls and results as text in the parser's format instead.
+        self.render = None if template_takes_tools(pipeline.tokenizer) else self.parser
         self.pipeline = pipeline
         self.model_names = model_names
         self.max_body_bytes = max_body_bytes
@@ -272,11 +293,13 @@ class OpenAIServer:
                 raise ModelNotFound(f"the model {body.model!r} does not exist", "model")
             body.check_supported()
             chat = isinstance(body, ChatCompletionRequest)
+            plan: ToolPlan | None = None
             if isinstance(body, ChatCompletionRequest):
-                inputs = [chat_input(body)]
+                plan = tool_plan(body, self.parser)
+                inputs = [chat_input(body, plan, self.render)]
             else:
                 inputs = completion_inputs(body)
-            sampling = sampling_request(body)
+            sampling = sampling_request(body, plan)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             prepared, stream, first = await self._start(inputs, sampling, request_id)
         except BodyTooLarge as exc:
@@ -286,7 +309,9 @@ class OpenAIServer:
             )
         except ServingError as exc:
             return error_response(exc, fields, rename)
-        render = ResponseRenderer(self.pipeline.tokenizer, body, request_id, prepared, chat, fields)
+        render = ResponseRenderer(
+            self.pipeline.tokenizer, body, request_id, prepared, chat, fields, plan
+        )
         if body.stream:
             return StreamingResponse(
                 render.sse(first, stream),

@@ -13,13 +13,24 @@ range checks stay there (one copy for both transports).
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from pagedserve.cluster.request_prep import CHAT_ROLES, GenerateInput, SamplingRequest
+from pagedserve.cluster.openai_tools import ForcedStream, ToolParser, ToolStream, forced_constraint
+from pagedserve.cluster.request_prep import (
+    CHAT_ROLES,
+    ChatMessage,
+    GenerateInput,
+    Message,
+    SamplingRequest,
+    ToolCall,
+)
 from pagedserve.scheduler.errors import InvalidRequest
 from pagedserve.scheduler.sampling_params import MAX_BEAM_WIDTH
+from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is its own request)
 
@@ -32,6 +43,38 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: a named JSON Schema (``strict``: no properties
+    beyond the schema's)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (unconstrained), ``json_object`` (any JSON object) or
+    ``json_schema`` (with ``json_schema``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON Schema, as an object
+    or as JSON text), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -67,6 +110,8 @@ class _SamplingFields(BaseModel):
     length_penalty: float | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     def http_param(self, name: str) -> str:
         """The body's field behind the pipeline's field ``name`` (its errors name gRPC's
@@ -106,6 +151,57 @@ class CompletionRequest(_SamplingFields):
             raise InvalidRequest("best_of other than n is not supported", "best_of")
 
 
+class FunctionDef(BaseModel):
+    """``tools[i].function``: a function the model may call (``parameters`` a JSON Schema
+    of its arguments object)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    """One ``tools`` item."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    """``tool_choice.function``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming one function: ``{"type": "function", "function": {"name"}}``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(BaseModel):
+    """``messages[i].tool_calls[j].function``: ``arguments`` is JSON text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """An assistant message's earlier call."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class TextPart(BaseModel):
     """One part of a message's list-of-parts content."""
 
@@ -114,14 +210,16 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    """One chat message: string content or a list of text parts."""
+class ChatMessageBody(BaseModel):
+    """One chat message: string content or a list of text parts; an assistant's
+    ``tool_calls``, a ``tool`` message's ``tool_call_id``."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -132,15 +230,15 @@ class ChatCompletionRequest(_SamplingFields):
         "chat": "messages",
         "prompt": "messages",
     }
-    messages: list[ChatMessage]
+    messages: list[ChatMessageBody]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -154,16 +252,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions", "audio", "prediction"):
+        for name in ("functions", "audio", "prediction"):
             if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported", name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise InvalidRequest(f"{name} is not supported", name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            kind = self.response_format.get("type")
+                raise InvalidRequest(f"{name} is not supported (use tools)", name)
+        if self.function_call not in (None, "none"):
             raise InvalidRequest(
-                f"response_format {kind!r} is not supported (only 'text')", "response_format"
+                "function_call is not supported (use tool_choice)", "function_call"
             )
         if self.modalities not in (None, ["text"]):
             raise InvalidRequest("only the 'text' modality is supported", "modalities")
@@ -174,15 +268,23 @@ class ChatCompletionRequest(_SamplingFields):
 Endpoint = Literal["completions", "chat"]
 
 
-def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> SamplingRequest:
-    """The :class:`SamplingRequest` of a body (after :meth:`check_supported`).
+def sampling_request(
+    body: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None = None
+) -> SamplingRequest:
+    """The :class:`SamplingRequest` of a body (after :meth:`check_supported`), constrained
+    by the body's :func:`structured_outputs`, or by ``plan``'s grammar when its
+    ``tool_choice`` forces a call.
 
     ``use_beam_search`` turns on beam search with ``n`` beams (vLLM's meaning), returning
     the ``n`` best.
 
     Raises:
-        InvalidRequest: ``use_beam_search`` with ``n`` out of [1, MAX_BEAM_WIDTH] (``n``).
+        InvalidRequest: ``use_beam_search`` with ``n`` out of [1, MAX_BEAM_WIDTH] (``n``);
+            a bad constraint (see :func:`structured_outputs`).
     """
+    constraint = plan.forced if plan is not None and plan.forced is not None else None
+    if constraint is None:
+        constraint = structured_outputs(body)
     max_tokens = body.max_tokens
     logprobs: int | None
     if isinstance(body, ChatCompletionRequest):
@@ -221,6 +323,7 @@ def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> Samplin
         beam_width=beam_width,
         length_penalty=body.length_penalty,
         priority=body.priority,
+        structured_outputs=constraint,
     )
 
 
@@ -252,38 +355,238 @@ def completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
     return out
 
 
-def chat_input(body: ChatCompletionRequest) -> GenerateInput:
+def _content(m: ChatMessageBody, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(
+                f"content part type {part.type!r} is not supported (only 'text')",
+                f"messages[{i}].content[{j}].type",
+            )
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def chat_input(
+    body: ChatCompletionRequest, plan: ToolPlan | None = None, render: ToolParser | None = None
+) -> GenerateInput:
     """The messages of a chat body as a :class:`GenerateInput`; ``developer`` is OpenAI's
     newer name of ``system``.
 
+    Messages with ``tool_calls`` or ``tool_call_id`` become :class:`ChatMessage` records
+    and ``plan``'s functions the input's ``tools``, for a chat template that renders them;
+    with ``render`` (the template does not) they are written as text in ``render``'s
+    format instead: calls into the assistant's content, results as ``render`` wraps
+    them, the functions into the system prompt.
+
     Raises:
-        InvalidRequest: no messages, a non-text content part, or assistant tool calls.
+        InvalidRequest: no messages, a non-text content part, an unknown role,
+            ``tool_calls`` on a message that is not the assistant's, a ``tool`` message
+            without ``tool_call_id``.
     """
     if not body.messages:
         raise InvalidRequest("messages must not be empty", "messages")
-    messages = []
+    messages: list[Message] = []
     for i, m in enumerate(body.messages):
-        if m.tool_calls:
-            raise InvalidRequest("tool calls are not supported", f"messages[{i}].tool_calls")
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
-            content = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequest(
-                        f"content part type {part.type!r} is not supported (only 'text')",
-                        f"messages[{i}].content[{j}].type",
-                    )
-                parts.append(part.text)
-            content = "\n".join(parts)
+        content = _content(m, i)
         role = "system" if m.role == "developer" else m.role
         if role not in CHAT_ROLES:
             raise InvalidRequest(
                 f"unknown chat role {m.role!r} (use one of {(*CHAT_ROLES, 'developer')})",
                 f"messages[{i}].role",
             )
-        messages.append((role, content))
-    return GenerateInput(messages=tuple(messages))
+        calls = tuple(
+            ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()
+        )
+        if calls and role != "assistant":
+            raise InvalidRequest(
+                f"only assistant messages carry tool_calls, not {m.role!r}",
+                f"messages[{i}].tool_calls",
+            )
+        if role == "tool" and m.tool_call_id is None:
+            raise InvalidRequest(
+                "a tool message needs the tool_call_id it answers", f"messages[{i}].tool_call_id"
+            )
+        if render is not None:
+            if calls:
+                content = "\n".join(
+                    [content] * bool(content) + [render.render_call(c) for c in calls]
+                )
+            if role == "tool":
+                role, content = render.render_result(content)
+            messages.append((role, content))
+        elif calls or role == "tool":
+            messages.append(ChatMessage(role, content, calls, m.tool_call_id))
+        else:
+            messages.append((role, content))
+    tools = None
+    if plan is not None and render is not None:
+        prompt = render.tools_prompt(plan.functions)
+        first = messages[0]
+        if isinstance(first, tuple) and first[0] == "system":
+            messages[0] = ("system", f"{first[1]}\n\n{prompt}" if first[1] else prompt)
+        else:
+            messages.insert(0, ("system", prompt))
+    elif plan is not None:
+        tools = tuple({"type": "function", "function": f} for f in plan.functions)
+    return GenerateInput(messages=tuple(messages), tools=tools)
+
+
+# ---------------------------------------------------------------- structured outputs, tools
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+MAX_NAME_CHARS = 64  # OpenAI's limit on function and schema names
+
+
+def _check_name(name: str, param: str) -> None:
+    if not 1 <= len(name) <= MAX_NAME_CHARS or not set(name) <= _NAME_CHARS:
+        raise InvalidRequest(
+            f"{param} must be 1 to {MAX_NAME_CHARS} letters, digits, '_' or '-', got {name!r}",
+            param,
+        )
+
+
+def _spec(param: str, **fields: Any) -> StructuredOutputs:
+    try:
+        return StructuredOutputs(**fields)
+    except ValueError as exc:
+        raise InvalidRequest(f"{param}: {exc}", param) from None
+
+
+def structured_outputs(body: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
+    """The constraint of a body's ``response_format`` (``json_object``, ``json_schema``) or
+    vLLM's ``structured_outputs`` (one of ``json``, ``regex``, ``choice``, ``grammar``,
+    ``json_object``); None when unconstrained. Whether a schema, regex or grammar compiles
+    is checked when the request is prepared.
+
+    Raises:
+        InvalidRequest: ``json_schema`` missing for type ``json_schema``, a bad schema
+            name, both fields set, none or several kinds in ``structured_outputs``, an
+            empty or oversized text (``param`` names the field).
+    """
+    spec = None
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        spec = StructuredOutputs(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise InvalidRequest(
+                "response_format.json_schema is required with type 'json_schema'",
+                "response_format.json_schema",
+            )
+        _check_name(fmt.json_schema.name, "response_format.json_schema.name")
+        spec = _spec(
+            "response_format.json_schema.schema",
+            json=json.dumps(fmt.json_schema.schema_),
+            strict=bool(fmt.json_schema.strict),
+        )
+    so = body.structured_outputs
+    if so is None:
+        return spec
+    if spec is not None:
+        raise InvalidRequest(
+            "structured_outputs and a response_format other than 'text' are exclusive",
+            "structured_outputs",
+        )
+    kinds = {
+        "json": so.json_,
+        "regex": so.regex,
+        "choice": so.choice,
+        "grammar": so.grammar,
+        "json_object": so.json_object or None,
+    }
+    given = [k for k, v in kinds.items() if v is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "structured_outputs needs exactly one of json, regex, choice, grammar, "
+            f"json_object; got {given or 'none'}",
+            "structured_outputs",
+        )
+    kind = given[0]
+    value: Any = kinds[kind]
+    if kind == "json" and isinstance(value, dict):
+        value = json.dumps(value)
+    elif kind == "choice":
+        value = tuple(value)
+    return _spec(f"structured_outputs.{kind}", **{kind: value})
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """How a chat request's tools are used.
+
+    Attributes:
+        functions: the ``tools[i].function`` objects (``name``, ``description``,
+            ``parameters``, ``strict``), rendered into the prompt.
+        parser: the served model's tool-call format.
+        forced: the grammar of ``tool_choice`` ``required`` or a named function; None
+            for ``auto`` (the parser finds calls in free output).
+        forced_name: the function ``tool_choice`` names.
+    """
+
+    functions: tuple[dict[str, Any], ...]
+    parser: ToolParser
+    forced: StructuredOutputs | None = None
+    forced_name: str | None = None
+
+    def stream(self) -> ToolStream:
+        """A per-choice stream of the calls in this plan's output."""
+        if self.forced is not None:
+            return ForcedStream(self.forced_name)
+        return self.parser.stream()
+
+
+def tool_plan(body: ChatCompletionRequest, parser: ToolParser) -> ToolPlan | None:
+    """The :class:`ToolPlan` of a chat body, or None without tools or with ``tool_choice``
+    ``none`` (no tool is offered then). ``tool_choice`` defaults to ``auto`` with tools;
+    ``parallel_tool_calls`` (default true) lets ``required`` emit several calls.
+
+    Raises:
+        InvalidRequest: an unknown ``tool_choice``, one other than ``none`` without tools,
+            naming a function not in ``tools``, a bad or repeated function name
+            (``tools[i].function.name``), ``required`` or a named function together with
+            a ``response_format`` / ``structured_outputs`` constraint.
+    """
+    choice = body.tool_choice
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise InvalidRequest(
+            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+            "tool_choice",
+        )
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        return None
+    functions: list[dict[str, Any]] = []
+    for i, tool in enumerate(body.tools):
+        name = tool.function.name
+        _check_name(name, f"tools[{i}].function.name")
+        if any(f["name"] == name for f in functions):
+            raise InvalidRequest(
+                f"tools[{i}].function.name: {name!r} is defined twice", f"tools[{i}].function.name"
+            )
+        functions.append(tool.function.model_dump(exclude_none=True))
+    if choice == "none":
+        return None
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    if named is not None and all(f["name"] != named for f in functions):
+        raise InvalidRequest(f"tool_choice: no function named {named!r} in tools", "tool_choice")
+    if named is None and choice != "required":
+        return ToolPlan(tuple(functions), parser)
+    constrained = body.structured_outputs is not None or (
+        body.response_format is not None and body.response_format.type != "text"
+    )
+    if constrained:
+        raise InvalidRequest(
+            "response_format: a constraint cannot be combined with tool_choice 'required' "
+            "or a named function",
+            "response_format",
+        )
+    try:
+        forced = forced_constraint(functions, named, body.parallel_tool_calls is not False)
+    except ValueError as exc:
+        raise InvalidRequest(f"tools: {exc}", "tools") from None
+    return ToolPlan(tuple(functions), parser, forced, named)
