@@ -200,6 +200,65 @@ def parse_body(data: dict[str, Any], model: type[M]) -> M:
         raise InvalidRequest(f"{loc}: {msg}", loc or None) from None
 
 
+# The error statuses of the generating routes (HTTP_STATUS's, without INTERNAL).
+GENERATE_ERRORS = (400, 404, 409, 503)
+_COMPONENTS = "#/components/schemas/{model}"
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+
+
+def _body_ref(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {"$ref": _COMPONENTS.format(model=model.__name__)}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _responses(*statuses: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: 200 a JSON object (or, ``stream``, Server-Sent Events), the
+    others :class:`ErrorResponse`."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        if status == 200:
+            content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+            if stream:
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+            out[200] = {
+                "description": "the response (a stream with stream: true)",
+                "content": content,
+            }
+        else:
+            ref = {"$ref": _COMPONENTS.format(model="ErrorResponse")}
+            out[status] = {
+                "description": HTTPStatus(status).phrase,
+                "content": {"application/json": {"schema": ref}},
+            }
+    return out
+
+
+def openapi_components() -> dict[str, Any]:
+    """The OpenAPI schemas the routes refer to (the request bodies, their parts, the error
+    body), for ``components.schemas`` (:func:`~pagedserve.cluster.http_server.create_app`
+    adds them)."""
+    out: dict[str, Any] = {}
+    for model in (CompletionRequest, ChatCompletionRequest, ErrorResponse):
+        schema = model.model_json_schema(ref_template=_COMPONENTS)
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
+
+
 class OpenAIServer:
     """The routes of the OpenAI-compatible API over one :class:`RequestPipeline`.
 
@@ -235,12 +294,27 @@ class OpenAIServer:
 
     def router(self) -> APIRouter:
         """An APIRouter with the routes (add it with ``app.include_router``, and
-        :meth:`exception_handlers` to the app)."""
+        :meth:`exception_handlers` to the app); their bodies and responses are documented
+        in the app's OpenAPI schema with :func:`openapi_components`."""
         router = APIRouter()
-        router.add_api_route("/v1/models", self.models, methods=["GET"])
-        router.add_api_route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"])
-        router.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        router.add_api_route("/v1/models", self.models, methods=["GET"], responses=_responses(200))
+        router.add_api_route(
+            "/v1/models/{model:path}",
+            self.retrieve_model,
+            methods=["GET"],
+            responses=_responses(200, 404),
+        )
+        for path, endpoint, body in (
+            ("/v1/completions", self.completions, CompletionRequest),
+            ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+        ):
+            router.add_api_route(
+                path,
+                endpoint,
+                methods=["POST"],
+                responses=_responses(200, *GENERATE_ERRORS, stream=True),
+                openapi_extra={"requestBody": _body_ref(body)},
+            )
         return router
 
     @staticmethod

@@ -200,3 +200,13 @@ def test_calls_and_tools_are_written_in_the_parsers_format():
     prompt = HermesParser().tools_prompt([{"name": "f", "parameters": {"type": "object"}}])
     assert '"name": "f"' in prompt and "<tool_call>" in prompt
     assert HermesParser().render_result("42") == ("user", "<tool_response>\n42\n</tool_response>")
+
+
+def test_the_config_names_every_parser():
+    from pagedserve.cluster.config import TOOL_CALL_PARSERS, ServerConfig
+    from pagedserve.cluster.openai_tools import PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
+    assert ServerConfig(tool_call_parser="mistral").tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        ServerConfig(tool_call_parser="pythonic")
