@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import InvalidRequest, RequestRejected
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.structured_outputs import StructuredOutputs
+from pagedserve.worker.grammar import GrammarCompiler
 
 MAX_N = 64
 MAX_STOP_STRINGS = 16
@@ -205,6 +207,8 @@ class RequestPreparer:
         # this many bytes cannot fit in max_model_len and is refused before tokenizing.
         longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=64)
         self._max_text_bytes = max(1, longest) * info.max_model_len
+        self._grammars: GrammarCompiler | None = None  # built on the first constraint
+        self._grammars_lock = threading.Lock()
 
     def prepare(
         self, prompt: GenerateInput, req: SamplingRequest, request_id: str = ""
@@ -216,7 +220,9 @@ class RequestPreparer:
             the model's EOS ids; no subscriber yet).
 
         Raises:
-            InvalidRequest: a bad field (the message names it), an empty or too long prompt.
+            InvalidRequest: a bad field (the message names it), an empty or too long prompt,
+                a structured-output spec that does not compile (within the time and size
+                limits of :class:`~pagedserve.worker.grammar.GrammarConfig`).
             RequestRejected: one sequence needs more KV slots than the largest pool holds.
         """
         self._check_sampling_fields(req)
@@ -245,7 +251,28 @@ class RequestPreparer:
         request_id = request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+        if sampling.structured_outputs is not None:
+            self.check_grammar(sampling.structured_outputs)
         return EngineRequest(request_id, tuple(ids), sampling, self.info.eos_token_ids)
+
+    def check_grammar(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` for the served tokenizer (cached; blocking).
+
+        Raises:
+            InvalidRequest: it does not compile; the message starts with the field
+                (``json_schema``, ``regex``, ``choice``, ``grammar``) and gives xgrammar's
+                reason.
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.info.vocab_size, self.info.eos_token_ids
+                )
+        try:
+            self._grammars.compile(spec)
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0]
+            raise InvalidRequest(str(exc), field) from None
 
     def resolve_max_tokens(
         self, prompt_len: int, max_tokens: int | None, beam_width: int = 1

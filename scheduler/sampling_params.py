@@ -157,6 +157,21 @@ class SamplingParams:
                     "logprobs is not supported with beam search (beam_width); each choice "
                     "carries cumulative_logprob and score"
                 )
+            if self.structured_outputs is not None:
+                raise ValueError(
+                    "structured_outputs is not supported with beam search (beam_width)"
+                )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputs, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            if self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with ignore_eos: the output "
+                    "ends where the grammar ends, on an EOS token"
+                )
 
     @property
     def penalized(self) -> bool:

@@ -50,6 +50,7 @@ from pagedserve.worker.kv_swap import KVSwapper, SwapError
 from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.structured import StructuredOutputsRunner
 from pagedserve.worker.weights import load_model
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -176,6 +177,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend)
+        self.structured = StructuredOutputsRunner(
+            str(self.model_path), self.arch.vocab_size, self.arch.eos_token_ids
+        )
 
     def _make_batch_invariant(self) -> None:
         """Fixed-shape matmuls (see :mod:`pagedserve.worker.batch_invariant`).
@@ -249,6 +253,13 @@ class ModelRunner:
                 choice_index=new.choice_index,
                 seed=secrets.randbits(63) if seed is None else seed,
             )
+            spec = new.sampling.structured_outputs
+            if spec is not None:
+                # Fork, recompute, swap-in and migration all arrive here: the matcher is
+                # rebuilt from the outputs the scheduler holds.
+                self.seqs[new.seq_id].grammar = self.structured.build(
+                    spec, new.token_ids[new.num_prompt_tokens :]
+                )
         for cached in so.cached_seqs:
             state = self.seqs.get(cached.seq_id)
             if state is None:
@@ -312,6 +323,10 @@ class ModelRunner:
         inputs = prepare_inputs(
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
+        states = [self.seqs[r] for r in inputs.sample_seq_ids]
+        # NOTE: the grammar bitmask fills on a thread while the forward runs (xgrammar's
+        # fill releases the GIL, as do the model's kernels); None when nothing is masked.
+        grammar_step = self.structured.start_fill([s.grammar for s in states])
         logits = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -319,7 +334,6 @@ class ModelRunner:
             inputs.attn_metadata,
             inputs.logits_indices,
         )
-        states = [self.seqs[r] for r in inputs.sample_seq_ids]
         processed = process_logits(
             logits,
             [s.sampling for s in states],
@@ -327,18 +341,38 @@ class ModelRunner:
             [s.num_prompt_tokens for s in states],
             self.arch.eos_token_ids,
         )
+        fill_s = 0.0
+        if grammar_step is not None:
+            processed = self.structured.apply(grammar_step, processed, logits)
+            fill_s = self.structured.last_fill_s
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)
         for state, n in scheduled:
             state.num_computed_tokens += n
         sampled = {}
+        failed: dict[str, str] = {}
         for state, token in zip(states, tokens):
-            if state.seq_id not in beams:  # beam search: the scheduler chooses the token
-                state.token_ids.append(token)
-                sampled[state.seq_id] = token
+            if state.seq_id in beams:  # beam search: the scheduler chooses the token
+                continue
+            # The worker keeps the token even when the grammar fails, so a step already
+            # planned for the sequence still finds its tokens; the scheduler aborts it.
+            state.token_ids.append(token)
+            grammar = state.grammar
+            if grammar is not None and (grammar.error or not grammar.accept(token)):
+                failed[state.seq_id] = grammar.error
+                continue
+            sampled[state.seq_id] = token
         return RunnerOutput(
-            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
+            so.step_id,
+            sampled,
+            time.perf_counter() - start,
+            logprobs,
+            beams,
+            swaps,
+            started_s,
+            failed,
+            fill_s,
         )
 
     def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:
