@@ -33,6 +33,9 @@ from pagedserve.scheduler.sampling_params import MAX_BEAM_WIDTH
 from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
 MAX_PROMPTS = 128  # prompts in one /v1/completions request (each is its own request)
+# The pipeline's names of a constraint that does not compile (pagedserve.worker.grammar).
+CONSTRAINT_FIELDS = frozenset({"json_schema", "json_object", "regex", "choice", "grammar"})
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 class StreamOptions(BaseModel):
@@ -116,8 +119,26 @@ class _SamplingFields(BaseModel):
     def http_param(self, name: str) -> str:
         """The body's field behind the pipeline's field ``name`` (its errors name gRPC's
         fields: ``text`` / ``token_ids`` are ``prompt``, ``chat`` is ``messages``,
-        ``beam_width`` is ``n``); other names are returned as they are."""
+        ``beam_width`` is ``n``; a constraint that does not compile, ``json_schema``,
+        ``regex``, ..., is the field it came from); other names are returned as they are."""
+        if name in CONSTRAINT_FIELDS:
+            return self.constraint_param()
         return self.PIPELINE_PARAMS.get(name, name)
+
+    def constraint_param(self) -> str:
+        """The field the request's constraint came from: ``structured_outputs.KIND``,
+        ``response_format.json_schema.schema``, ``response_format``, or (a forced tool
+        call) ``tools``."""
+        so = self.structured_outputs
+        if so is not None:
+            given = [k for k in CONSTRAINT_KINDS if getattr(so, k + "_" * (k == "json"))]
+            return f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            return "response_format.json_schema.schema"
+        if fmt is not None and fmt.type == "json_object":
+            return "response_format"
+        return "tools"
 
     def check_supported(self) -> None:
         """Raise InvalidRequest naming the first known field this server cannot honour."""

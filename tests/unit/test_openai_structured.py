@@ -262,28 +262,12 @@ def test_the_template_renders_tools_and_calls():
 
 
 # ---------------------------------------------------------------------- through the HTTP app
-class _Tok:
-    chat_template = None
-
-    def get_vocab(self):
-        return {"a": 0}
-
-    def __call__(self, text, add_special_tokens=True):
-        return {"input_ids": [0] * len(text)}
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **kw):
-        return "".join(m["content"] for m in messages) + "|"
-
-    def decode(self, ids):
-        return "a" * len(ids)
-
-
 def scripted(outputs: list[str], piece: int = 3) -> tuple[RequestPipeline, list[EngineRequest]]:
     """A pipeline whose choice i writes ``outputs[i]`` in pieces of ``piece`` characters,
     then STOP; the prepared requests are recorded."""
     seen: list[EngineRequest] = []
-    info = ModelInfo(MODEL, 100_000, 50, (1,), 100_000, 16)
-    pipeline = RequestPipeline(scheduler=None, tokenizer=_Tok(), info=info)
+    info = ModelInfo(MODEL, 100_000, 105, (2,), 100_000, 16)
+    pipeline = RequestPipeline(scheduler=None, tokenizer=build_char_tokenizer(), info=info)
 
     async def generate(req: EngineRequest, flight: Any):
         seen.append(req)
@@ -420,3 +404,36 @@ def test_bad_constraints_are_400_with_the_field():
         "tool_choice",
         "structured_outputs.choice",
     ]
+
+
+def test_constraints_that_do_not_compile_are_400_naming_their_field():
+    pipeline, seen = scripted(["x"])
+    bad_schema = {"type": "object", "properties": {"a": {"type": "frobnicate"}}}
+
+    async def fn(client):
+        params = []
+        for kw in (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "A", "schema": bad_schema},
+                }
+            },
+            {"extra_body": {"structured_outputs": {"regex": "(unclosed"}}},
+            {"extra_body": {"structured_outputs": {"grammar": "root ::= missing_rule"}}},
+            {"extra_body": {"structured_outputs": {"json": bad_schema}}},
+        ):
+            with pytest.raises(openai.BadRequestError) as ei:
+                await client.chat.completions.create(model=MODEL, messages=USER, **kw)
+            err = ei.value.response.json()["error"]
+            assert "compile" in err["message"], err
+            params.append(err["param"])
+        return params
+
+    assert run_client(pipeline, fn) == [
+        "response_format.json_schema.schema",
+        "structured_outputs.regex",
+        "structured_outputs.grammar",
+        "structured_outputs.json",
+    ]
+    assert seen == []  # refused before reaching the scheduler
