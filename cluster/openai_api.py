@@ -48,17 +48,16 @@ from starlette.exceptions import HTTPException
 from pagedserve.cluster.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ToolPlan,
     chat_input,
     completion_inputs,
     sampling_request,
-    tool_plan,
 )
 from pagedserve.cluster.openai_render import (
     ResponseRenderer,
     error_body,
     error_response,
 )
+from pagedserve.cluster.openai_structured import ToolPlan, tool_plan
 from pagedserve.cluster.openai_tools import choose_parser, template_takes_tools
 from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, RequestStream
 from pagedserve.cluster.request_prep import GenerateInput, SamplingRequest, unicode_problem

@@ -18,7 +18,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest, ToolPlan
+from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.cluster.openai_structured import ToolPlan
 from pagedserve.cluster.openai_tools import Call, Content, Event, ToolStream, parse
 from pagedserve.cluster.pipeline import ChoiceDelta
 from pagedserve.scheduler.engine_messages import EngineRequest

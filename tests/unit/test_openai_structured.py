@@ -23,9 +23,8 @@ from pagedserve.cluster.openai_protocol import (
     CompletionRequest,
     chat_input,
     sampling_request,
-    structured_outputs,
-    tool_plan,
 )
+from pagedserve.cluster.openai_structured import structured_outputs, tool_plan
 from pagedserve.cluster.openai_tools import HermesParser
 from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, Usage
 from pagedserve.cluster.request_prep import ChatMessage, GenerateInput, ModelInfo, ToolCall
