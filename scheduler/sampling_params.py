@@ -61,7 +61,8 @@ class SamplingParams:
             more urgent (admitted first, preempted last); int32 range. Ignored under
             ``fcfs``.
         structured_outputs: a constraint on the generated text (JSON schema, any JSON
-            object, regex, choice, EBNF grammar); ``None`` = unconstrained.
+            object, regex, choice, EBNF grammar); ``None`` = unconstrained. Not with beam
+            search or ``ignore_eos``.
 
     Raises:
         ValueError: on out-of-range values, with a message naming the field.

@@ -23,7 +23,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +52,8 @@ class GrammarConfig:
         max_grammar_bytes: the largest compiled grammar (xgrammar's
             ``memory_size_bytes``: its token-mask cache), > 0.
         compile_threads: xgrammar's threads per compile, >= 1.
+        max_concurrent: compiles running at once (one past its time limit keeps its
+            slot until it ends), >= 1.
 
     Raises:
         ValueError: a field out of range (the message names it).
@@ -61,6 +63,7 @@ class GrammarConfig:
     compile_timeout_s: float = 10.0
     max_grammar_bytes: int = 256 << 20
     compile_threads: int = 2
+    max_concurrent: int = 2
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_cached, int) or self.max_cached < 1:
@@ -71,6 +74,8 @@ class GrammarConfig:
             raise ValueError(f"max_grammar_bytes must be >= 1, got {self.max_grammar_bytes!r}")
         if not isinstance(self.compile_threads, int) or self.compile_threads < 1:
             raise ValueError(f"compile_threads must be >= 1, got {self.compile_threads!r}")
+        if not isinstance(self.max_concurrent, int) or self.max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {self.max_concurrent!r}")
 
 
 def xgrammar_reason(exc: BaseException) -> str:
@@ -113,9 +118,10 @@ class GrammarCompiler:
         )
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
         self._lock = threading.Lock()
-        # NOTE: one daemon thread runs the compiles so a caller can stop waiting at the
-        # time limit; a compile past it finishes in the background and is dropped.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        # NOTE: xgrammar cannot stop a compile: each runs on a daemon thread of its own so
+        # the caller stops waiting at the time limit (and exit never waits for it); the
+        # slots bound how many such threads run at once.
+        self._slots = threading.BoundedSemaphore(self.config.max_concurrent)
 
     @classmethod
     def for_model(
@@ -148,11 +154,16 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         field = FIELDS[spec.kind]
-        future = self._pool.submit(self._compile_uncached, spec)
+        limit = self.config.compile_timeout_s
+        if not self._slots.acquire(timeout=limit):
+            raise ValueError(f"{field}: the grammar compiler stayed busy for {limit:g} s")
+        future: Future[Any] = Future()
+        threading.Thread(
+            target=self._run_compile, args=(spec, future), name="grammar-compile", daemon=True
+        ).start()
         try:
-            compiled = future.result(timeout=self.config.compile_timeout_s)
+            compiled = future.result(timeout=limit)
         except FutureTimeout:
-            future.cancel()
             raise ValueError(
                 f"{field}: compiling took longer than {self.config.compile_timeout_s:g} s"
             ) from None
@@ -169,6 +180,15 @@ class GrammarCompiler:
             while len(self._cache) > self.config.max_cached:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _run_compile(self, spec: StructuredOutputs, future: Future[Any]) -> None:
+        """Compile on this thread into ``future``, then free the slot."""
+        try:
+            future.set_result(self._compile_uncached(spec))
+        except BaseException as exc:  # delivered to the waiting caller, if still waiting
+            future.set_exception(exc)
+        finally:
+            self._slots.release()
 
     def _compile_uncached(self, spec: StructuredOutputs) -> Any:
         kind = spec.kind

@@ -8,7 +8,9 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
-6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), sample
+6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), then the
+   structured-output bitmask of the constrained rows (filled on a thread while step 5 ran,
+   :mod:`pagedserve.worker.structured`), sample
    for the sequences whose known tokens are all computed after the step (logprobs from
    the raw logits for those that ask), append
    the sampled token to the worker's copy of their token list, advance
@@ -343,8 +345,7 @@ class ModelRunner:
         )
         fill_s = 0.0
         if grammar_step is not None:
-            processed = self.structured.apply(grammar_step, processed, logits)
-            fill_s = self.structured.last_fill_s
+            processed, fill_s = self.structured.apply(grammar_step, processed, logits)
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)

@@ -114,7 +114,6 @@ class StructuredOutputsRunner:
         self.config = config
         self._compiler: GrammarCompiler | None = None
         self._fill_pool: ThreadPoolExecutor | None = None
-        self.last_fill_s = 0.0
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -154,21 +153,24 @@ class StructuredOutputsRunner:
             self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-fill")
         return StructuredStep(rows, bitmask, self._fill_pool.submit(_fill, matchers, bitmask))
 
-    def apply(self, step: StructuredStep, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    def apply(
+        self, step: StructuredStep, logits: torch.Tensor, raw: torch.Tensor
+    ) -> tuple[torch.Tensor, float]:
         """Wait for the fill and mask ``logits`` (the processed logits; copied first when
         they are the raw logits ``raw``, which logprobs read) in the step's rows.
 
         Returns:
-            float ``[N, V]``: disallowed tokens of the constrained rows at ``-inf``.
+            ``(masked, fill_s)``: float ``[N, V]`` with the disallowed tokens of the
+            constrained rows at ``-inf``, and the seconds the fill took.
         """
         import xgrammar as xgr
 
-        self.last_fill_s = step.filled.result()
+        fill_s = step.filled.result()
         out = logits.clone() if logits is raw else logits
         xgr.apply_token_bitmask_inplace(
             out, step.bitmask.to(out.device), vocab_size=self.vocab_size, indices=step.rows
         )
-        return out
+        return out, fill_s
 
 
 def _fill(matchers: list[tuple[int, SequenceGrammar]], bitmask: torch.Tensor) -> float:
