@@ -20,6 +20,7 @@ import grpc
 
 from pagedserve.cluster.auth import API_KEY_ENV
 from pagedserve.cluster.config import (
+    TOOL_CALL_PARSERS,
     CacheConfig,
     ClusterConfig,
     ModelConfig,
@@ -66,6 +67,13 @@ def _add_serve(sub: Any) -> None:
         "--served-model-name",
         default=None,
         help="the HTTP API's model name (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_CALL_PARSERS),
+        default=None,
+        help="the model's tool-call format on the OpenAI API (default: chosen from its chat "
+        "template; hermes when the template names none)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
     p.add_argument("--block-size", type=int, default=16)
@@ -426,6 +434,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             port=args.port,
             http_port=args.http_port,
             served_model_name=args.served_model_name,
+            tool_call_parser=getattr(args, "tool_call_parser", None),
             drain_timeout_s=args.drain_timeout,
             max_stream_buffer=args.max_stream_buffer,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,

@@ -210,3 +210,13 @@ def test_the_config_names_every_parser():
     assert ServerConfig(tool_call_parser="mistral").tool_call_parser == "mistral"
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
         ServerConfig(tool_call_parser="pythonic")
+
+
+def test_serve_takes_a_tool_call_parser_and_refuses_an_unknown_one() -> None:
+    from pagedserve.cluster.cli import build_parser, serve_config
+
+    args = build_parser().parse_args(["serve", "--tool-call-parser", "llama3_json"])
+    assert serve_config(args).server.tool_call_parser == "llama3_json"
+    assert serve_config(build_parser().parse_args(["serve"])).server.tool_call_parser is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-call-parser", "nope"])
