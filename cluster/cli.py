@@ -20,6 +20,7 @@ import grpc
 
 from pagedserve.cluster.auth import API_KEY_ENV
 from pagedserve.cluster.config import (
+    TOOL_CALL_PARSERS,
     CacheConfig,
     ClusterConfig,
     ModelConfig,
@@ -66,6 +67,13 @@ def _add_serve(sub: Any) -> None:
         "--served-model-name",
         default=None,
         help="the HTTP API's model name (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_CALL_PARSERS),
+        default=None,
+        help="the model's tool-call format on the OpenAI API (default: chosen from its chat "
+        "template; hermes when the template names none)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
     p.add_argument("--block-size", type=int, default=16)
@@ -360,6 +368,12 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--length-penalty", type=float, default=None)
     p.add_argument("--cache-salt", default=None)
     p.add_argument("--priority", type=int, default=None, help="lower = more urgent (default 0)")
+    so = p.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE", help="output follows this JSON Schema file")
+    so.add_argument("--json-object", action="store_true", help="output is a JSON object")
+    so.add_argument("--regex", help="output matches this regular expression")
+    so.add_argument("--choice", action="append", help="output is one of these (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="output follows this EBNF grammar file")
     p.add_argument("--request-id", default="")
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
@@ -428,6 +442,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             port=args.port,
             http_port=args.http_port,
             served_model_name=args.served_model_name,
+            tool_call_parser=getattr(args, "tool_call_parser", None),
             drain_timeout_s=args.drain_timeout,
             max_stream_buffer=args.max_stream_buffer,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -454,6 +469,21 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     return config
 
 
+def _read_text(path: str | None, flag: str) -> str | None:
+    """The text of the file a flag names (None when the flag is unset).
+
+    Raises:
+        SystemExit: the file cannot be read (the message names the flag).
+    """
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {
         "max_tokens": args.max_tokens,
@@ -475,6 +505,11 @@ def _generate(args: argparse.Namespace) -> int:
         "length_penalty": args.length_penalty,
         "cache_salt": args.cache_salt,
         "priority": args.priority,
+        "json_schema": _read_text(args.json_schema, "--json-schema"),
+        "json_object": args.json_object or None,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": _read_text(args.grammar, "--grammar"),
     }
     if args.chat:
         kwargs["chat"] = [{"role": "user", "content": args.prompt}]

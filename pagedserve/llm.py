@@ -247,6 +247,11 @@ class LLM:
                 self._progress = None
 
     def _add(self, prompt: Any, token_ids: list[int], sampling: SamplingParams) -> str:
+        if sampling.structured_outputs is not None:
+            try:  # the in-process worker's compiler: its LRU then serves the matchers
+                self._worker.runner.structured.compiler.compile(sampling.structured_outputs)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), str(exc).split(":", 1)[0]) from None
         rid = str(next(self._ids))
         if sampling.seed is None and self._seed is not None:
             sampling = dataclasses.replace(sampling, seed=self._seed + int(rid))

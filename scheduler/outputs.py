@@ -212,6 +212,11 @@ class RunnerOutput:
             ``swap_plan`` (and of the free of its ``host_blocks_to_free``).
         started_s: when the worker started the step (its monotonic clock, seconds; 0.0
             when unknown): with ``execute_time_s``, the idle gap between two steps.
+        failed_seq_ids: seq_id -> why its structured-output grammar failed on the worker
+            (a spec that does not compile there, a token the grammar rejects); the
+            scheduler aborts these sequences. Such a sequence samples nothing this step.
+        grammar_fill_s: seconds the worker spent filling this step's grammar bitmask (on
+            a thread, while the forward ran); 0.0 when no row was constrained.
     """
 
     step_id: int
@@ -221,3 +226,5 @@ class RunnerOutput:
     beam_candidates: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict)
     swap_results: dict[str, SwapResult] = field(default_factory=dict)
     started_s: float = 0.0
+    failed_seq_ids: dict[str, str] = field(default_factory=dict)
+    grammar_fill_s: float = 0.0

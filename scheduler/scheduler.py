@@ -60,6 +60,7 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
@@ -94,6 +95,8 @@ from pagedserve.scheduler.worker_state import (
     WorkerState,
     worker_stats,
 )
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -525,6 +528,7 @@ class Scheduler:
         kv = ws.kv
         cache_blocks = kv.cache_blocks
         sampled = runner_out.sampled_token_ids
+        failed = runner_out.failed_seq_ids
         logprobs = runner_out.logprobs
         on_token = self.metrics.on_token
         now = self.metrics.clock()
@@ -568,6 +572,10 @@ class Scheduler:
             token = sampled.get(seq_id)
             all_tokens = seq.all_token_ids
             if token is None:
+                if failed and seq_id in failed:
+                    outputs.append(self._fail_grammar(seq, failed[seq_id]))
+                    finished_requests.add(seq.request_id)
+                    continue
                 cache_blocks(seq_id, all_tokens, seq.num_computed_tokens, sampling.cache_salt)
                 continue
             if seq.num_pending_tokens:
@@ -759,7 +767,8 @@ class Scheduler:
             seq.num_computed_tokens = seq.max_computed_tokens = computed + num_new
         token = runner_out.sampled_token_ids.get(seq.seq_id)
         if token is None:
-            return None  # a prefill chunk
+            error = runner_out.failed_seq_ids.get(seq.seq_id)
+            return None if error is None else self._fail_grammar(seq, error)
         seq.append_token(token)
         self.metrics.on_token(seq)
         lp = runner_out.logprobs.get(seq.seq_id)
@@ -770,6 +779,13 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)  # frees its host blocks with the swap-out's result
         return self._delta(seq, (token,))
+
+    def _fail_grammar(self, seq: Sequence, error: str) -> SequenceOutput:
+        """End ``seq`` as aborted: its structured-output grammar failed on the worker
+        (:attr:`RunnerOutput.failed_seq_ids`); the other sequences go on."""
+        _log.warning("sequence %s aborted: %s", seq.seq_id, error)
+        self._finish(seq, FinishReason.ABORT)
+        return self._delta(seq, ())
 
     # ------------------------------------------------------------------ beam search
     def _apply_beam_step(self, request_id: str, step: BeamStep) -> list[SequenceOutput]:

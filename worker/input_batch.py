@@ -19,6 +19,7 @@ import torch
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.worker.attention import AttentionMetadata
 from pagedserve.worker.sampler import SamplingRow
+from pagedserve.worker.structured import SequenceGrammar
 
 
 class BlockTableRow:
@@ -91,6 +92,8 @@ class SequenceState:
         sampling: the request's sampling parameters.
         choice_index: choice of the parent request (part of the sampling seed).
         seed: sampling seed (the user's, or drawn once by the worker).
+        grammar: the structured-output matcher (None when unconstrained;
+            :mod:`pagedserve.worker.structured`).
     """
 
     seq_id: str
@@ -101,6 +104,7 @@ class SequenceState:
     sampling: SamplingParams
     choice_index: int
     seed: int
+    grammar: SequenceGrammar | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, BlockTableRow):

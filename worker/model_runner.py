@@ -8,7 +8,9 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
-6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), sample
+6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), then the
+   structured-output bitmask of the constrained rows (filled on a thread while step 5 ran,
+   :mod:`pagedserve.worker.structured`), sample
    for the sequences whose known tokens are all computed after the step (logprobs from
    the raw logits for those that ask), append
    the sampled token to the worker's copy of their token list, advance
@@ -39,7 +41,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
     SwapResult,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pagedserve.worker import precision
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
@@ -55,6 +57,7 @@ from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.parallel import TensorParallelGroup
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sharding import ShardPlan, load_sharded_model
+from pagedserve.worker.structured import StructuredOutputsRunner
 from pagedserve.worker.weights import load_model
 
 if TYPE_CHECKING:  # grpc only where a store is connected
@@ -206,6 +209,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend, connect=self._connect_remote_store)
+        self.structured = StructuredOutputsRunner(
+            str(self.model_path), self.arch.vocab_size, self.arch.eos_token_ids
+        )
 
     def _load_shard(self) -> None:
         """Load this rank's slice of the model (:mod:`pagedserve.worker.sharding`) and a KV
@@ -306,6 +312,13 @@ class ModelRunner:
                 choice_index=new.choice_index,
                 seed=secrets.randbits(63) if seed is None else seed,
             )
+            spec = new.sampling.structured_outputs
+            if spec is not None and self.group.is_driver:  # rank 0 alone masks and samples
+                # Fork, recompute, swap-in and migration all arrive here: the matcher is
+                # rebuilt from the outputs the scheduler holds.
+                self.seqs[new.seq_id].grammar = self.structured.build(
+                    spec, new.token_ids[new.num_prompt_tokens :]
+                )
         for cached in so.cached_seqs:
             state = self.seqs.get(cached.seq_id)
             if state is None:
@@ -369,6 +382,10 @@ class ModelRunner:
         inputs = prepare_inputs(
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
+        states = [self.seqs[r] for r in inputs.sample_seq_ids]
+        # NOTE: the grammar bitmask fills on a thread while the forward runs (xgrammar's
+        # fill releases the GIL, as do the model's kernels); None when nothing is masked.
+        grammar_step = self.structured.start_fill([s.grammar for s in states])
         logits = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -376,7 +393,6 @@ class ModelRunner:
             inputs.attn_metadata,
             inputs.logits_indices,
         )
-        states = [self.seqs[r] for r in inputs.sample_seq_ids]
         if not self.group.is_driver:
             return self._follow_step(so, scheduled, states, start, started_s, swaps)
         processed = process_logits(
@@ -386,6 +402,16 @@ class ModelRunner:
             [s.num_prompt_tokens for s in states],
             self.arch.eos_token_ids,
         )
+        fill_s = 0.0
+        if grammar_step is not None:
+            # NOTE: masked in place unless the raw logits are read after sampling.
+            copy = processed is logits and any(
+                s.sampling.logprobs is not None or s.sampling.use_beam_search for s in states
+            )
+            greedy = [
+                s.sampling.temperature < GREEDY_TEMPERATURE or s.sampling.top_k == 1 for s in states
+            ]
+            processed, fill_s = self.structured.apply(grammar_step, processed, copy, greedy)
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         self._share_tokens(tokens)
         logprobs = self._logprobs(logits, states, tokens)
@@ -393,12 +419,28 @@ class ModelRunner:
         for state, n in scheduled:
             state.num_computed_tokens += n
         sampled = {}
+        failed: dict[str, str] = {}
         for state, token in zip(states, tokens):
-            if state.seq_id not in beams:  # beam search: the scheduler chooses the token
-                state.token_ids.append(token)
-                sampled[state.seq_id] = token
+            if state.seq_id in beams:  # beam search: the scheduler chooses the token
+                continue
+            # The worker keeps the token even when the grammar fails, so a step already
+            # planned for the sequence still finds its tokens; the scheduler aborts it.
+            state.token_ids.append(token)
+            grammar = state.grammar
+            if grammar is not None and (grammar.error or not grammar.accept(token)):
+                failed[state.seq_id] = grammar.error
+                continue
+            sampled[state.seq_id] = token
         return RunnerOutput(
-            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
+            so.step_id,
+            sampled,
+            time.perf_counter() - start,
+            logprobs,
+            beams,
+            swaps,
+            started_s,
+            failed,
+            fill_s,
         )
 
     def _share_tokens(self, tokens: list[int]) -> list[int]:
