@@ -18,7 +18,9 @@ Engine options are the fields of the configuration dataclasses, with their defau
 ``async_scheduling``, ``scheduling_policy``, ...). ``async_scheduling`` defaults to
 overlapped on a GPU and serial on CPU (where the overlap's planning competes with the
 model's kernels for the cores). ``seed`` seeds every request that
-gives none (request k of this engine gets ``seed + k``).
+gives none (request k of this engine gets ``seed + k``). ``tensor_parallel_size`` T > 1
+shards the model over T ranks: rank 0 in this process, the others local processes
+(:mod:`pagedserve.worker.local_ranks`, gloo on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+from pagedserve.worker.local_ranks import LocalRanks, start_local_ranks
 
 ALIASES = {"num_gpu_blocks": "num_blocks"}  # vLLM's name -> ours
 # The scheduler's max_model_len comes from the worker's model (users set the model's).
@@ -117,7 +120,14 @@ class LLM:
 
         from pagedserve.worker.worker import Worker
 
+        tp = int(engine_options.pop("tensor_parallel_size", 1))
         worker_config, sched_options = split_engine_options(model, engine_options)
+        self._ranks: LocalRanks | None = None
+        if tp > 1:
+            self._ranks = start_local_ranks(worker_config, tp)
+            worker_config = self._ranks.config
+        elif tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
         self._worker = Worker(worker_config)
         info = self._worker.get_info()
         self.info = info
@@ -199,6 +209,10 @@ class LLM:
         """Stop the worker thread and the event loop (the model is freed with the object)."""
         self._handle.close()
         self._aio.close()
+        if self._ranks is not None:
+            self._worker.leave()
+            self._ranks.close()
+            self._ranks = None
 
     def __enter__(self) -> LLM:
         return self

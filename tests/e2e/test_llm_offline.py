@@ -64,6 +64,23 @@ def test_greedy_equals_hf_overlapped_and_serial(tiny_llama_dir, expected, async_
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
 
 
+@pytest.mark.slow  # ~20 s: a second process starts torch
+def test_tensor_parallel_t2_equals_hf(tiny_llama_dir, expected):
+    with LLM(
+        str(tiny_llama_dir),
+        tensor_parallel_size=2,  # rank 1 a local process, gloo
+        block_size=4,
+        num_gpu_blocks=14,
+        max_num_batched_tokens=6,  # chunked prefill
+        device="cpu",
+        dtype="float32",
+    ) as engine:
+        assert engine.info.tensor_parallel_size == 2
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert engine.scheduler.workers[0].kv.num_free_blocks == 14
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
 def test_n_choices_text_and_prompt_shapes(llm, hf, expected):
     one = llm.generate(
         PROMPTS[0], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True, n=3)
