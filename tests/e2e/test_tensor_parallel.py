@@ -1,7 +1,8 @@
 """A tensor-parallel worker (ranks as local processes, gloo) against T = 1 and HF.
 
 Tiny Llama / Mistral / Qwen2 models (6 heads, 2 KV heads: 3 heads and 1 KV head per rank)
-at T = 2, and SmolLM2 (9 heads, 3 KV heads) at T = 3, are driven by the tests' fake
+at T = 2, a tiny Llama with 8 heads and 2 KV heads at T = 4 (each KV head on two ranks), and
+SmolLM2 (9 heads, 3 KV heads) at T = 3, are driven by the tests' fake
 scheduler over a mixed batch (chunked prefill beside decodes, shuffled and reused block
 ids) with greedy sampling and ``logprobs=2`` (the log-softmax of the raw logits, gathered
 on rank 0). The tokens must equal HF's and the unsharded worker's, and every logprob
@@ -102,6 +103,20 @@ def test_tiny_models_at_t2_equal_t1_and_hf(
     whole = checkpoint_bytes(model_dir)
     for nbytes in sharded.weight_bytes:
         assert 0.5 * whole <= nbytes < 0.53 * whole
+
+
+@pytest.mark.slow
+def test_kv_heads_replicated_at_t4(tmp_path: Path) -> None:
+    # 8 heads, 2 KV heads over 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1.
+    model_dir = helpers.build_tiny_model(
+        tmp_path / "m", num_attention_heads=8, num_key_value_heads=2, hidden_size=128
+    )
+    prompts, new = TINY_PROMPTS[:3], 8
+    job = functools.partial(greedy_job, prompts, new, 4, 96, 9, 3)
+    cfg = config(model_dir, 4, 96)
+    sharded = run_ranks(cfg, 4, job)
+    hf_tokens, hf_lps = hf_expected(model_dir, prompts, new)
+    check(sharded.result, hf_tokens, hf_lps, "T=4 vs HF")
 
 
 @pytest.mark.slow
