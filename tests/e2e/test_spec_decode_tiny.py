@@ -1,0 +1,89 @@
+"""Speculative decoding (n-gram) through the offline API on the tiny random Llama: the
+same tokens as without it, greedy and seeded, under chunked prefill and preemption, with
+n > 1, logprobs and penalties, in both loops; proposals both accepted and rejected."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.scheduler.errors import InvalidRequest
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "ngram_min": 1, "ngram_max": 3}
+PROMPTS = [
+    [5, 17, 33, 9, 100, 64, 2, 77, 31],
+    [40, 41, 42, 43, 40, 41, 42, 43, 40, 41, 42],  # repetitive: proposals from the prompt
+    [12, 13],
+    [7, 8, 9, 10, 11, 7, 8, 9, 10, 11, 7, 8],
+]
+
+
+def run(model_dir: Path, params, spec: bool, prompts=PROMPTS, **kw):
+    opts = dict(block_size=4, num_gpu_blocks=64, device="cpu", dtype="float32")
+    opts.update(kw)
+    if spec:
+        opts["speculative_config"] = SPEC
+    with LLM(str(model_dir), **opts) as engine:
+        outs = engine.generate(prompts, params)
+        stats = engine.scheduler.stats()
+    return outs, stats
+
+
+def ids(outs):
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"async_scheduling": False},
+        {"async_scheduling": True},
+        # 3 requests of up to 36 tokens in 4-token blocks: preempted by recompute
+        {"async_scheduling": False, "num_gpu_blocks": 16, "max_num_batched_tokens": 6},
+        {"async_scheduling": True, "num_gpu_blocks": 16, "max_num_batched_tokens": 6},
+    ],
+    ids=["serial", "overlapped", "preempting-serial", "preempting-overlapped"],
+)
+def test_greedy_equals_greedy_without_speculation(tiny_llama_dir, kw):
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, _ = run(tiny_llama_dir, greedy, False, **kw)
+    spec, st = run(tiny_llama_dir, greedy, True, **kw)
+    assert ids(spec) == ids(plain)
+    sd = st.spec_decode
+    assert sd.num_accepted_tokens > 0  # proposals accepted...
+    assert sd.num_draft_tokens > sd.num_accepted_tokens  # ...and rejected
+    if "num_gpu_blocks" in kw:
+        assert st.num_preemptions > 0
+
+
+def test_seeded_sampling_n_logprobs_penalties_equal(tiny_llama_dir):
+    """On the fused fp32 CPU path a verified row's logits are the plain decode's bits and
+    each row draws with its output position's uniform: seeded outputs are equal too."""
+    params = [
+        SamplingParams(n=3, max_tokens=20, temperature=0.7, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=0.0, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True),
+    ]
+    plain, _ = run(tiny_llama_dir, params, False)
+    spec, st = run(tiny_llama_dir, params, True)
+    assert ids(spec) == ids(plain)
+    lp_plain = [(lp.token_id, round(lp.logprob, 4)) for lp in plain[1].outputs[0].logprobs]
+    lp_spec = [(lp.token_id, round(lp.logprob, 4)) for lp in spec[1].outputs[0].logprobs]
+    assert lp_spec == lp_plain and len(lp_spec) == 20
+    assert st.spec_decode.num_drafts > 0
+
+
+def test_max_tokens_and_min_tokens_hold(tiny_llama_dir):
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in (1, 2, 5, 7)]
+    plain, _ = run(tiny_llama_dir, params, False)
+    spec, _ = run(tiny_llama_dir, params, True)
+    assert ids(spec) == ids(plain)
+    assert [len(o.outputs[0].token_ids) for o in spec] == [1, 2, 5, 7]
+
+
+def test_beam_search_refused(tiny_llama_dir):
+    with pytest.raises((InvalidRequest, ValueError), match="speculative"):
+        run(tiny_llama_dir, SamplingParams(beam_width=2, max_tokens=4), True, prompts=[[5, 6]])
