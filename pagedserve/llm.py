@@ -281,9 +281,10 @@ class LLM:
                 continue
             choice = req.choices[out.choice_index]
             delta = choice.detok.step_output(out)
-            choice.token_ids.extend(out.new_token_ids)
+            kept = delta.num_token_ids  # fewer when a stop string ends a speculative run
+            choice.token_ids.extend(out.new_token_ids[:kept])
             choice.text.append(delta.text)
-            choice.logprobs.extend(out.logprobs)
+            choice.logprobs.extend(out.logprobs[:kept])
             choice.cumulative_logprob = out.cumulative_logprob
             req.num_cached_tokens = out.num_cached_tokens
             if delta.finish_reason is None:

@@ -87,3 +87,80 @@ def test_max_tokens_and_min_tokens_hold(tiny_llama_dir):
 def test_beam_search_refused(tiny_llama_dir):
     with pytest.raises((InvalidRequest, ValueError), match="speculative"):
         run(tiny_llama_dir, SamplingParams(beam_width=2, max_tokens=4), True, prompts=[[5, 6]])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_greedy_equal_under_swap_preemption(tiny_llama_dir, overlap):
+    """A pool of 14 blocks for 4 sequences of up to 36 tokens: sequences are swapped out
+    and back in between speculative steps; tokens equal the plain run, pools end empty."""
+    import helpers
+
+    from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
+    from pagedserve.scheduler.engine_messages import EngineRequest
+    from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+    from pagedserve.scheduler.swap import SwapSpec
+    from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
+    from pagedserve.worker.host_store import serve_host_store
+    from pagedserve.worker.worker import Worker
+
+    server, port, _ = serve_host_store(1 << 28)
+    try:
+        results = []
+        for spec in (None, SpeculativeConfig(**SPEC)):
+            worker = Worker(
+                WorkerConfig(
+                    model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+                    cache=CacheConfig(block_size=4, num_blocks=14),
+                    device="cpu",
+                )
+            )
+            worker.connect_host_store(f"127.0.0.1:{port}")
+            info = worker.get_info()
+            sched = Scheduler(
+                SchedulerConfig(
+                    max_num_batched_tokens=8,
+                    max_model_len=info.max_model_len,
+                    preemption_mode="swap",
+                    async_scheduling=overlap,
+                    speculative_config=spec,
+                ),
+                [WorkerSpec(0, info.num_blocks, 4)],
+                SwapSpec(64, info.block_bytes, 1e9, 1e-3),
+            )
+            greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(PROMPTS):
+                sched.add_request(EngineRequest(f"r{i}", p, greedy, (2,)))
+            seen = helpers.drive(sched, [worker.execute_model])
+            sw = sched.swap_stats()
+            assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
+            assert sched.workers[0].kv.num_free_blocks == 14
+            results.append((seen.tokens, sched.stats().spec_decode))
+        assert results[1][0] == results[0][0]
+        assert results[1][1].num_accepted_tokens > 0
+    finally:
+        server.stop(0)
+
+
+def test_stop_string_inside_an_accepted_run(tiny_llama_dir):
+    """The text and ids end where the plain run's do, though the speculative step that
+    completed the stop string carried ids after it."""
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    plain, _ = run(tiny_llama_dir, greedy, False, prompts=prompts)
+    # stop strings ending at every position: most land inside an accepted run
+    cases = [
+        (p, o.outputs[0].text[k : k + 2]) for p, o in zip(prompts, plain) for k in range(2, 20)
+    ]
+    prompts = [p for p, stop in cases if len(stop) == 2]
+    stops = [stop for _, stop in cases if len(stop) == 2]
+    assert len(stops) > 10
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[s])
+        for s in stops
+    ]
+    plain, _ = run(tiny_llama_dir, params, False, prompts=prompts)
+    spec, st = run(tiny_llama_dir, params, True, prompts=prompts)
+    assert [o.outputs[0].text for o in spec] == [o.outputs[0].text for o in plain]
+    assert ids(spec) == ids(plain)
+    assert all(o.outputs[0].finish_reason == "stop" for o in spec)
+    assert st.spec_decode.num_accepted_tokens > 0
