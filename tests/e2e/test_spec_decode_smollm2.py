@@ -26,9 +26,10 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 4, "ngram_min": 1, "ngram_m
 @pytest.fixture(scope="module")
 def engines(smollm2_dir: Path):
     opts = dict(max_model_len=512, num_gpu_blocks=96, device="cpu", dtype="float32")
-    with LLM(str(smollm2_dir), **opts) as plain, LLM(
-        str(smollm2_dir), speculative_config=SPEC, **opts
-    ) as spec:
+    with (
+        LLM(str(smollm2_dir), **opts) as plain,
+        LLM(str(smollm2_dir), speculative_config=SPEC, **opts) as spec,
+    ):
         yield plain, spec
 
 

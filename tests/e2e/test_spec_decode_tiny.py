@@ -155,8 +155,7 @@ def test_stop_string_inside_an_accepted_run(tiny_llama_dir):
     stops = [stop for _, stop in cases if len(stop) == 2]
     assert len(stops) > 10
     params = [
-        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[s])
-        for s in stops
+        SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[s]) for s in stops
     ]
     plain, _ = run(tiny_llama_dir, params, False, prompts=prompts)
     spec, st = run(tiny_llama_dir, params, True, prompts=prompts)
