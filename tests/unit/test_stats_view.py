@@ -15,7 +15,7 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -67,6 +67,7 @@ def _preempted_scheduler() -> Scheduler:
 
 def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
     sched = _preempted_scheduler()
+    sched.spec_decode.on_step(4, 2)
     info = ModelInfo("m", 64, 1, (1,), 64)
     servicer = GenerationServicer(
         RequestPipeline(scheduler=_SchedulerHandle(sched), tokenizer=_Tok(), info=info)
@@ -87,12 +88,16 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert (w1["num_preemptions"], w1["num_recomputed_tokens"]) == (1, 8)
         assert (w0["dtype"], w0["kv_cache_dtype"]) == ("float32", "bfloat16")
         assert (w1["dtype"], w1["kv_cache_dtype"]) == ("float32", "float32")
+        sd = st["spec_decode"]
+        assert (sd["num_drafts"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (1, 4, 2)
+        assert sd["acceptance_rate"] == 0.5 and sd["mean_accepted_length"] == 3.0
         assert main(["stats", "--address", address, "--output", "json"]) == 0
         assert json.loads(capsys.readouterr().out) == st
         assert main(["stats", "--address", address]) == 0
         text = capsys.readouterr().out
         assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
         assert "float32 / bfloat16" in text and "float32 / float32" in text
+        assert "acceptance rate 0.500" in text and "mean accepted length 3.00" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
@@ -117,6 +122,11 @@ def test_serve_flags_reach_the_configs():
     assert sc.async_scheduling is False
     wc = cfg.worker_config(0)
     assert (wc.num_threads, wc.adaptive_threads) == (2, False)
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "5"]
+    flags += ["--ngram-min", "2", "--ngram-max", "4"]
+    spec = serve_config(build_parser().parse_args(["serve", *flags])).scheduler.speculative_config
+    assert spec == SpeculativeConfig("ngram", 5, 2, 4)
     default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.scheduler.speculative_config is None
     assert default.scheduler.admission == "fits-now" and default.scheduler.async_scheduling
     assert default.worker_config(0).adaptive_threads
