@@ -244,6 +244,13 @@ def _add_serve(sub: Any) -> None:
         "(default: %(default)s)",
     )
     p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="with --speculative-method: a step whose running batch holds at least this "
+        "many sequences proposes nothing (default: always propose)",
+    )
+    p.add_argument(
         "--cpus-per-worker",
         type=int,
         default=None,
@@ -402,6 +409,7 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
     )
 
 

@@ -33,12 +33,17 @@ class SpeculativeConfig:
             decode reserves K lookahead slots and counts K + 1 tokens of the budget.
         ngram_min: shortest n-gram matched (>= 1).
         ngram_max: longest n-gram matched (>= ngram_min); longer ones are tried first.
+        disable_by_batch_size: a worker step whose running batch holds at least this many
+            sequences proposes nothing (and may be overlapped): verification costs more
+            than it saves in a large batch (vLLM's ``speculative_disable_by_batch_size``).
+            None: always propose.
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -51,6 +56,10 @@ class SpeculativeConfig:
             )
         if not isinstance(self.ngram_min, int) or self.ngram_min < 1:
             raise ValueError(f"ngram_min must be an int >= 1, got {self.ngram_min!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 2 or None, got {self.disable_by_batch_size!r}"
+            )
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
             raise ValueError(
                 f"ngram_max must be an int >= ngram_min ({self.ngram_min}), got {self.ngram_max!r}"

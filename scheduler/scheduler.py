@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import sys
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
@@ -184,6 +185,8 @@ class Scheduler:
         spec = config.speculative_config
         self._proposer: Proposer | None = None if spec is None else make_proposer(spec)
         self._num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        limit = None if spec is None else spec.disable_by_batch_size
+        self._spec_max_batch = limit if limit is not None else sys.maxsize
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> list[Sequence]:
@@ -292,7 +295,7 @@ class Scheduler:
         # message is read, never written, so they may share it (fewer objects per step).
         empty: list[int] = []
 
-        proposer = self._proposer
+        proposer = self._proposer if len(running) < self._spec_max_batch else None
         # NOTE: the hot path of a step (one pass per running sequence): a decode step with
         # room in its last block takes kv.grow_in_place and builds nothing but its delta.
         idx = 0
@@ -1111,11 +1114,16 @@ class Scheduler:
         (overlapped scheduling): False when it swaps a group in, whose failure makes the
         worker drop the group (see :mod:`.swapping`)."""
         swap = sched_out.swap_plan
-        if self._proposer is not None and sched_out.cached_seqs:
+        if (
+            self._proposer is not None
+            and sched_out.cached_seqs
+            and len(sched_out.num_scheduled_tokens) < self._spec_max_batch
+        ):
             # NOTE: a proposal needs the sequence's last token, which the scheduler does
             # not have while the step that samples it runs, and a speculative step's
             # answer decides how many slots and positions the next one starts from: with
-            # speculation, steps of sequences the worker holds are not planned past.
+            # speculation, steps of sequences the worker holds are not planned past,
+            # unless their batch is large enough to switch proposals off.
             return False
         return swap is None or not swap.blocks_to_swap_in
 

@@ -197,3 +197,45 @@ def test_parallel_sampling_children_speculate_on_their_own_blocks():
         assert s.workers[0].kv.num_free_blocks == 24
     assert results[0] == results[1]
     assert {c for (r, c) in results[1] if r == "r"} == {0, 1, 2}
+
+
+def test_kv_rollback_frees_the_tail_and_refuses_shared_blocks():
+    from pagedserve.scheduler.errors import IntegrityError
+    from pagedserve.scheduler.kv_cache_manager import KVCacheManager
+
+    kv = KVCacheManager(8, 4)
+    kv.allocate_slots("a", 5)  # blocks 0, 1
+    kv.allocate_slots("a", 13)  # + 2, 3 (lookahead)
+    assert kv.rollback("a", 6) == [2, 3]
+    assert kv.get_block_ids("a") == [0, 1] and kv.get_num_tokens("a") == 6
+    assert kv.num_free_blocks == 6
+    assert kv.rollback("a", 6) == []
+    with pytest.raises(ValueError, match="roll back"):
+        kv.rollback("a", 7)
+    kv.fork("a", "b")  # blocks 0, 1 shared
+    with pytest.raises(IntegrityError, match="shared"):
+        kv.rollback("a", 3)
+    kv.check_integrity()
+
+
+def test_no_proposals_in_a_batch_of_disable_by_batch_size():
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        async_scheduling=True,
+        speculative_config=SpeculativeConfig("ngram", 3, 1, 2, disable_by_batch_size=2),
+    )
+    s = Scheduler(cfg, [WorkerSpec(0, 16, 4)])
+    s.add_request(EngineRequest("a", [5, 6, 7, 5, 6], greedy(16), [EOS]))
+    s.add_request(EngineRequest("b", [5, 6, 7, 5, 6], greedy(2), [EOS]))
+    so = s.schedule(0).output
+    s.update(0, so, RunnerOutput(so.step_id, {"a/0": 7, "b/0": 7}))
+    so = s.schedule(0).output  # two running: no proposals, may be planned past
+    assert [c.spec_token_ids for c in so.cached_seqs] == [[], []]
+    assert s.can_plan_past(so)
+    s.update(0, so, RunnerOutput(so.step_id, {"a/0": 5, "b/0": 5}))  # b ends (max_tokens)
+    so = s.schedule(0).output  # a alone: proposes, not planned past
+    assert so.cached_seqs[0].spec_token_ids == [6, 7, 5]
+    assert not s.can_plan_past(so)
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        SpeculativeConfig(disable_by_batch_size=1)

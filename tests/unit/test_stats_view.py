@@ -123,9 +123,9 @@ def test_serve_flags_reach_the_configs():
     wc = cfg.worker_config(0)
     assert (wc.num_threads, wc.adaptive_threads) == (2, False)
     flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "5"]
-    flags += ["--ngram-min", "2", "--ngram-max", "4"]
+    flags += ["--ngram-min", "2", "--ngram-max", "4", "--speculative-disable-by-batch-size", "8"]
     spec = serve_config(build_parser().parse_args(["serve", *flags])).scheduler.speculative_config
-    assert spec == SpeculativeConfig("ngram", 5, 2, 4)
+    assert spec == SpeculativeConfig("ngram", 5, 2, 4, disable_by_batch_size=8)
     default = serve_config(build_parser().parse_args(["serve"]))
     assert default.scheduler.speculative_config is None
     assert default.scheduler.admission == "fits-now" and default.scheduler.async_scheduling
