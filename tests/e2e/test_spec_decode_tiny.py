@@ -163,3 +163,23 @@ def test_stop_string_inside_an_accepted_run(tiny_llama_dir):
     assert ids(spec) == ids(plain)
     assert all(o.outputs[0].finish_reason == "stop" for o in spec)
     assert st.spec_decode.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("forward", ["cpu-layers", "layers"])
+def test_greedy_equal_on_the_per_layer_and_generic_forwards(tiny_llama_dir, forward):
+    """The verification chunk runs through each forward's chunked-prefill path."""
+    from helpers import use_forward
+
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    results = []
+    for spec in (False, True):
+        opts = dict(block_size=4, num_gpu_blocks=64, device="cpu", dtype="float32")
+        if spec:
+            opts["speculative_config"] = SPEC
+        with LLM(str(tiny_llama_dir), **opts) as engine:
+            use_forward(engine._worker, forward)
+            assert engine._worker.runner.model.model_forward.name == forward
+            results.append(ids(engine.generate(PROMPTS, greedy)))
+            if spec:
+                assert engine.scheduler.stats().spec_decode.num_drafts > 0
+    assert results[1] == results[0]

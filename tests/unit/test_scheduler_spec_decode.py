@@ -61,9 +61,16 @@ def test_ngram_proposer_longest_then_latest_match():
 
 
 def test_refuses_beam_search_and_structured_outputs():
+    from pagedserve.scheduler.structured_outputs import StructuredOutputs
+
     s = make()
     with pytest.raises(InvalidRequest, match="beam search"):
         s.add_request(EngineRequest("b", [1, 2], SamplingParams(beam_width=2, max_tokens=4), []))
+    constrained = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs(regex="a+"))
+    with pytest.raises(InvalidRequest, match="structured_outputs"):
+        s.add_request(EngineRequest("c", [1, 2], constrained, []))
+    assert not s.requests
+    assert make(spec=False).add_request(EngineRequest("c", [1, 2], constrained, []))
 
 
 def test_slots_reserved_then_rolled_back_exact_blocks_and_no_hash():
