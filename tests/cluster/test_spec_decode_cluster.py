@@ -31,20 +31,12 @@ def test_greedy_through_the_server_equals_plain(tiny_llama_dir):
                 PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
             )
         ]
-    spec = SpeculativeConfig("ngram", 3, 1, 3)
-    with running_cluster(tiny_llama_dir, scheduler=SchedulerConfig(speculative_config=spec)) as (
-        handle,
-        _,
-    ):
-        with Client(handle.address, timeout_s=120) as c:
-            got = [
-                list(
-                    c.generate(token_ids=p, max_tokens=20, temperature=0.0, ignore_eos=True)
-                    .choices[0]
-                    .token_ids
-                )
-                for p in PROMPTS
-            ]
+    config = SchedulerConfig(speculative_config=SpeculativeConfig("ngram", 3, 1, 3))
+    with running_cluster(tiny_llama_dir, scheduler=config) as (handle, _):
+        c = Client(handle.address, timeout_s=120)
+        with c:
+            greedy = dict(max_tokens=20, temperature=0.0, ignore_eos=True)
+            got = [list(c.generate(token_ids=p, **greedy).choices[0].token_ids) for p in PROMPTS]
             assert got == want
             sd = c.stats()["spec_decode"]
             assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] >= sd["num_accepted_tokens"]
