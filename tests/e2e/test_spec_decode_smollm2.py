@@ -67,3 +67,19 @@ def test_stop_string_inside_an_accepted_run(engines):
     assert [o.outputs[0].text for o in got] == [o.outputs[0].text for o in want]
     assert ids(got) == ids(want)
     assert all(o.outputs[0].finish_reason == "stop" for o in got)
+
+
+def test_greedy_equal_under_recompute_preemption(smollm2_dir: Path):
+    """Three chats in 12 blocks of 16 slots (they need ~20 at their longest): sequences
+    are preempted and recomputed between speculative steps with accepted runs."""
+    opts = dict(max_model_len=512, num_gpu_blocks=12, device="cpu", dtype="float32")
+    greedy = SamplingParams(max_tokens=32, temperature=0.0)
+    results = []
+    for spec in (None, SPEC):
+        kw = {} if spec is None else {"speculative_config": spec}
+        with LLM(str(smollm2_dir), **opts, **kw) as llm:
+            results.append(ids(llm.chat(CHATS, greedy)))
+            st = llm.scheduler.stats()
+        assert st.num_preemptions > 0
+    assert results[1] == results[0]
+    assert st.spec_decode.num_accepted_tokens > 10
