@@ -47,6 +47,14 @@ but the last (``blocks_to_copy``). From then on each choice is a sequence of its
 it streams, finishes, frees its own references and is preempted (recompute; its full
 prompt blocks are usually still cached and held by its siblings) on its own.
 
+Speculative decoding (``SchedulerConfig.speculative_config``): a decode of a sequence the
+worker holds also carries up to K proposed tokens (:mod:`pagedserve.scheduler.proposer`,
+``CachedSequenceData.spec_token_ids``), counted in the budget and given slots like the
+sequence's own token; the answer (``RunnerOutput.spec_token_ids``) moves the computed length
+to the accepted tokens, rolls the rest back (:meth:`KVCacheManager.rollback`) and appends the
+tokens one at a time with the stop checks. Such steps are not planned past
+(:meth:`Scheduler.can_plan_past`).
+
 Beam search (``beam_width`` K > 1; rule in :mod:`pagedserve.scheduler.beam_search`): the
 request starts as one sequence. A beam whose tokens are all computed reports its top
 candidates (the worker samples nothing for it); once every running beam of the request
@@ -1112,7 +1120,8 @@ class Scheduler:
     def can_plan_past(self, sched_out: SchedulerOutput) -> bool:
         """Whether the worker's next step may be planned while ``sched_out`` is in flight
         (overlapped scheduling): False when it swaps a group in, whose failure makes the
-        worker drop the group (see :mod:`.swapping`)."""
+        worker drop the group (see :mod:`.swapping`), and with speculative decoding for a
+        step of resident sequences (unless its batch switches proposals off)."""
         swap = sched_out.swap_plan
         if (
             self._proposer is not None
