@@ -60,6 +60,28 @@ def test_ngram_proposer_longest_then_latest_match():
     assert NgramProposer(2, 2).propose([4, 5, 6, 7, 5], 2) == []
 
 
+def test_ngram_proposer_equals_a_plain_scan():
+    """The byte search (4-byte ids, unaligned matches skipped) finds what a scan of every
+    start position finds, small vocabularies (many unaligned byte matches) included."""
+    import random
+
+    def scan(toks, k, lo, hi):
+        num = len(toks)
+        for n in range(min(hi, num - 1), lo - 1, -1):
+            for i in range(num - n - 1, -1, -1):
+                if toks[i : i + n] == toks[num - n :]:
+                    return toks[i + n : i + n + k]
+        return []
+
+    rng = random.Random(1)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 300, 70000, 2**32 - 1])
+        toks = [rng.randrange(vocab) for _ in range(rng.randrange(40))]
+        lo = rng.randrange(1, 4)
+        hi, k = lo + rng.randrange(3), rng.randrange(6)
+        assert NgramProposer(lo, hi).propose(toks, k) == scan(toks, k, lo, hi)
+
+
 def test_refuses_beam_search_and_structured_outputs():
     from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
