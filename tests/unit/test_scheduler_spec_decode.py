@@ -73,10 +73,15 @@ def test_ngram_proposer_equals_a_plain_scan():
                     return toks[i + n : i + n + k]
         return []
 
+    # ids whose bytes shift into each other (0, 1, 256, 65536, ...): unaligned byte matches
+    shifty = [0, 1, 256, 257, 65536, 16777216, 16777217]
     rng = random.Random(1)
-    for _ in range(3000):
+    for trial in range(3000):
         vocab = rng.choice([2, 3, 5, 300, 70000, 2**32 - 1])
-        toks = [rng.randrange(vocab) for _ in range(rng.randrange(40))]
+        if trial % 2:
+            toks = [rng.choice(shifty) for _ in range(rng.randrange(40))]
+        else:
+            toks = [rng.randrange(vocab) for _ in range(rng.randrange(40))]
         lo = rng.randrange(1, 4)
         hi, k = lo + rng.randrange(3), rng.randrange(6)
         assert NgramProposer(lo, hi).propose(toks, k) == scan(toks, k, lo, hi)
