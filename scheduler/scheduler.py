@@ -845,6 +845,10 @@ class Scheduler:
         """Apply step ``step_id``'s answer for ``seq``, swapped out by the step after it
         (``SwapGroup.late``); returns its delta, or None (nothing applies, or nothing
         was sampled). Call from update for a sequence that is no longer running."""
+        if seq.seq_id in runner_out.spec_token_ids:
+            # can_plan_past never lets a step swap out a sequence whose speculative step
+            # is in flight: its accepted length would be unknown to the swap-out.
+            raise IntegrityError(f"late answer of a speculative step for {seq.seq_id!r}")
         computed = seq.num_computed_tokens
         if not self._swaps.take_late(seq.seq_id, step_id, num_new, computed + num_new):
             return None
