@@ -34,6 +34,8 @@ from pagedserve.scheduler.config import (
     PREEMPTION_VICTIMS,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
 )
 from pagedserve.worker.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
@@ -223,6 +225,41 @@ def _add_serve(sub: Any) -> None:
         "and model execution)",
     )
     p.add_argument(
+        "--speculative-method",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="speculative decoding: ngram proposes the continuation of the last earlier "
+        "occurrence of the sequence's trailing n-gram (prompt lookup), verified in one "
+        "step; greedy and seeded outputs are unchanged (default: off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="with --speculative-method: the most tokens proposed per decode "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-min",
+        type=int,
+        default=1,
+        help="with --speculative-method ngram: shortest n-gram matched (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=int,
+        default=3,
+        help="with --speculative-method ngram: longest n-gram matched, tried first "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="with --speculative-method: a step whose running batch holds at least this "
+        "many sequences proposes nothing (default: always propose)",
+    )
+    p.add_argument(
         "--cpus-per-worker",
         type=int,
         default=None,
@@ -392,6 +429,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The ``--speculative-method`` flags as a config (None: speculation off)."""
+    method = getattr(args, "speculative_method", None)
+    if method is None:
+        return None
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
+    )
+
+
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
     """The :class:`ClusterConfig` of parsed ``serve`` arguments (also used by
     ``python -m pagedserve.cluster.job serve``)."""
@@ -428,6 +479,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             async_scheduling=not args.no_async_scheduling,
             step_deadline_floor_s=getattr(args, "step_deadline_floor", 30.0),
             step_deadline_factor=getattr(args, "step_deadline_factor", 20.0),
+            speculative_config=_speculative_config(args),
         ),
         server=ServerConfig(
             host=args.host,
@@ -544,6 +596,13 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}  recomputed tokens {st['num_recomputed_tokens']}"
     )
+    sd = st.get("spec_decode")
+    if sd and sd["num_drafts"]:
+        console.print(
+            f"speculative decoding  drafts {sd['num_drafts']}  draft tokens "
+            f"{sd['num_draft_tokens']}  accepted {sd['num_accepted_tokens']}  acceptance rate "
+            f"{sd['acceptance_rate']:.3f}  mean accepted length {sd['mean_accepted_length']:.2f}"
+        )
     sw = st["swap"]
     console.print(
         f"preemption {sw['preemption_mode']}  by mode {sw['preemptions_by_mode']}  swapped "

@@ -261,6 +261,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 preemptions_by_mode=sw.preemptions_by_mode,
             )
         )
+        sd = st.spec_decode
+        resp.spec_decode.CopyFrom(
+            pb.SpecDecodeStats(
+                num_drafts=sd.num_drafts,
+                num_draft_tokens=sd.num_draft_tokens,
+                num_accepted_tokens=sd.num_accepted_tokens,
+                acceptance_rate=sd.acceptance_rate,
+                mean_accepted_length=sd.mean_accepted_length,
+            )
+        )
         for w in st.workers:
             resp.workers.add(
                 worker_id=w.worker_id,

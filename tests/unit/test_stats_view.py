@@ -16,7 +16,7 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -88,6 +88,7 @@ def _with_remote_swap_ins(sched: Scheduler):
 def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
     sched = _preempted_scheduler()
     sched.stats = _with_remote_swap_ins(sched)  # type: ignore[method-assign]
+    sched.spec_decode.on_step(4, 2)
     info = ModelInfo("m", 64, 1, (1,), 64)
     servicer = GenerationServicer(
         RequestPipeline(scheduler=_SchedulerHandle(sched), tokenizer=_Tok(), info=info)
@@ -112,6 +113,9 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert (w1["num_remote_swap_ins"], w1["remote_swap_in_bytes"]) == (2, 300)
         sw = st["swap"]
         assert (sw["num_remote_swap_ins"], sw["remote_swap_in_bytes"]) == (2, 300)
+        sd = st["spec_decode"]
+        assert (sd["num_drafts"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (1, 4, 2)
+        assert sd["acceptance_rate"] == 0.5 and sd["mean_accepted_length"] == 3.0
         assert main(["stats", "--address", address, "--output", "json"]) == 0
         assert json.loads(capsys.readouterr().out) == st
         assert main(["stats", "--address", address]) == 0
@@ -119,6 +123,7 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
         assert "float32 / bfloat16" in text and "float32 / float32" in text
         assert "from another node 2, 300 B" in text
+        assert "acceptance rate 0.500" in text and "mean accepted length 3.00" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
@@ -143,6 +148,11 @@ def test_serve_flags_reach_the_configs():
     assert sc.async_scheduling is False
     wc = cfg.worker_config(0)
     assert (wc.num_threads, wc.adaptive_threads) == (2, False)
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "5"]
+    flags += ["--ngram-min", "2", "--ngram-max", "4", "--speculative-disable-by-batch-size", "8"]
+    spec = serve_config(build_parser().parse_args(["serve", *flags])).scheduler.speculative_config
+    assert spec == SpeculativeConfig("ngram", 5, 2, 4, disable_by_batch_size=8)
     default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.scheduler.speculative_config is None
     assert default.scheduler.admission == "fits-now" and default.scheduler.async_scheduling
     assert default.worker_config(0).adaptive_threads
