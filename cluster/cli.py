@@ -516,7 +516,8 @@ def _read_text(path: str | None, flag: str) -> str | None:
     """The text of the file a flag names (None when the flag is unset).
 
     Raises:
-        SystemExit: the file cannot be read (the message names the flag).
+        ValueError: the file cannot be read or is not UTF-8 text (the message names the
+            flag; ``main`` prints it as an ``error:`` and exits 2).
     """
     if path is None:
         return None
@@ -524,7 +525,9 @@ def _read_text(path: str | None, flag: str) -> str | None:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise SystemExit(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+        raise ValueError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{flag}: cannot read {path!r}: not UTF-8 ({exc.reason})") from None
 
 
 def _generate(args: argparse.Namespace) -> int:
