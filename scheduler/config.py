@@ -74,6 +74,14 @@ class SchedulerConfig:
             default is generous: a first step (warm-up, compilation) may be slow.
         step_deadline_factor: the multiple of the moving-average step time (0: the
             floor alone).
+        host_prefix_cache: the host tier of the prefix cache
+            (:mod:`pagedserve.scheduler.host_prefix`): cached blocks evicted from a
+            worker's pool are spilled to its node's host store and loaded back on a hit
+            when that beats recomputing them. Runs only with prefix caching and a host
+            store (``SwapSpec``).
+        host_prefix_cache_fraction: in (0, 1]: the share of each store's host blocks the
+            tier may hold; swap preemption may take the tier's blocks too (it evicts the
+            tier's least recently used ones when the store is short).
     """
 
     max_num_seqs: int = 64
@@ -92,6 +100,8 @@ class SchedulerConfig:
     async_scheduling: bool = True
     step_deadline_floor_s: float = 30.0
     step_deadline_factor: float = 20.0
+    host_prefix_cache: bool = True
+    host_prefix_cache_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -137,6 +147,11 @@ class SchedulerConfig:
             )
         if not self.step_deadline_factor >= 0.0:
             raise ValueError(f"step_deadline_factor must be >= 0, got {self.step_deadline_factor}")
+        if not 0.0 < self.host_prefix_cache_fraction <= 1.0:
+            raise ValueError(
+                f"host_prefix_cache_fraction must be in (0, 1], "
+                f"got {self.host_prefix_cache_fraction}"
+            )
         if self.preemption_victim not in PREEMPTION_VICTIMS:
             raise ValueError(
                 f"preemption_victim must be one of {PREEMPTION_VICTIMS}, "

@@ -74,7 +74,12 @@ def make_workers(model_dir: Path, n: int, num_blocks: int, address: str | None) 
 
 
 def make_scheduler(
-    workers: list[Worker], mode: str, host_blocks: int, budget: int = 6, **cost: float
+    workers: list[Worker],
+    mode: str,
+    host_blocks: int,
+    budget: int = 6,
+    host_prefix: bool = False,
+    **cost: float,
 ) -> Scheduler:
     info = workers[0].get_info()
     spec = SwapSpec(
@@ -89,6 +94,7 @@ def make_scheduler(
             max_num_batched_tokens=budget,
             max_model_len=info.max_model_len,
             preemption_mode=mode,
+            host_prefix_cache=host_prefix,
         ),
         [WorkerSpec(i, w.get_info().num_blocks, 4) for i, w in enumerate(workers)],
         spec,
