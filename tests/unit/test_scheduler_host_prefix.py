@@ -16,6 +16,7 @@ import pytest
 from helpers import drive, swaps_of
 from test_scheduler_swap import BS, PROMPTS, FakeKVWorker, reference
 
+from pagedserve.cluster.metrics import snapshot_families
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import IntegrityError
@@ -37,6 +38,8 @@ def make(
     workers: int = 1,
     swap: SwapSpec | dict[int, SwapSpec] | None = None,
     mode: str = "swap",
+    tier: bool = True,
+    overlap: bool = False,
     **kw: float,
 ) -> Scheduler:
     spec = swap or SwapSpec(host_blocks, 100, kw.get("bandwidth", 1e9), kw.get("prefill", 1e-3))
@@ -46,8 +49,9 @@ def make(
             max_model_len=64,
             preemption_mode=mode,
             max_num_seqs=8,
+            host_prefix_cache=tier,
             host_prefix_cache_fraction=fraction,
-            async_scheduling=False,
+            async_scheduling=overlap,
         ),
         [WorkerSpec(i, NUM_BLOCKS, BS) for i in range(workers)],
         spec,
@@ -110,6 +114,14 @@ def test_a_resent_prompt_is_loaded_from_the_host_tier() -> None:
     assert (hp.num_hit_blocks, hp.num_hit_tokens, hp.num_loads) == (3, 12, 1)
     assert hp.load_bytes == 300 and hp.num_failures == 0 and hp.num_spills >= 3
     assert sched.sequences == {} and sched.workers[0].num_recomputed_tokens == 0
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in snapshot_families(sched.metrics_snapshot(), "m")
+        for s in fam.samples
+    }
+    m = (("model_name", "m"),)
+    assert got[("pagedserve:host_prefix_cache_hits_total", m)] == 12
+    assert got[("pagedserve:host_prefix_cache_bytes_total", (("direction", "load"), *m))] == 300
     # the loaded blocks are in the device prefix cache again
     assert sched.workers[0].kv.get_computed_blocks(A, count=False)[1] == 12
     sched.check_integrity()
@@ -368,3 +380,38 @@ def test_a_host_hit_on_another_nodes_store_is_pulled_when_cheaper(pull_bw: float
     else:
         assert loads == [] and sched.swap_stats().host_prefix.num_hit_tokens == 0
     sched.check_integrity()
+
+
+def _multi_turn(sched: Scheduler, fake: FakeKVWorker, turns: int = 3) -> tuple[list, int]:
+    """Four conversations, each turn resent with its previous output and 4 new tokens,
+    all four at once; the outputs per turn and the prompt tokens the worker computed."""
+    convs = [[50 + 10 * c + i for i in range(9)] for c in range(4)]
+    outs: list = []
+    computed = 0
+
+    def count(s, w, so, cur):
+        nonlocal computed
+        computed += sum(so.num_scheduled_tokens.values())
+
+    for t in range(turns):
+        for c, conv in enumerate(convs):
+            sched.add_request(EngineRequest(f"t{t}c{c}", list(conv), SHORT))
+        toks = drive(sched, [fake.execute], on_plan=count).tokens
+        for c, conv in enumerate(convs):
+            out = toks[(f"t{t}c{c}", 0)]
+            outs.append(out)
+            conv.extend(out + [7 + t, 8, 9, 10 + c])
+    return outs, computed
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_multi_turn_conversations_load_from_the_host_tier(overlap: bool) -> None:
+    off = make(host_blocks=64, tier=False, overlap=overlap)
+    on = make(host_blocks=64, overlap=overlap)
+    ref, computed_off = _multi_turn(off, FakeKVWorker(NUM_BLOCKS, {}))
+    outs, computed_on = _multi_turn(on, FakeKVWorker(NUM_BLOCKS, {}))
+    assert outs == ref
+    hp = on.swap_stats().host_prefix
+    assert hp.num_hit_tokens > 0 and hp.num_failures == 0
+    assert computed_on == computed_off - hp.num_hit_tokens  # each loaded token not computed
+    assert not off.swap_stats().host_prefix.enabled
