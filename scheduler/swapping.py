@@ -650,7 +650,7 @@ class SwapManager:
         ``ws`` should load from a host tier instead of recomputing them: the longest
         chain in its own store's tier, or in another store's when the pair's pull
         bandwidth is measured, whose ``bytes / bandwidth`` is below the worker's prefill
-        cost of those tokens. Returns ``(store_id, entries in block order)``; None: none
+        cost of those tokens (mode ``auto``; mode ``swap`` loads every chain it finds). Returns ``(store_id, entries in block order)``; None: none
         (or the worker backs off after a failed transfer). No side effects."""
         wid = ws.spec.worker_id
         if not self.tier_on(wid) or not self._allowed(wid):
@@ -690,7 +690,10 @@ class SwapManager:
             if not n or (best is not None and n <= len(best[1])):
                 continue
             load_s = n * spec.block_bytes / bandwidth
-            if load_s < self.costs[wid].recompute_s(n * ws.spec.block_size):
+            # NOTE: mode swap loads whatever it can, as it swaps every victim it can.
+            if self.config.preemption_mode == "swap" or load_s < self.costs[wid].recompute_s(
+                n * ws.spec.block_size
+            ):
                 best = store, found
         return best
 

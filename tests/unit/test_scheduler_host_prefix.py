@@ -194,12 +194,17 @@ def test_a_failed_load_recomputes(dead: bool) -> None:
 def test_load_only_when_cheaper_than_recompute() -> None:
     fake = FakeKVWorker(NUM_BLOCKS, {})
     # 300 bytes at >= 1e3 B/s (the spills refine it) > 12 tokens at 1 ns: recompute
-    sched = make(prefill=1e-9)
+    sched = make(prefill=1e-9, mode="auto")
     ref = evict_a(sched, fake)
     steps: list = []
     assert send(sched, [fake], "a1", A, on_plan=lambda s, w, so, c: steps.append(so)) == ref
     assert not any(loads_of(so) for so in steps)
     assert steps[0].num_scheduled_tokens == {"a1/0": 13}
+    forced = make(prefill=1e-9, mode="swap")  # swap loads whatever it finds
+    evict_a(forced, fake)
+    steps.clear()
+    assert send(forced, [fake], "a1", A, on_plan=lambda s, w, so, c: steps.append(so)) == ref
+    assert len(loads_of(steps[0])) == 1
 
 
 def test_the_tier_keeps_its_capacity_by_lru() -> None:
@@ -357,7 +362,8 @@ def test_a_host_hit_on_another_nodes_store_is_pulled_when_cheaper(pull_bw: float
         FakeKVWorker(NUM_BLOCKS, host_a, remotes=remotes),
         FakeKVWorker(NUM_BLOCKS, host_b, remotes=remotes),
     ]
-    sched = make(workers=2, swap={0: _store("a", {"b": pull_bw}), 1: _store("b", {"a": pull_bw})})
+    stores = {0: _store("a", {"b": pull_bw}), 1: _store("b", {"a": pull_bw})}
+    sched = make(workers=2, swap=stores, mode="auto")
     ws0 = sched.workers[0]
     for rid, p in (("a0", A), ("b0", B)):
         sched.add_request(EngineRequest(rid, p, SHORT))
