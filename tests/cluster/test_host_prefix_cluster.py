@@ -29,18 +29,15 @@ def conversations(model_dir, tier: bool) -> tuple[list[list[int]], dict]:
     # NOTE: swap loads every host hit; under auto the tiny model's prefill is cheaper
     # than moving its blocks through the store on this machine, so nothing would load.
     scheduler = SchedulerConfig(preemption_mode="swap", host_prefix_cache=tier)
-    with running_cluster(model_dir, num_blocks=16, scheduler=scheduler, swap_space=64 << 20) as (
-        handle,
-        _,
-    ):
-        with Client(handle.address, timeout_s=120) as c:
-            for turn in range(3):
-                for i, conv in enumerate(convs):
-                    out = c.generate(token_ids=conv, **KW).choices[0].token_ids
-                    answers.append(out)
-                    conv.extend([*out, 3, 70 + turn, 80 + i, *range(90, 100)])
-            assert_all_blocks_free(handle, c)
-            return answers, c.stats()
+    cluster = running_cluster(model_dir, num_blocks=16, scheduler=scheduler, swap_space=64 << 20)
+    with cluster as (handle, _), Client(handle.address, timeout_s=120) as c:
+        for turn in range(3):
+            for i, conv in enumerate(convs):
+                out = c.generate(token_ids=conv, **KW).choices[0].token_ids
+                answers.append(out)
+                conv.extend([*out, 3, 70 + turn, 80 + i, *range(90, 100)])
+        assert_all_blocks_free(handle, c)
+        return answers, c.stats()
 
 
 def test_resent_conversations_hit_the_host_tier_and_equal_no_tier(tiny_llama_dir) -> None:
