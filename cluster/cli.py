@@ -20,6 +20,7 @@ import grpc
 
 from pagedserve.cluster.auth import API_KEY_ENV
 from pagedserve.cluster.config import (
+    TOOL_CALL_PARSERS,
     CacheConfig,
     ClusterConfig,
     ModelConfig,
@@ -33,6 +34,8 @@ from pagedserve.scheduler.config import (
     PREEMPTION_VICTIMS,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
 )
 from pagedserve.worker.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
@@ -66,6 +69,13 @@ def _add_serve(sub: Any) -> None:
         "--served-model-name",
         default=None,
         help="the HTTP API's model name (default: the model folder's name)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=list(TOOL_CALL_PARSERS),
+        default=None,
+        help="the model's tool-call format on the OpenAI API (default: chosen from its chat "
+        "template; hermes when the template names none)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
     p.add_argument("--block-size", type=int, default=16)
@@ -228,6 +238,41 @@ def _add_serve(sub: Any) -> None:
         "and model execution)",
     )
     p.add_argument(
+        "--speculative-method",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="speculative decoding: ngram proposes the continuation of the last earlier "
+        "occurrence of the sequence's trailing n-gram (prompt lookup), verified in one "
+        "step; greedy and seeded outputs are unchanged (default: off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="with --speculative-method: the most tokens proposed per decode "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-min",
+        type=int,
+        default=1,
+        help="with --speculative-method ngram: shortest n-gram matched (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=int,
+        default=3,
+        help="with --speculative-method ngram: longest n-gram matched, tried first "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="with --speculative-method: a step whose running batch holds at least this "
+        "many sequences proposes nothing (default: always propose)",
+    )
+    p.add_argument(
         "--cpus-per-worker",
         type=int,
         default=None,
@@ -365,6 +410,12 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--length-penalty", type=float, default=None)
     p.add_argument("--cache-salt", default=None)
     p.add_argument("--priority", type=int, default=None, help="lower = more urgent (default 0)")
+    so = p.add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="FILE", help="output follows this JSON Schema file")
+    so.add_argument("--json-object", action="store_true", help="output is a JSON object")
+    so.add_argument("--regex", help="output matches this regular expression")
+    so.add_argument("--choice", action="append", help="output is one of these (repeatable)")
+    so.add_argument("--grammar", metavar="FILE", help="output follows this EBNF grammar file")
     p.add_argument("--request-id", default="")
     p.add_argument("--output", choices=["text", "json"], default="text")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds")
@@ -389,6 +440,20 @@ def _serve(args: argparse.Namespace) -> int:
     with contextlib.suppress(KeyboardInterrupt):
         return asyncio.run(serve_forever(config, attach=attach))
     return 0
+
+
+def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The ``--speculative-method`` flags as a config (None: speculation off)."""
+    method = getattr(args, "speculative_method", None)
+    if method is None:
+        return None
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
+    )
 
 
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
@@ -429,12 +494,14 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             step_deadline_factor=getattr(args, "step_deadline_factor", 20.0),
             host_prefix_cache=not getattr(args, "no_host_prefix_cache", False),
             host_prefix_cache_fraction=getattr(args, "host_prefix_cache_fraction", 0.5),
+            speculative_config=_speculative_config(args),
         ),
         server=ServerConfig(
             host=args.host,
             port=args.port,
             http_port=args.http_port,
             served_model_name=args.served_model_name,
+            tool_call_parser=getattr(args, "tool_call_parser", None),
             drain_timeout_s=args.drain_timeout,
             max_stream_buffer=args.max_stream_buffer,
             api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -460,6 +527,21 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
     return config
 
 
+def _read_text(path: str | None, flag: str) -> str | None:
+    """The text of the file a flag names (None when the flag is unset).
+
+    Raises:
+        SystemExit: the file cannot be read (the message names the flag).
+    """
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise SystemExit(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+
+
 def _generate(args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = {
         "max_tokens": args.max_tokens,
@@ -481,6 +563,11 @@ def _generate(args: argparse.Namespace) -> int:
         "length_penalty": args.length_penalty,
         "cache_salt": args.cache_salt,
         "priority": args.priority,
+        "json_schema": _read_text(args.json_schema, "--json-schema"),
+        "json_object": args.json_object or None,
+        "regex": args.regex,
+        "choice": args.choice,
+        "grammar": _read_text(args.grammar, "--grammar"),
     }
     if args.chat:
         kwargs["chat"] = [{"role": "user", "content": args.prompt}]
@@ -524,6 +611,13 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}  recomputed tokens {st['num_recomputed_tokens']}"
     )
+    sd = st.get("spec_decode")
+    if sd and sd["num_drafts"]:
+        console.print(
+            f"speculative decoding  drafts {sd['num_drafts']}  draft tokens "
+            f"{sd['num_draft_tokens']}  accepted {sd['num_accepted_tokens']}  acceptance rate "
+            f"{sd['acceptance_rate']:.3f}  mean accepted length {sd['mean_accepted_length']:.2f}"
+        )
     sw = st["swap"]
     console.print(
         f"preemption {sw['preemption_mode']}  by mode {sw['preemptions_by_mode']}  swapped "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -128,13 +129,22 @@ def build_request(
     beam_width: int | None = None,
     length_penalty: float | None = None,
     priority: int | None = None,
+    json_schema: str | dict[str, Any] | None = None,
+    json_object: bool | None = None,
+    regex: str | None = None,
+    choice: Sequence[str] | None = None,
+    grammar: str | None = None,
+    strict: bool | None = None,
 ) -> Any:
     """Build a ``GenerateRequest``; exactly one of prompt / token_ids / chat.
 
+    At most one structured-output constraint: ``json_schema`` (JSON text or a dict;
+    ``strict`` goes with it), ``json_object``, ``regex``, ``choice`` or ``grammar`` (EBNF).
+
     Raises:
-        ValueError: when not exactly one input is given, or a value does not fit its
-            protobuf field (a negative or > 2**32 - 1 count, a wrong type, text with a
-            lone surrogate); the message starts with the field's name.
+        ValueError: when not exactly one input is given, several constraints are, or a
+            value does not fit its protobuf field (a negative or > 2**32 - 1 count, a wrong
+            type, text with a lone surrogate); the message starts with the field's name.
     """
     if sum(x is not None for x in (prompt, token_ids, chat)) != 1:
         raise ValueError("give exactly one of prompt, token_ids or chat")
@@ -178,6 +188,24 @@ def build_request(
         s.stop.extend(stop)
     with _field("stop_token_ids"):
         s.stop_token_ids.extend(stop_token_ids)
+    constraints: dict[str, Any] = {
+        "json_schema": json.dumps(json_schema) if isinstance(json_schema, dict) else json_schema,
+        "json_object": json_object or None,
+        "regex": regex,
+        "choice": choice,
+        "grammar": grammar,
+    }
+    given = {k: v for k, v in constraints.items() if v is not None}
+    if len(given) > 1:
+        raise ValueError(f"structured_outputs: give at most one of {sorted(given)}")
+    for name, value in given.items():
+        with _field(name):
+            if name == "choice":
+                s.structured_outputs.choice.choices.extend(value)
+            else:
+                setattr(s.structured_outputs, name, value)
+            if strict is not None:
+                s.structured_outputs.strict = strict
     return req
 
 
@@ -297,6 +325,13 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
             },
         },
         "num_recomputed_tokens": r.num_recomputed_tokens,
+        "spec_decode": {
+            "num_drafts": r.spec_decode.num_drafts,
+            "num_draft_tokens": r.spec_decode.num_draft_tokens,
+            "num_accepted_tokens": r.spec_decode.num_accepted_tokens,
+            "acceptance_rate": r.spec_decode.acceptance_rate,
+            "mean_accepted_length": r.spec_decode.mean_accepted_length,
+        },
         "workers": [
             {
                 "worker_id": w.worker_id,

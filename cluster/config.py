@@ -16,6 +16,9 @@ from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 
 __all__ = ["CacheConfig", "ClusterConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
 
+# The formats of pagedserve.cluster.openai_tools.PARSERS (tested equal).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -31,6 +34,9 @@ class ServerConfig:
         served_model_name: the ``model`` name of the OpenAI-compatible API (``None``: the
             model folder's name); the model path is accepted too.
         max_http_body_bytes: largest HTTP request body (larger ones get 400, code payload_too_large).
+        tool_call_parser: the served model's tool-call format on the OpenAI-compatible API
+            (``hermes``, ``llama3_json``, ``mistral``; :mod:`pagedserve.cluster.openai_tools`);
+            ``None`` picks it from the chat template.
         drain_timeout_s: on SIGTERM / Ctrl-C, how long requests in flight may run to
             completion before they are aborted (seconds); new requests are refused at once.
         max_stream_buffer: most outputs held for one stream whose client is not reading;
@@ -53,6 +59,7 @@ class ServerConfig:
     http_port: int | None = None
     served_model_name: str | None = None
     max_http_body_bytes: int = 16 << 20
+    tool_call_parser: str | None = None
     drain_timeout_s: float = 30.0
     max_stream_buffer: int = 4096
     api_key: str | None = field(default=None, repr=False)
@@ -76,6 +83,10 @@ class ServerConfig:
             raise ValueError("served_model_name must not be empty")
         if self.max_http_body_bytes < 1:
             raise ValueError(f"max_http_body_bytes must be >= 1, got {self.max_http_body_bytes}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}"
+            )
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
             raise ValueError("api_key must be non-empty, without surrounding whitespace")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -33,7 +33,8 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline
 from pagedserve.cluster.request_prep import GenerateInput, ModelInfo, SamplingRequest
 from pagedserve.cluster.wire import MalformedRequest, safe_parser
-from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
+from pagedserve.scheduler.errors import ClusterUnavailable, InvalidRequest, ServingError
+from pagedserve.scheduler.structured_outputs import StructuredOutputs
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc as pb_grpc
 
@@ -70,13 +71,43 @@ def check_port_free(host: str, port: int) -> None:
             raise PortUnavailable(f"cannot bind {host}:{port}: {exc.strerror}") from exc
 
 
+def structured_from_proto(msg: Any) -> StructuredOutputs:
+    """``pagedserve.v1.StructuredOutputs`` as a :class:`StructuredOutputs`.
+
+    Raises:
+        InvalidRequest: no kind set, or a bad one (the message names the field).
+    """
+    kind = msg.WhichOneof("kind")
+    field = f"structured_outputs.{kind or 'kind'}"
+    if kind is None:
+        raise InvalidRequest(
+            "structured_outputs: set one of json_schema, json_object, regex, choice, grammar",
+            field,
+        )
+    value = getattr(msg, kind)
+    try:
+        if kind == "json_schema":
+            return StructuredOutputs(json=value, strict=msg.strict)
+        if kind == "choice":
+            return StructuredOutputs(choice=tuple(value.choices))
+        return StructuredOutputs(**{kind: value})
+    except ValueError as exc:
+        raise InvalidRequest(f"{field}: {exc}", field) from None
+
+
 def sampling_from_proto(msg: Any) -> SamplingRequest:
-    """``pagedserve.v1.SamplingParams`` as a :class:`SamplingRequest` (unset = ``None``)."""
+    """``pagedserve.v1.SamplingParams`` as a :class:`SamplingRequest` (unset = ``None``).
+
+    Raises:
+        InvalidRequest: a malformed ``structured_outputs``.
+    """
     fields = {
         f.name: getattr(msg, f.name)
         for f in dataclasses.fields(SamplingRequest)
         if f.name not in ("stop", "stop_token_ids", "structured_outputs") and msg.HasField(f.name)
     }
+    if msg.HasField("structured_outputs"):
+        fields["structured_outputs"] = structured_from_proto(msg.structured_outputs)
     return SamplingRequest(
         stop=tuple(msg.stop), stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), **fields
     )
@@ -229,6 +260,16 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 remote_swap_in_bytes=sw.remote_swap_in_bytes,
                 preemptions_by_mode=sw.preemptions_by_mode,
                 host_prefix=pb.HostPrefixStats(**dataclasses.asdict(sw.host_prefix)),
+            )
+        )
+        sd = st.spec_decode
+        resp.spec_decode.CopyFrom(
+            pb.SpecDecodeStats(
+                num_drafts=sd.num_drafts,
+                num_draft_tokens=sd.num_draft_tokens,
+                num_accepted_tokens=sd.num_accepted_tokens,
+                acceptance_rate=sd.acceptance_rate,
+                mean_accepted_length=sd.mean_accepted_length,
             )
         )
         for w in st.workers:

@@ -1,9 +1,10 @@
 """The HTTP frontend: one ASGI app (FastAPI) served by uvicorn in the frontend's event loop.
 
 Routes: ``GET /metrics`` (Prometheus text format, :mod:`pagedserve.cluster.metrics`),
-``GET /health`` (200 while a worker is alive, 503 otherwise), and the routers passed to
-:func:`create_app` (the OpenAI-compatible API, :mod:`pagedserve.cluster.openai_api`); gRPC
-stays on its own port next to it.
+``GET /health`` (200 while a worker is alive, 503 otherwise), ``GET /openapi.json`` (the
+OpenAPI schema of the routes), and the routers passed to :func:`create_app` (the
+OpenAI-compatible API, :mod:`pagedserve.cluster.openai_api`); gRPC stays on its own port
+next to it.
 
 uvicorn runs as a task of the running loop (no thread, no process); its own signal handling
 is switched off because the launcher owns SIGINT / SIGTERM.
@@ -34,6 +35,7 @@ def create_app(
     routers: Sequence[APIRouter] = (),
     serving: Callable[[], bool] | None = None,
     exception_handlers: Mapping[Any, Callable[..., Any]] | None = None,
+    openapi_components: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The ASGI app with ``/metrics``, ``/health`` and ``routers``.
 
@@ -47,18 +49,32 @@ def create_app(
         exception_handlers: the app's handlers by exception class or status code (e.g.
             the OpenAI error shape for unknown routes,
             ``{HTTPException: openai_api.http_error_handler}``).
+        openapi_components: schemas the routers' documentation refers to
+            (``#/components/schemas/NAME``), added to ``/openapi.json``.
     """
     app = FastAPI(
         title="pagedserve",
         docs_url=None,
         redoc_url=None,
-        openapi_url=None,
+        openapi_url="/openapi.json",
         exception_handlers=dict(exception_handlers or {}),
     )
     for router in routers:
         app.include_router(router)
+    components = dict(openapi_components or {})
 
-    @app.get("/metrics")
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    unavailable: dict[int | str, dict[str, Any]] = {
+        503: {"description": "the scheduler is unavailable"}
+    }
+
+    @app.get("/metrics", responses=unavailable)
     async def metrics() -> Response:
         try:
             body = await exporter.render()
@@ -67,7 +83,7 @@ def create_app(
             return PlainTextResponse(f"scheduler unavailable: {exc!r}\n", status_code=503)
         return Response(body, media_type=CONTENT_TYPE)
 
-    @app.get("/health")
+    @app.get("/health", responses=unavailable)
     async def health() -> Response:
         if serving is not None and not serving():
             return PlainTextResponse("not serving (shutting down or restarting)\n", 503)

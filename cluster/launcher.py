@@ -29,7 +29,7 @@ from pagedserve.cluster.frontend import GenerationServicer, check_port_free, sta
 from pagedserve.cluster.host_store import HostStoreActor, StoreKeys, cluster_store_keys
 from pagedserve.cluster.http_server import HttpServer, create_app
 from pagedserve.cluster.metrics import MetricsExporter
-from pagedserve.cluster.openai_api import OpenAIServer
+from pagedserve.cluster.openai_api import OpenAIServer, openapi_components
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.scheduler.scheduler import WorkerSpec
@@ -718,13 +718,16 @@ def build_http_app(config: ClusterConfig, pipeline: RequestPipeline) -> Any:
     short_name = Path(info.name).name or info.name
     exporter = MetricsExporter(scheduler, model_name=short_name)
     names = (config.server.served_model_name or short_name, info.name)
-    openai = OpenAIServer(pipeline, names, config.server.max_http_body_bytes)
+    openai = OpenAIServer(
+        pipeline, names, config.server.max_http_body_bytes, config.server.tool_call_parser
+    )
     app: Any = create_app(
         scheduler,
         exporter,
         routers=[openai.router()],
         serving=lambda: pipeline.flights.serving,
         exception_handlers=openai.exception_handlers(),
+        openapi_components=openapi_components(),
     )
     if config.server.api_key:
         app = ApiKeyMiddleware(app, config.server.api_key)

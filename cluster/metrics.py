@@ -182,6 +182,16 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
     counter("generation_tokens", "Output tokens generated, tokens.").add_metric(
         [model_name], snap.generation_tokens
     )
+    sd = st.spec_decode
+    counter(
+        "spec_decode_num_drafts", "Sequence-steps that verified speculative proposals."
+    ).add_metric([model_name], sd.num_drafts)
+    counter("spec_decode_num_draft_tokens", "Speculative tokens proposed, tokens.").add_metric(
+        [model_name], sd.num_draft_tokens
+    )
+    counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted, tokens.").add_metric(
+        [model_name], sd.num_accepted_tokens
+    )
     ok = counter("request_success", "Finished sequences by reason.", [*m, "finished_reason"])
     for reason, n in sorted(snap.request_success.items()):
         ok.add_metric([model_name, reason], n)

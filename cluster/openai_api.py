@@ -57,6 +57,8 @@ from pagedserve.cluster.openai_render import (
     error_body,
     error_response,
 )
+from pagedserve.cluster.openai_structured import ToolPlan, tool_plan
+from pagedserve.cluster.openai_tools import choose_parser, template_takes_tools
 from pagedserve.cluster.pipeline import ChoiceDelta, RequestPipeline, RequestStream
 from pagedserve.cluster.request_prep import GenerateInput, SamplingRequest, unicode_problem
 from pagedserve.scheduler.engine_messages import EngineRequest
@@ -167,7 +169,11 @@ async def wait_disconnect(request: Request, poll_s: float = 0.2) -> None:
 
 
 def _union_member(loc_part: str | int) -> bool:
-    return loc_part == "str" or str(loc_part).startswith(("list[", "dict["))
+    """Whether a part of an error's location is a union member's tag (a type such as
+    ``str`` or ``list[int]``, or a model's class name; fields are lower case)."""
+    if not isinstance(loc_part, str):
+        return False
+    return loc_part == "str" or loc_part.startswith(("list[", "dict[")) or loc_part[:1].isupper()
 
 
 def parse_body(data: dict[str, Any], model: type[M]) -> M:
@@ -193,6 +199,65 @@ def parse_body(data: dict[str, Any], model: type[M]) -> M:
         raise InvalidRequest(f"{loc}: {msg}", loc or None) from None
 
 
+# The error statuses of the generating routes (HTTP_STATUS's, without INTERNAL).
+GENERATE_ERRORS = (400, 404, 409, 503)
+_COMPONENTS = "#/components/schemas/{model}"
+
+
+class ErrorDetail(BaseModel):
+    """OpenAI's error object."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response."""
+
+    error: ErrorDetail
+
+
+def _body_ref(model: type[BaseModel]) -> dict[str, Any]:
+    schema = {"$ref": _COMPONENTS.format(model=model.__name__)}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _responses(*statuses: int, stream: bool = False) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI responses: 200 a JSON object (or, ``stream``, Server-Sent Events), the
+    others :class:`ErrorResponse`."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        if status == 200:
+            content: dict[str, Any] = {"application/json": {"schema": {"type": "object"}}}
+            if stream:
+                content["text/event-stream"] = {"schema": {"type": "string"}}
+            out[200] = {
+                "description": "the response (a stream with stream: true)",
+                "content": content,
+            }
+        else:
+            ref = {"$ref": _COMPONENTS.format(model="ErrorResponse")}
+            out[status] = {
+                "description": HTTPStatus(status).phrase,
+                "content": {"application/json": {"schema": ref}},
+            }
+    return out
+
+
+def openapi_components() -> dict[str, Any]:
+    """The OpenAPI schemas the routes refer to (the request bodies, their parts, the error
+    body), for ``components.schemas`` (:func:`~pagedserve.cluster.http_server.create_app`
+    adds them)."""
+    out: dict[str, Any] = {}
+    for model in (CompletionRequest, ChatCompletionRequest, ErrorResponse):
+        schema = model.model_json_schema(ref_template=_COMPONENTS)
+        out.update(schema.pop("$defs", {}))
+        out[model.__name__] = schema
+    return out
+
+
 class OpenAIServer:
     """The routes of the OpenAI-compatible API over one :class:`RequestPipeline`.
 
@@ -200,13 +265,27 @@ class OpenAIServer:
         pipeline: the shared request path.
         model_names: names clients may send as ``model``; the first is the one reported.
         max_body_bytes: largest accepted request body, bytes.
+        tool_call_parser: the tool-call format of the served model (a name of
+            :data:`~pagedserve.cluster.openai_tools.PARSERS`); None picks it from the chat
+            template (:func:`~pagedserve.cluster.openai_tools.choose_parser`).
+
+    Raises:
+        ValueError: no model name, or an unknown ``tool_call_parser``.
     """
 
     def __init__(
-        self, pipeline: RequestPipeline, model_names: tuple[str, ...], max_body_bytes: int
+        self,
+        pipeline: RequestPipeline,
+        model_names: tuple[str, ...],
+        max_body_bytes: int,
+        tool_call_parser: str | None = None,
     ) -> None:
         if not model_names:
             raise ValueError("model_names must name at least one model")
+        self.parser = choose_parser(pipeline.tokenizer, tool_call_parser)
+        # NOTE: a template that never names `tools` would drop them silently: write the
+        # tools, calls and results as text in the parser's format instead.
+        self.render = None if template_takes_tools(pipeline.tokenizer) else self.parser
         self.pipeline = pipeline
         self.model_names = model_names
         self.max_body_bytes = max_body_bytes
@@ -214,12 +293,27 @@ class OpenAIServer:
 
     def router(self) -> APIRouter:
         """An APIRouter with the routes (add it with ``app.include_router``, and
-        :meth:`exception_handlers` to the app)."""
+        :meth:`exception_handlers` to the app); their bodies and responses are documented
+        in the app's OpenAPI schema with :func:`openapi_components`."""
         router = APIRouter()
-        router.add_api_route("/v1/models", self.models, methods=["GET"])
-        router.add_api_route("/v1/models/{model:path}", self.retrieve_model, methods=["GET"])
-        router.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        router.add_api_route("/v1/models", self.models, methods=["GET"], responses=_responses(200))
+        router.add_api_route(
+            "/v1/models/{model:path}",
+            self.retrieve_model,
+            methods=["GET"],
+            responses=_responses(200, 404),
+        )
+        for path, endpoint, body in (
+            ("/v1/completions", self.completions, CompletionRequest),
+            ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+        ):
+            router.add_api_route(
+                path,
+                endpoint,
+                methods=["POST"],
+                responses=_responses(200, *GENERATE_ERRORS, stream=True),
+                openapi_extra={"requestBody": _body_ref(body)},
+            )
         return router
 
     @staticmethod
@@ -272,11 +366,13 @@ class OpenAIServer:
                 raise ModelNotFound(f"the model {body.model!r} does not exist", "model")
             body.check_supported()
             chat = isinstance(body, ChatCompletionRequest)
+            plan: ToolPlan | None = None
             if isinstance(body, ChatCompletionRequest):
-                inputs = [chat_input(body)]
+                plan = tool_plan(body, self.parser)
+                inputs = [chat_input(body, plan, self.render)]
             else:
                 inputs = completion_inputs(body)
-            sampling = sampling_request(body)
+            sampling = sampling_request(body, plan)
             request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             prepared, stream, first = await self._start(inputs, sampling, request_id)
         except BodyTooLarge as exc:
@@ -286,7 +382,9 @@ class OpenAIServer:
             )
         except ServingError as exc:
             return error_response(exc, fields, rename)
-        render = ResponseRenderer(self.pipeline.tokenizer, body, request_id, prepared, chat, fields)
+        render = ResponseRenderer(
+            self.pipeline.tokenizer, body, request_id, prepared, chat, fields, plan
+        )
         if body.stream:
             return StreamingResponse(
                 render.sse(first, stream),

@@ -17,7 +17,26 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from pagedserve.cluster.request_prep import CHAT_ROLES, GenerateInput, SamplingRequest
+from pagedserve.cluster.openai_structured import (
+    CONSTRAINT_FIELDS,
+    CONSTRAINT_KINDS,
+    MessageToolCall,
+    NamedToolChoice,
+    ResponseFormat,
+    StructuredOutputsBody,
+    ToolDef,
+    ToolPlan,
+    structured_outputs,
+)
+from pagedserve.cluster.openai_tools import ToolParser
+from pagedserve.cluster.request_prep import (
+    CHAT_ROLES,
+    ChatMessage,
+    GenerateInput,
+    Message,
+    SamplingRequest,
+    ToolCall,
+)
 from pagedserve.scheduler.errors import InvalidRequest
 from pagedserve.scheduler.sampling_params import MAX_BEAM_WIDTH
 
@@ -67,12 +86,32 @@ class _SamplingFields(BaseModel):
     length_penalty: float | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     def http_param(self, name: str) -> str:
         """The body's field behind the pipeline's field ``name`` (its errors name gRPC's
         fields: ``text`` / ``token_ids`` are ``prompt``, ``chat`` is ``messages``,
-        ``beam_width`` is ``n``); other names are returned as they are."""
+        ``beam_width`` is ``n``; a constraint that does not compile, ``json_schema``,
+        ``regex``, ..., is the field it came from); other names are returned as they are."""
+        if name in CONSTRAINT_FIELDS:
+            return self.constraint_param()
         return self.PIPELINE_PARAMS.get(name, name)
+
+    def constraint_param(self) -> str:
+        """The field the request's constraint came from: ``structured_outputs.KIND``,
+        ``response_format.json_schema.schema``, ``response_format``, or (a forced tool
+        call) ``tools``."""
+        so = self.structured_outputs
+        if so is not None:
+            given = [k for k in CONSTRAINT_KINDS if getattr(so, k + "_" * (k == "json"))]
+            return f"structured_outputs.{given[0]}" if len(given) == 1 else "structured_outputs"
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema":
+            return "response_format.json_schema.schema"
+        if fmt is not None and fmt.type == "json_object":
+            return "response_format"
+        return "tools"
 
     def check_supported(self) -> None:
         """Raise InvalidRequest naming the first known field this server cannot honour."""
@@ -114,14 +153,16 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    """One chat message: string content or a list of text parts."""
+class ChatMessageBody(BaseModel):
+    """One chat message: string content or a list of text parts; an assistant's
+    ``tool_calls``, a ``tool`` message's ``tool_call_id``."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -132,15 +173,15 @@ class ChatCompletionRequest(_SamplingFields):
         "chat": "messages",
         "prompt": "messages",
     }
-    messages: list[ChatMessage]
+    messages: list[ChatMessageBody]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     audio: Any = None
     prediction: Any = None
@@ -154,16 +195,12 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions", "audio", "prediction"):
+        for name in ("functions", "audio", "prediction"):
             if getattr(self, name):
-                raise InvalidRequest(f"{name} is not supported", name)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise InvalidRequest(f"{name} is not supported", name)
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            kind = self.response_format.get("type")
+                raise InvalidRequest(f"{name} is not supported (use tools)", name)
+        if self.function_call not in (None, "none"):
             raise InvalidRequest(
-                f"response_format {kind!r} is not supported (only 'text')", "response_format"
+                "function_call is not supported (use tool_choice)", "function_call"
             )
         if self.modalities not in (None, ["text"]):
             raise InvalidRequest("only the 'text' modality is supported", "modalities")
@@ -174,15 +211,23 @@ class ChatCompletionRequest(_SamplingFields):
 Endpoint = Literal["completions", "chat"]
 
 
-def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> SamplingRequest:
-    """The :class:`SamplingRequest` of a body (after :meth:`check_supported`).
+def sampling_request(
+    body: CompletionRequest | ChatCompletionRequest, plan: ToolPlan | None = None
+) -> SamplingRequest:
+    """The :class:`SamplingRequest` of a body (after :meth:`check_supported`), constrained
+    by the body's :func:`structured_outputs`, or by ``plan``'s grammar when its
+    ``tool_choice`` forces a call.
 
     ``use_beam_search`` turns on beam search with ``n`` beams (vLLM's meaning), returning
     the ``n`` best.
 
     Raises:
-        InvalidRequest: ``use_beam_search`` with ``n`` out of [1, MAX_BEAM_WIDTH] (``n``).
+        InvalidRequest: ``use_beam_search`` with ``n`` out of [1, MAX_BEAM_WIDTH] (``n``);
+            a bad constraint (see :func:`structured_outputs`).
     """
+    constraint = plan.forced if plan is not None and plan.forced is not None else None
+    if constraint is None:
+        constraint = structured_outputs(body)
     max_tokens = body.max_tokens
     logprobs: int | None
     if isinstance(body, ChatCompletionRequest):
@@ -221,6 +266,7 @@ def sampling_request(body: CompletionRequest | ChatCompletionRequest) -> Samplin
         beam_width=beam_width,
         length_penalty=body.length_penalty,
         priority=body.priority,
+        structured_outputs=constraint,
     )
 
 
@@ -252,38 +298,82 @@ def completion_inputs(body: CompletionRequest) -> list[GenerateInput]:
     return out
 
 
-def chat_input(body: ChatCompletionRequest) -> GenerateInput:
+def _content(m: ChatMessageBody, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    parts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise InvalidRequest(
+                f"content part type {part.type!r} is not supported (only 'text')",
+                f"messages[{i}].content[{j}].type",
+            )
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def chat_input(
+    body: ChatCompletionRequest, plan: ToolPlan | None = None, render: ToolParser | None = None
+) -> GenerateInput:
     """The messages of a chat body as a :class:`GenerateInput`; ``developer`` is OpenAI's
     newer name of ``system``.
 
+    Messages with ``tool_calls`` or ``tool_call_id`` become :class:`ChatMessage` records
+    and ``plan``'s functions the input's ``tools``, for a chat template that renders them;
+    with ``render`` (the template does not) they are written as text in ``render``'s
+    format instead: calls into the assistant's content, results as ``render`` wraps
+    them, the functions into the system prompt.
+
     Raises:
-        InvalidRequest: no messages, a non-text content part, or assistant tool calls.
+        InvalidRequest: no messages, a non-text content part, an unknown role,
+            ``tool_calls`` on a message that is not the assistant's, a ``tool`` message
+            without ``tool_call_id``.
     """
     if not body.messages:
         raise InvalidRequest("messages must not be empty", "messages")
-    messages = []
+    messages: list[Message] = []
     for i, m in enumerate(body.messages):
-        if m.tool_calls:
-            raise InvalidRequest("tool calls are not supported", f"messages[{i}].tool_calls")
-        if m.content is None:
-            content = ""
-        elif isinstance(m.content, str):
-            content = m.content
-        else:
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequest(
-                        f"content part type {part.type!r} is not supported (only 'text')",
-                        f"messages[{i}].content[{j}].type",
-                    )
-                parts.append(part.text)
-            content = "\n".join(parts)
+        content = _content(m, i)
         role = "system" if m.role == "developer" else m.role
         if role not in CHAT_ROLES:
             raise InvalidRequest(
                 f"unknown chat role {m.role!r} (use one of {(*CHAT_ROLES, 'developer')})",
                 f"messages[{i}].role",
             )
-        messages.append((role, content))
-    return GenerateInput(messages=tuple(messages))
+        calls = tuple(
+            ToolCall(c.id, c.function.name, c.function.arguments) for c in m.tool_calls or ()
+        )
+        if calls and role != "assistant":
+            raise InvalidRequest(
+                f"only assistant messages carry tool_calls, not {m.role!r}",
+                f"messages[{i}].tool_calls",
+            )
+        if role == "tool" and m.tool_call_id is None:
+            raise InvalidRequest(
+                "a tool message needs the tool_call_id it answers", f"messages[{i}].tool_call_id"
+            )
+        if render is not None:
+            if calls:
+                content = "\n".join(
+                    [content] * bool(content) + [render.render_call(c) for c in calls]
+                )
+            if role == "tool":
+                role, content = render.render_result(content)
+            messages.append((role, content))
+        elif calls or role == "tool":
+            messages.append(ChatMessage(role, content, calls, m.tool_call_id))
+        else:
+            messages.append((role, content))
+    tools = None
+    if plan is not None and render is not None:
+        prompt = render.tools_prompt(plan.functions)
+        first = messages[0]
+        if isinstance(first, tuple) and first[0] == "system":
+            messages[0] = ("system", f"{first[1]}\n\n{prompt}" if first[1] else prompt)
+        else:
+            messages.insert(0, ("system", prompt))
+    elif plan is not None:
+        tools = tuple({"type": "function", "function": f} for f in plan.functions)
+    return GenerateInput(messages=tuple(messages), tools=tools)

@@ -19,6 +19,8 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from pagedserve.cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.cluster.openai_structured import ToolPlan
+from pagedserve.cluster.openai_tools import Call, Content, Event, ToolStream, parse
 from pagedserve.cluster.pipeline import ChoiceDelta
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import InvalidRequest, ModelNotFound, RequestRejected, ServingError
@@ -99,6 +101,9 @@ class ResponseRenderer:
             choice ``p * n + i``).
         chat: a chat completion (else a text completion).
         fields: the request model's field names (the ``param`` of errors).
+        tools: a chat request's tools: each choice's text is read for tool calls
+            (``message.tool_calls`` / ``delta.tool_calls``, ``finish_reason``
+            ``"tool_calls"``); None: the text is all content.
     """
 
     def __init__(
@@ -109,8 +114,11 @@ class ResponseRenderer:
         prepared: list[EngineRequest],
         chat: bool,
         fields: frozenset[str] = frozenset(),
+        tools: ToolPlan | None = None,
     ) -> None:
         self.body = body
+        self.tools = tools
+        self.tool_streams: dict[int, ToolStream] = {}  # choice index -> its calls so far
         self.fields = fields
         self.request_id = request_id
         self.prepared = prepared
@@ -210,12 +218,26 @@ class ResponseRenderer:
         for index in sorted(choices):
             c = choices[index]
             item: dict[str, Any] = {"index": index}
-            if self.chat:
+            finish_reason = c.finish_reason
+            if self.chat and self.tools is not None:
+                content, calls = parse(self.tools.stream(), c.text)
+                item["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    item["message"]["tool_calls"] = [
+                        {
+                            "id": call.id,
+                            "type": "function",
+                            "function": {"name": call.name, "arguments": call.arguments},
+                        }
+                        for call in calls
+                    ]
+                    finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            elif self.chat:
                 item["message"] = {"role": "assistant", "content": c.text}
             else:
                 item["text"] = c.text
             item["logprobs"] = self._logprobs(index, c.logprobs)
-            item["finish_reason"] = c.finish_reason
+            item["finish_reason"] = finish_reason
             item["stop_reason"] = c.stop_reason
             if self.body.return_token_ids:
                 item["token_ids"] = c.token_ids
@@ -256,26 +278,64 @@ class ResponseRenderer:
             "total_tokens": prompt + completion,
         }
 
-    def _stream_choice(self, p: int, delta: ChoiceDelta) -> dict[str, Any] | None:
+    def _stream_items(self, p: int, delta: ChoiceDelta) -> list[dict[str, Any]]:
+        """The chunk items of one delta: one, or (a chat with tools) one per piece of
+        content and two per tool call (its id, type, name and empty arguments, then its
+        arguments), the logprobs on the first, the finish reason on the last."""
         index = self._index(p, delta)
         self._note(index, delta)
         self.streamed[index] = self.streamed.get(index, 0) + len(delta.token_ids)
+        finish = None if delta.finish_reason is None else delta.finish_reason.name.lower()
+        deltas: list[dict[str, Any]] = []
+        if self.chat and self.tools is not None:
+            stream = self.tool_streams.setdefault(index, self.tools.stream())
+            events = stream.feed(delta.text)
+            if finish is not None:
+                events += stream.finish()
+                if stream.calls and finish == "stop":
+                    finish = "tool_calls"
+            deltas = self._tool_deltas(events)
+        elif self.chat and delta.text:
+            deltas = [{"content": delta.text}]
         wants_ids = bool(self.body.return_token_ids and delta.token_ids)
-        if not (delta.text or delta.finish_reason or delta.logprobs or wants_ids):
-            return None  # text held back (a stop string may follow): nothing to say yet
-        item: dict[str, Any] = {"index": index}
-        if self.chat:
-            item["delta"] = {"content": delta.text} if delta.text else {}
-        else:
-            item["text"] = delta.text
-        item["logprobs"] = self._logprobs(index, delta.logprobs)
-        item["finish_reason"] = (
-            None if delta.finish_reason is None else delta.finish_reason.name.lower()
-        )
-        item["stop_reason"] = delta.stop_reason
-        if self.body.return_token_ids:
-            item["token_ids"] = list(delta.token_ids)
-        return item
+        text = delta.text if not self.chat else ""
+        if not (deltas or text or finish or delta.logprobs or wants_ids):
+            return []  # text held back (a stop string or a call may follow): nothing yet
+        items: list[dict[str, Any]] = []
+        for d in deltas or [{}]:
+            item: dict[str, Any] = {"index": index}
+            if self.chat:
+                item["delta"] = d
+            else:
+                item["text"] = text
+            item["logprobs"] = None if items else self._logprobs(index, delta.logprobs)
+            item["finish_reason"] = None
+            item["stop_reason"] = None
+            if self.body.return_token_ids:
+                item["token_ids"] = [] if items else list(delta.token_ids)
+            items.append(item)
+        items[-1]["finish_reason"] = finish
+        items[-1]["stop_reason"] = delta.stop_reason
+        return items
+
+    @staticmethod
+    def _tool_deltas(events: list[Event]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for e in events:
+            if isinstance(e, Content):
+                if not e.text:
+                    continue
+                if out and "content" in out[-1]:
+                    out[-1]["content"] += e.text
+                else:
+                    out.append({"content": e.text})
+            elif isinstance(e, Call):
+                head = {"name": e.call.name, "arguments": ""}
+                first = {"index": e.index, "id": e.call.id, "type": "function", "function": head}
+                out.append({"tool_calls": [first]})
+                args = {"index": e.index, "function": {"arguments": e.call.arguments}}
+                out.append({"tool_calls": [args]})
+        return out
 
     async def sse(
         self, first: tuple[int, ChoiceDelta], rest: AsyncGenerator[tuple[int, ChoiceDelta], None]
@@ -288,12 +348,10 @@ class ResponseRenderer:
                     yield self._chunk(
                         [{"index": index, "delta": role, "logprobs": None, "finish_reason": None}]
                     )
-            item = self._stream_choice(*first)
-            if item is not None:
+            for item in self._stream_items(*first):
                 yield self._chunk([item])
             async for p, delta in rest:
-                item = self._stream_choice(p, delta)
-                if item is not None:
+                for item in self._stream_items(p, delta):
                     yield self._chunk([item])
             if self.body.stream_options is not None and self.body.stream_options.include_usage:
                 yield self._chunk([], self._usage())

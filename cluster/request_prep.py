@@ -12,7 +12,9 @@ checks the request against the context and the KV pools (vLLM v1's
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import threading
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +24,7 @@ from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import InvalidRequest, RequestRejected
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.structured_outputs import StructuredOutputs
+from pagedserve.worker.grammar import GrammarCompiler
 
 MAX_N = 64
 MAX_STOP_STRINGS = 16
@@ -77,19 +80,85 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One function call of an assistant message: ``arguments`` is JSON text (OpenAI's
+    ``function.arguments``)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """A chat message with the fields of tool calling (a ``(role, content)`` pair is the
+    plain form).
+
+    Attributes:
+        role: one of :data:`CHAT_ROLES`.
+        content: the text ("" when an assistant message only calls tools).
+        tool_calls: an assistant's calls (rendered by the template as ``tool_calls``).
+        tool_call_id: a ``tool`` message's answer to the call with this id.
+    """
+
+    role: str
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (Hugging Face's shape: a call's
+        ``arguments`` as a mapping where they are a JSON object)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _json_or_text(c.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+Message = tuple[str, str] | ChatMessage
+
+
+def role_and_content(message: Message) -> tuple[str, str]:
+    """(role, content) of either form of a chat message."""
+    if isinstance(message, ChatMessage):
+        return message.role, message.content
+    return message
+
+
+@dataclass(frozen=True)
 class GenerateInput:
     """The prompt of one request: exactly one of ``text``, ``token_ids``, ``messages``.
 
     Attributes:
         text: raw prompt, tokenized as is (BOS added if the tokenizer does).
         token_ids: pre-tokenized prompt.
-        messages: chat messages ``(role, content)``, rendered with the model's chat
-            template plus the generation prompt.
+        messages: chat messages, ``(role, content)`` pairs or :class:`ChatMessage`s,
+            rendered with the model's chat template plus the generation prompt.
+        tools: with ``messages``, the functions the template renders (OpenAI ``tools``
+            items, ``{"type": "function", "function": {"name", "description",
+            "parameters"}}``), passed as ``apply_chat_template(tools=...)``.
     """
 
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
+    messages: tuple[Message, ...] | None = None
+    tools: tuple[dict[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,6 +207,8 @@ class RequestPreparer:
         # this many bytes cannot fit in max_model_len and is refused before tokenizing.
         longest = max((len(t.encode()) for t in tokenizer.get_vocab()), default=64)
         self._max_text_bytes = max(1, longest) * info.max_model_len
+        self._grammars: GrammarCompiler | None = None  # built on the first constraint
+        self._grammars_lock = threading.Lock()
 
     def prepare(
         self, prompt: GenerateInput, req: SamplingRequest, request_id: str = ""
@@ -149,7 +220,9 @@ class RequestPreparer:
             the model's EOS ids; no subscriber yet).
 
         Raises:
-            InvalidRequest: a bad field (the message names it), an empty or too long prompt.
+            InvalidRequest: a bad field (the message names it), an empty or too long prompt,
+                a structured-output spec that does not compile (within the time and size
+                limits of :class:`~pagedserve.worker.grammar.GrammarConfig`).
             RequestRejected: one sequence needs more KV slots than the largest pool holds.
         """
         self._check_sampling_fields(req)
@@ -178,7 +251,28 @@ class RequestPreparer:
         request_id = request_id or uuid.uuid4().hex
         if len(request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequest(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters")
+        if sampling.structured_outputs is not None:
+            self.check_grammar(sampling.structured_outputs)
         return EngineRequest(request_id, tuple(ids), sampling, self.info.eos_token_ids)
+
+    def check_grammar(self, spec: StructuredOutputs) -> None:
+        """Compile ``spec`` for the served tokenizer (cached; blocking).
+
+        Raises:
+            InvalidRequest: it does not compile; the message starts with the field
+                (``json_schema``, ``regex``, ``choice``, ``grammar``) and gives xgrammar's
+                reason.
+        """
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.info.vocab_size, self.info.eos_token_ids
+                )
+        try:
+            self._grammars.compile(spec)
+        except ValueError as exc:
+            field = str(exc).split(":", 1)[0]
+            raise InvalidRequest(str(exc), field) from None
 
     def resolve_max_tokens(
         self, prompt_len: int, max_tokens: int | None, beam_width: int = 1
@@ -251,7 +345,8 @@ class RequestPreparer:
         JSON's may hold lone surrogates), named as the pipeline names it."""
         if prompt.text is not None:
             check_unicode(prompt.text, "text")
-        for role, content in prompt.messages or ():
+        for message in prompt.messages or ():
+            role, content = role_and_content(message)
             check_unicode(role, "chat")
             check_unicode(content, "chat")
         for s in req.stop:
@@ -320,10 +415,12 @@ class RequestPreparer:
                 )
             return ids
         if prompt.messages is not None:
-            return self._chat_ids(prompt.messages)
+            return self._chat_ids(prompt.messages, prompt.tools)
         raise InvalidRequest("request has no input (set text, token_ids or chat)")
 
-    def _chat_ids(self, messages: tuple[tuple[str, str], ...]) -> list[int]:
+    def _chat_ids(
+        self, messages: tuple[Message, ...], tools: tuple[dict[str, Any], ...] | None = None
+    ) -> list[int]:
         if not messages:
             raise InvalidRequest("the chat has no messages", "chat")
         if len(messages) > MAX_CHAT_MESSAGES:
@@ -337,17 +434,25 @@ class RequestPreparer:
                 f"({self.info.max_model_len} tokens)",
                 "chat",
             )
-        for role, _ in messages:
+        pairs = [role_and_content(m) for m in messages]
+        for role, _ in pairs:
             if role not in CHAT_ROLES:
                 raise InvalidRequest(
                     f"unknown chat role {role!r} (use one of {CHAT_ROLES})", "chat"
                 )
-        self._check_text_size("".join(content for _, content in messages), "chat")
+        self._check_text_size("".join(content for _, content in pairs), "chat")
+        extra: dict[str, Any] = {"tools": list(tools)} if tools else {}
         try:
             text = self.tokenizer.apply_chat_template(
-                [{"role": r, "content": c} for r, c in messages],
+                [
+                    m.template_dict()
+                    if isinstance(m, ChatMessage)
+                    else {"role": m[0], "content": m[1]}
+                    for m in messages
+                ],
                 tokenize=False,
                 add_generation_prompt=True,
+                **extra,
             )
         except Exception as exc:  # template errors (e.g. role order) are the client's
             raise InvalidRequest(f"chat template failed: {exc}") from exc

@@ -6,6 +6,8 @@ nor Ray nor gRPC):
 - :class:`LLM`: the engine in this process, offline batch generation
   (``LLM(model="default").generate(prompts, SamplingParams(...))``, as vLLM's ``LLM``).
 - :class:`SamplingParams`: how each request samples and stops.
+- :class:`StructuredOutputs`: a constraint on the output (JSON schema, regex, choice,
+  grammar), carried in ``SamplingParams(structured_outputs=...)``.
 - :class:`RequestOutput`, :class:`CompletionOutput`: what :meth:`LLM.generate` returns.
 - :class:`Client`, :class:`AsyncClient`: gRPC clients of a running server
   (``pagedserve serve``).
@@ -21,17 +23,27 @@ if TYPE_CHECKING:
     from pagedserve.llm import LLM
     from pagedserve.outputs import CompletionOutput, RequestOutput
     from pagedserve.scheduler.sampling_params import SamplingParams
+    from pagedserve.scheduler.structured_outputs import StructuredOutputs
 
 _EXPORTS = {
     "LLM": "pagedserve.llm",
     "SamplingParams": "pagedserve.scheduler.sampling_params",
+    "StructuredOutputs": "pagedserve.scheduler.structured_outputs",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "Client": "pagedserve.cluster.client",
     "AsyncClient": "pagedserve.cluster.client",
 }
 
-__all__ = ["LLM", "AsyncClient", "Client", "CompletionOutput", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "AsyncClient",
+    "Client",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputs",
+]
 
 
 def __getattr__(name: str) -> Any:

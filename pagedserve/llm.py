@@ -15,7 +15,8 @@ Engine options are the fields of the configuration dataclasses, with their defau
 ``attention_backend``, ``adaptive_threads``) and
 :class:`~pagedserve.scheduler.config.SchedulerConfig` (``max_num_seqs``,
 ``max_num_batched_tokens``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-``async_scheduling``, ``scheduling_policy``, ...). ``async_scheduling`` defaults to
+``async_scheduling``, ``scheduling_policy``, ``speculative_config``: a
+:class:`~pagedserve.scheduler.config.SpeculativeConfig` or its fields as a dict, ...). ``async_scheduling`` defaults to
 overlapped on a GPU and serial on CPU (where the overlap's planning competes with the
 model's kernels for the cores). ``seed`` seeds every request that
 gives none (request k of this engine gets ``seed + k``).
@@ -32,7 +33,7 @@ from typing import Any
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker, ThreadWorker
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import InvalidRequest, ServingError
@@ -129,6 +130,12 @@ class LLM:
             # (benchmarks/RESULTS.md, "Engine core"). On a GPU the overlap hides the
             # scheduler behind the device, as in serving.
             sched_options["async_scheduling"] = info.device != "cpu"
+        spec = sched_options.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's form: {"method": "ngram", ...}
+            try:
+                sched_options["speculative_config"] = SpeculativeConfig(**spec)
+            except TypeError as exc:
+                raise ValueError(f"speculative_config: {exc}") from None
         config = SchedulerConfig(max_model_len=info.max_model_len, **sched_options)
         spec = WorkerSpec(0, info.num_blocks, info.block_size, info.dtype, info.kv_cache_dtype)
         self.scheduler = Scheduler(config, [spec])
@@ -247,6 +254,11 @@ class LLM:
                 self._progress = None
 
     def _add(self, prompt: Any, token_ids: list[int], sampling: SamplingParams) -> str:
+        if sampling.structured_outputs is not None:
+            try:  # the in-process worker's compiler: its LRU then serves the matchers
+                self._worker.runner.structured.compiler.compile(sampling.structured_outputs)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), str(exc).split(":", 1)[0]) from None
         rid = str(next(self._ids))
         if sampling.seed is None and self._seed is not None:
             sampling = dataclasses.replace(sampling, seed=self._seed + int(rid))
@@ -274,9 +286,10 @@ class LLM:
                 continue
             choice = req.choices[out.choice_index]
             delta = choice.detok.step_output(out)
-            choice.token_ids.extend(out.new_token_ids)
+            kept = delta.num_token_ids  # fewer when a stop string ends a speculative run
+            choice.token_ids.extend(out.new_token_ids[:kept])
             choice.text.append(delta.text)
-            choice.logprobs.extend(out.logprobs)
+            choice.logprobs.extend(out.logprobs[:kept])
             choice.cumulative_logprob = out.cumulative_logprob
             req.num_cached_tokens = out.num_cached_tokens
             if delta.finish_reason is None:

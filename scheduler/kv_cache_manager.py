@@ -399,6 +399,44 @@ class KVCacheManager:
         self._seqs[seq_id] = _SeqState(blocks, num_total_tokens, hashes)
         return AllocationResult([b.block_id for b in blocks], [], False, 0)
 
+    def rollback(self, seq_id: str, num_tokens: int) -> list[int]:
+        """Shrink the sequence's reservation to ``num_tokens`` slots (speculative decoding:
+        the slots of rejected proposals); blocks left holding none go back to the pool.
+
+        The freed blocks were allocated for the rejected slots (the step reserved them
+        past every slot computed before), so each is held by this table alone and holds
+        no hash (:meth:`cache_blocks` only hashes computed blocks).
+
+        Args:
+            seq_id: the sequence.
+            num_tokens: slots it keeps (>= 1 and <= the slots reserved).
+
+        Returns:
+            The freed block ids, in table order.
+
+        Raises:
+            KeyError: unknown sequence.
+            ValueError: ``num_tokens`` outside ``[1, reserved]``.
+            IntegrityError: a block to free is shared or cached.
+        """
+        seq = self._seqs[seq_id]
+        if not 1 <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"{seq_id!r}: cannot roll back to {num_tokens} of {seq.num_tokens} slots"
+            )
+        keep = _cdiv(num_tokens, self.block_size)
+        tail = seq.blocks[keep:]
+        for b in tail:
+            if b.ref_count != 1 or b.block_hash is not None:
+                raise IntegrityError(f"{seq_id!r}: rolled-back {b!r} is shared or cached")
+        del seq.blocks[keep:]
+        del seq.block_hashes[keep:]
+        seq.num_tokens = num_tokens
+        release = self._pool.release
+        for b in reversed(tail):
+            release(b)
+        return [b.block_id for b in tail]
+
     def fork(self, parent_seq_id: str, child_seq_id: str, num_tokens: int | None = None) -> None:
         """Give ``child_seq_id`` the head of the parent's block table (``ref_count + 1`` each).
 

@@ -61,7 +61,8 @@ class SamplingParams:
             more urgent (admitted first, preempted last); int32 range. Ignored under
             ``fcfs``.
         structured_outputs: a constraint on the generated text (JSON schema, any JSON
-            object, regex, choice, EBNF grammar); ``None`` = unconstrained.
+            object, regex, choice, EBNF grammar); ``None`` = unconstrained. Not with beam
+            search or ``ignore_eos``.
 
     Raises:
         ValueError: on out-of-range values, with a message naming the field.
@@ -156,6 +157,21 @@ class SamplingParams:
                 raise ValueError(
                     "logprobs is not supported with beam search (beam_width); each choice "
                     "carries cumulative_logprob and score"
+                )
+            if self.structured_outputs is not None:
+                raise ValueError(
+                    "structured_outputs is not supported with beam search (beam_width)"
+                )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise ValueError(
+                    "structured_outputs must be a StructuredOutputs, got "
+                    f"{type(self.structured_outputs).__name__}"
+                )
+            if self.ignore_eos:
+                raise ValueError(
+                    "structured_outputs cannot be combined with ignore_eos: the output "
+                    "ends where the grammar ends, on an EOS token"
                 )
 
     @property

@@ -47,6 +47,14 @@ but the last (``blocks_to_copy``). From then on each choice is a sequence of its
 it streams, finishes, frees its own references and is preempted (recompute; its full
 prompt blocks are usually still cached and held by its siblings) on its own.
 
+Speculative decoding (``SchedulerConfig.speculative_config``): a decode of a sequence the
+worker holds also carries up to K proposed tokens (:mod:`pagedserve.scheduler.proposer`,
+``CachedSequenceData.spec_token_ids``), counted in the budget and given slots like the
+sequence's own token; the answer (``RunnerOutput.spec_token_ids``) moves the computed length
+to the accepted tokens, rolls the rest back (:meth:`KVCacheManager.rollback`) and appends the
+tokens one at a time with the stop checks. Such steps are not planned past
+(:meth:`Scheduler.can_plan_past`).
+
 Beam search (``beam_width`` K > 1; rule in :mod:`pagedserve.scheduler.beam_search`): the
 request starts as one sequence. A beam whose tokens are all computed reports its top
 candidates (the worker samples nothing for it); once every running beam of the request
@@ -60,7 +68,9 @@ beams) is emitted when the search ends: one final delta per choice, best first.
 from __future__ import annotations
 
 import itertools
+import logging
 import operator
+import sys
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
@@ -72,20 +82,23 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import DuplicateRequest, IntegrityError
 from pagedserve.scheduler.forking import BeamStep, ForkManager
-from pagedserve.scheduler.intake import check_request, new_sequences
+from pagedserve.scheduler.intake import check_request, check_speculative, new_sequences
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.metrics import MetricsSnapshot, SchedulerMetrics
 from pagedserve.scheduler.outputs import (
     CachedSequenceData,
     NewSequenceData,
     RunnerOutput,
+    SampleLogprobs,
     SchedulerOutput,
     SwapPlan,
     SwapTransfer,
 )
 from pagedserve.scheduler.preemption import choose_victim
+from pagedserve.scheduler.proposer import Proposer, make_proposer
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 from pagedserve.scheduler.routing import Router
+from pagedserve.scheduler.spec_stats import SpecDecodeCounters
 from pagedserve.scheduler.swap import SwapSpec, SwapStats
 from pagedserve.scheduler.swapping import SwapManager, SwapResolution
 from pagedserve.scheduler.worker_state import (
@@ -94,6 +107,8 @@ from pagedserve.scheduler.worker_state import (
     WorkerState,
     worker_stats,
 )
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,12 +190,18 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
+        self.spec_decode = SpecDecodeCounters()
         fcfs = config.scheduling_policy == "fcfs"
         # The batch's sort key: arrival alone under fcfs (same order as _rank, cheaper).
         self._sort_key: Callable[[Sequence], Any] = (
             operator.attrgetter("arrival_s") if fcfs else self._rank
         )
         self._queue_rank = None if fcfs else self._rank  # queues in rank order (priority)
+        spec = config.speculative_config
+        self._proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        self._num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        limit = None if spec is None else spec.disable_by_batch_size
+        self._spec_max_batch = limit if limit is not None else sys.maxsize
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> list[Sequence]:
@@ -201,6 +222,8 @@ class Scheduler:
         sampling = request.sampling
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
+        if self._proposer is not None:
+            check_speculative(sampling)
         max_total = check_request(
             prompt_token_ids, sampling, self.workers.values(), self.max_model_len
         )
@@ -287,6 +310,7 @@ class Scheduler:
         # message is read, never written, so they may share it (fewer objects per step).
         empty: list[int] = []
 
+        proposer = self._proposer if len(running) < self._spec_max_batch else None
         # NOTE: the hot path of a step (one pass per running sequence): a decode step with
         # room in its last block takes kv.grow_in_place and builds nothing but its delta.
         idx = 0
@@ -315,6 +339,10 @@ class Scheduler:
                     f"running sequence {seq_id!r} has nothing to compute "
                     f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
                 )
+            drafts = empty
+            if proposer is not None and num_new == 1 and not inflight and seq_id in resident:
+                drafts = self._propose(proposer, seq, budget - 1)
+                num_new += len(drafts)
             total = computed + num_new
             start = grow_in_place(seq_id, total)
             if start >= 0:
@@ -342,14 +370,16 @@ class Scheduler:
                 not_resident.append(seq_id)
                 continue
             seq.num_inflight_tokens = inflight + num_new
-            if total == known and seq.sampling.beam_width <= 1:
+            if total >= known and seq.sampling.beam_width <= 1:
                 seq.num_pending_tokens = pending + 1  # the worker samples a token for it
             unsent = seq.unsent_token_ids
             if unsent:
                 seq.unsent_token_ids = []  # the message keeps the list it was given
             else:
                 unsent = empty
-            cached.append(CachedSequenceData(seq_id, start, new_block_ids, computed, unsent))
+            cached.append(
+                CachedSequenceData(seq_id, start, new_block_ids, computed, unsent, drafts)
+            )
         num_from_running = len(num_scheduled)
 
         # Freed blocks and requeued sequences (preemption): other workers may take them.
@@ -542,6 +572,8 @@ class Scheduler:
         kv = ws.kv
         cache_blocks = kv.cache_blocks
         sampled = runner_out.sampled_token_ids
+        failed = runner_out.failed_seq_ids
+        spec = runner_out.spec_token_ids
         logprobs = runner_out.logprobs
         on_token = self.metrics.on_token
         now = self.metrics.clock()
@@ -563,6 +595,15 @@ class Scheduler:
                         if late.finish_reason is not None:
                             finished_requests.add(seq.request_id)
                 continue  # aborted, preempted or moved while the step ran
+            if spec and seq_id in spec:
+                outputs.append(
+                    self._apply_spec(
+                        ws, seq, num_new, spec[seq_id], runner_out.spec_logprobs.get(seq_id), now
+                    )
+                )
+                if seq.status is SequenceStatus.FINISHED:
+                    finished_requests.add(seq.request_id)
+                continue
             seq.num_inflight_tokens -= num_new
             computed = seq.num_computed_tokens
             if seq.max_computed_tokens > computed:  # recomputing
@@ -585,6 +626,10 @@ class Scheduler:
             token = sampled.get(seq_id)
             all_tokens = seq.all_token_ids
             if token is None:
+                if failed and seq_id in failed:
+                    outputs.append(self._fail_grammar(seq, failed[seq_id]))
+                    finished_requests.add(seq.request_id)
+                    continue
                 cache_blocks(seq_id, all_tokens, seq.num_computed_tokens, sampling.cache_salt)
                 continue
             if seq.num_pending_tokens:
@@ -610,6 +655,65 @@ class Scheduler:
         if not ws.running:
             ws.last_step_end_s = None  # the worker may idle for want of work: no gap
         return StepUpdate(outputs, wake or bool(finished_requests))
+
+    def _propose(self, proposer: Proposer, seq: Sequence, room: int) -> list[int]:
+        """Speculative tokens for ``seq``'s decode: at most K, ``room`` (the budget left
+        after its own token) and what its ``max_tokens`` and ``max_total_tokens`` leave
+        after the token sampled behind them, so an accepted run never overshoots."""
+        if not seq.output_token_ids or seq.sampling.beam_width > 1:
+            return []  # n > 1 choices fork at the first output token: none before it
+        k = min(
+            self._num_spec_tokens,
+            room,
+            seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
+            seq.max_total_tokens - len(seq.all_token_ids) - 1,
+        )
+        return proposer.propose(seq.all_token_ids, k) if k > 0 else []
+
+    def _apply_spec(
+        self,
+        ws: WorkerState,
+        seq: Sequence,
+        num_new: int,
+        tokens: list[int],
+        logprobs: list[SampleLogprobs] | None,
+        now: float,
+    ) -> SequenceOutput:
+        """Apply a speculative step's answer for ``seq`` (scheduled ``num_new`` = 1 +
+        proposals): the KV is kept for its last token and the accepted proposals, the
+        slots of the rejected ones are rolled back (blocks left empty return to the
+        pool) and the tokens are appended one at a time, stopping at the first that ends
+        the sequence (the rest are dropped). Returns its delta."""
+        accepted = len(tokens) - 1
+        if not 0 <= accepted < num_new:
+            raise IntegrityError(
+                f"{seq.seq_id!r}: {len(tokens)} tokens answer a step of {num_new} slots"
+            )
+        self.spec_decode.on_step(num_new - 1, accepted)
+        seq.num_inflight_tokens -= num_new
+        if seq.num_pending_tokens:
+            seq.num_pending_tokens -= 1
+        self._count_computed(ws, seq, accepted + 1)
+        ws.kv.rollback(seq.seq_id, seq.num_computed_tokens)
+        appended: list[int] = []
+        reason = None
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            appended.append(token)
+            self.metrics.on_token(seq, now)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+                seq.cumulative_logprob += logprobs[i].logprob
+            reason = seq.check_stop()
+            if reason is not None:
+                break
+        sampling = seq.sampling
+        ws.kv.cache_blocks(
+            seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, sampling.cache_salt
+        )
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._delta(seq, tuple(appended))
 
     @staticmethod
     def _ends_with_pending(seq: Sequence) -> bool:
@@ -773,6 +877,10 @@ class Scheduler:
         """Apply step ``step_id``'s answer for ``seq``, swapped out by the step after it
         (``SwapGroup.late``); returns its delta, or None (nothing applies, or nothing
         was sampled). Call from update for a sequence that is no longer running."""
+        if seq.seq_id in runner_out.spec_token_ids:
+            # can_plan_past never lets a step swap out a sequence whose speculative step
+            # is in flight: its accepted length would be unknown to the swap-out.
+            raise IntegrityError(f"late answer of a speculative step for {seq.seq_id!r}")
         computed = seq.num_computed_tokens
         if not self._swaps.take_late(seq.seq_id, step_id, num_new, computed + num_new):
             return None
@@ -782,7 +890,8 @@ class Scheduler:
             seq.num_computed_tokens = seq.max_computed_tokens = computed + num_new
         token = runner_out.sampled_token_ids.get(seq.seq_id)
         if token is None:
-            return None  # a prefill chunk
+            error = runner_out.failed_seq_ids.get(seq.seq_id)
+            return None if error is None else self._fail_grammar(seq, error)
         seq.append_token(token)
         self.metrics.on_token(seq)
         lp = runner_out.logprobs.get(seq.seq_id)
@@ -793,6 +902,13 @@ class Scheduler:
         if reason is not None:
             self._finish(seq, reason)  # frees its host blocks with the swap-out's result
         return self._delta(seq, (token,))
+
+    def _fail_grammar(self, seq: Sequence, error: str) -> SequenceOutput:
+        """End ``seq`` as aborted: its structured-output grammar failed on the worker
+        (:attr:`RunnerOutput.failed_seq_ids`); the other sequences go on."""
+        _log.warning("sequence %s aborted: %s", seq.seq_id, error)
+        self._finish(seq, FinishReason.ABORT)
+        return self._delta(seq, ())
 
     # ------------------------------------------------------------------ beam search
     def _apply_beam_step(self, request_id: str, step: BeamStep) -> list[SequenceOutput]:
@@ -969,6 +1085,7 @@ class Scheduler:
             prefix_cache_hits=hits,
             swap=self.swap_stats(),
             num_recomputed_tokens=self.num_recomputed_tokens,
+            spec_decode=self.spec_decode.snapshot(),
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:
@@ -1050,8 +1167,20 @@ class Scheduler:
     def can_plan_past(self, sched_out: SchedulerOutput) -> bool:
         """Whether the worker's next step may be planned while ``sched_out`` is in flight
         (overlapped scheduling): False when it swaps a group in, whose failure makes the
-        worker drop the group (see :mod:`.swapping`)."""
+        worker drop the group (see :mod:`.swapping`), and with speculative decoding for a
+        step of resident sequences (unless its batch switches proposals off)."""
         swap = sched_out.swap_plan
+        if (
+            self._proposer is not None
+            and sched_out.cached_seqs
+            and len(sched_out.num_scheduled_tokens) < self._spec_max_batch
+        ):
+            # NOTE: a proposal needs the sequence's last token, which the scheduler does
+            # not have while the step that samples it runs, and a speculative step's
+            # answer decides how many slots and positions the next one starts from: with
+            # speculation, steps of sequences the worker holds are not planned past,
+            # unless their batch is large enough to switch proposals off.
+            return False
         return swap is None or not swap.blocks_to_swap_in
 
     def swap_spec(self, worker_id: int) -> SwapSpec | None:

@@ -8,7 +8,9 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
-6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), sample
+6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), then the
+   structured-output bitmask of the constrained rows (filled on a thread while step 5 ran,
+   :mod:`pagedserve.worker.structured`), sample
    for the sequences whose known tokens are all computed after the step (logprobs from
    the raw logits for those that ask), append
    the sampled token to the worker's copy of their token list, advance
@@ -20,6 +22,7 @@ token back; it only sends block-table deltas.
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ from pagedserve.scheduler.outputs import (
     SchedulerOutput,
     SwapResult,
 )
-from pagedserve.scheduler.sampling_params import SamplingParams
+from pagedserve.scheduler.sampling_params import GREEDY_TEMPERATURE, SamplingParams
 from pagedserve.worker import precision
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
@@ -51,6 +54,8 @@ from pagedserve.worker.kv_swap import KVSwapper, SwapError
 from pagedserve.worker.logits import compute_logprobs, process_logits
 from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.sampler import Sampler
+from pagedserve.worker.spec_decode import accept, expand_rows
+from pagedserve.worker.structured import StructuredOutputsRunner
 from pagedserve.worker.weights import load_model
 
 if TYPE_CHECKING:  # grpc only where a store is connected
@@ -188,6 +193,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend, connect=self._connect_remote_store)
+        self.structured = StructuredOutputsRunner(
+            str(self.model_path), self.arch.vocab_size, self.arch.eos_token_ids
+        )
 
     def _make_batch_invariant(self) -> None:
         """Fixed-shape matmuls (see :mod:`pagedserve.worker.batch_invariant`).
@@ -261,6 +269,13 @@ class ModelRunner:
                 choice_index=new.choice_index,
                 seed=secrets.randbits(63) if seed is None else seed,
             )
+            spec = new.sampling.structured_outputs
+            if spec is not None:
+                # Fork, recompute, swap-in and migration all arrive here: the matcher is
+                # rebuilt from the outputs the scheduler holds.
+                self.seqs[new.seq_id].grammar = self.structured.build(
+                    spec, new.token_ids[new.num_prompt_tokens :]
+                )
         for cached in so.cached_seqs:
             state = self.seqs.get(cached.seq_id)
             if state is None:
@@ -275,6 +290,9 @@ class ModelRunner:
             state.block_ids.assign(start, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.token_ids.extend(cached.new_token_ids)  # chosen by beam search
+            if cached.spec_token_ids:  # verified this step (spec_decode)
+                state.token_ids.extend(cached.spec_token_ids)
+                state.num_spec_tokens = len(cached.spec_token_ids)
         unknown = [r for r in so.num_scheduled_tokens if r not in self.seqs]
         if unknown:
             raise ValueError(f"scheduled sequences unknown to this worker: {unknown}")
@@ -324,6 +342,15 @@ class ModelRunner:
         inputs = prepare_inputs(
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
+        states = [self.seqs[r] for r in inputs.sample_seq_ids]
+        # A speculative step (proposals to verify) has no constrained row: speculation and
+        # structured outputs are refused together at validation.
+        speculative = any(s.num_spec_tokens for s in states)
+        # NOTE: the grammar bitmask fills on a thread while the forward runs (xgrammar's
+        # fill releases the GIL, as do the model's kernels); None when nothing is masked.
+        grammar_step = (
+            None if speculative else self.structured.start_fill([s.grammar for s in states])
+        )
         logits = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -331,7 +358,14 @@ class ModelRunner:
             inputs.attn_metadata,
             inputs.logits_indices,
         )
-        states = [self.seqs[r] for r in inputs.sample_seq_ids]
+        if speculative:
+            out = self._verify(so, logits, states, scheduled)
+            return dataclasses.replace(
+                out,
+                execute_time_s=time.perf_counter() - start,
+                swap_results=swaps,
+                started_s=started_s,
+            )
         processed = process_logits(
             logits,
             [s.sampling for s in states],
@@ -339,18 +373,98 @@ class ModelRunner:
             [s.num_prompt_tokens for s in states],
             self.arch.eos_token_ids,
         )
+        fill_s = 0.0
+        if grammar_step is not None:
+            # NOTE: masked in place unless the raw logits are read after sampling.
+            copy = processed is logits and any(
+                s.sampling.logprobs is not None or s.sampling.use_beam_search for s in states
+            )
+            greedy = [
+                s.sampling.temperature < GREEDY_TEMPERATURE or s.sampling.top_k == 1 for s in states
+            ]
+            processed, fill_s = self.structured.apply(grammar_step, processed, copy, greedy)
         tokens = self.sampler(processed, [s.sampling_row() for s in states])
         logprobs = self._logprobs(logits, states, tokens)
         beams = self._beam_candidates(logits, states)
         for state, n in scheduled:
             state.num_computed_tokens += n
         sampled = {}
+        failed: dict[str, str] = {}
         for state, token in zip(states, tokens):
-            if state.seq_id not in beams:  # beam search: the scheduler chooses the token
-                state.token_ids.append(token)
-                sampled[state.seq_id] = token
+            if state.seq_id in beams:  # beam search: the scheduler chooses the token
+                continue
+            # The worker keeps the token even when the grammar fails, so a step already
+            # planned for the sequence still finds its tokens; the scheduler aborts it.
+            state.token_ids.append(token)
+            grammar = state.grammar
+            if grammar is not None and (grammar.error or not grammar.accept(token)):
+                failed[state.seq_id] = grammar.error
+                continue
+            sampled[state.seq_id] = token
         return RunnerOutput(
-            so.step_id, sampled, time.perf_counter() - start, logprobs, beams, swaps, started_s
+            so.step_id,
+            sampled,
+            time.perf_counter() - start,
+            logprobs,
+            beams,
+            swaps,
+            started_s,
+            failed,
+            fill_s,
+        )
+
+    def _verify(
+        self,
+        so: SchedulerOutput,
+        logits: torch.Tensor,
+        states: list[SequenceState],
+        scheduled: list[tuple[SequenceState, int]],
+    ) -> RunnerOutput:
+        """Sample every row of a step with speculative sequences and keep the accepted
+        tokens (:mod:`pagedserve.worker.spec_decode`). A speculative sequence advances by
+        its last known token and the accepted proposals and answers in
+        ``spec_token_ids``; the others as in a plain step."""
+        vr = expand_rows(states)
+        processed = process_logits(
+            logits, vr.params, vr.token_ids, vr.num_prompt_tokens, self.arch.eos_token_ids
+        )
+        drawn = self.sampler(processed, vr.rows)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, SampleLogprobs] = {}
+        spec: dict[str, list[int]] = {}
+        spec_lps: dict[str, list[SampleLogprobs]] = {}
+        rejected: dict[str, int] = {}
+        for i, state in enumerate(states):
+            first, end = vr.starts[i], vr.starts[i + 1]
+            s = state.num_spec_tokens
+            known = len(state.token_ids) - s
+            tokens = accept(state.token_ids[known:], drawn[first:end])
+            del state.token_ids[known:]
+            state.token_ids.extend(tokens)
+            state.num_spec_tokens = 0
+            k = state.sampling.logprobs
+            found = []
+            if k is not None:
+                found = compute_logprobs(
+                    logits, range(first, first + len(tokens)), tokens, [k] * len(tokens)
+                )
+            if s:
+                spec[state.seq_id] = tokens
+                rejected[state.seq_id] = s + 1 - len(tokens)
+                if found:
+                    spec_lps[state.seq_id] = found
+            else:
+                sampled[state.seq_id] = tokens[0]
+                if found:
+                    logprobs[state.seq_id] = found[0]
+        for state, n in scheduled:
+            state.num_computed_tokens += n - rejected.get(state.seq_id, 0)
+        return RunnerOutput(
+            so.step_id,
+            sampled,
+            logprobs=logprobs,
+            spec_token_ids=spec,
+            spec_logprobs=spec_lps,
         )
 
     def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:

@@ -265,10 +265,10 @@ def test_bad_completion_fields_are_400_naming_the_field(oai, model, kwargs, para
             ),
             "messages[0].content[0].type",
         ),
-        (dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (dict(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools[0].function.name"),
         (
             dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
-            "response_format",
+            "response_format.json_schema.schema",
         ),
         (dict(top_logprobs=2), "top_logprobs"),
     ],

@@ -149,9 +149,8 @@ def test_chat_body_maps_messages_and_logprobs():
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"top_logprobs": 1}, "top_logprobs"),
