@@ -632,7 +632,8 @@ def _stats(args: argparse.Namespace) -> int:
         console.print(
             f"host prefix cache {hp['num_blocks']} of {hp['capacity_blocks']} blocks  hits "
             f"{hp['num_hit_blocks']} blocks ({hp['num_hit_tokens']} tokens)  spills "
-            f"{hp['num_spills']} ({hp['spill_bytes']} B)  loads {hp['num_loads']} "
+            f"{hp['num_spills']} ({hp['spill_bytes']} B, {hp['spill_seconds']:.3f} s)  loads "
+            f"{hp['num_loads']} "
             f"({hp['load_bytes']} B, {hp['load_seconds']:.3f} s)  failed {hp['num_failures']}"
         )
     table = Table(

@@ -154,9 +154,13 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
     )
     tier_bytes.add_metric([model_name, "spill"], hp.spill_bytes)
     tier_bytes.add_metric([model_name, "load"], hp.load_bytes)
-    counter(
-        "host_prefix_cache_load_seconds", "Workers' time spent loading from the host tier, s."
-    ).add_metric([model_name], hp.load_seconds)
+    tier_s = counter(
+        "host_prefix_cache_seconds",
+        "Workers' time spent in host-tier transfers, by direction, s.",
+        [*m, "direction"],
+    )
+    tier_s.add_metric([model_name, "spill"], hp.spill_seconds)
+    tier_s.add_metric([model_name, "load"], hp.load_seconds)
     gauge(
         "host_prefix_cache_blocks", "Host blocks the host tier of the prefix cache holds now."
     ).add_metric([model_name], hp.num_blocks)

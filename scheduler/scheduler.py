@@ -746,7 +746,7 @@ class Scheduler:
     def _route(self, seq: Sequence) -> WorkerState:
         """The worker whose queue ``seq`` joins (:meth:`Router.route`, scoring host-tier
         hits when the tier runs)."""
-        tier = self._swaps.host_prefix_tokens if self._swaps.prefix_caches else None
+        tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
         return self._router.route(seq, self.workers, tier)
 
     def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
@@ -1062,7 +1062,7 @@ class Scheduler:
             return False
         if not all([kv.reset_prefix_cache() for kv in pools]):
             return False
-        self._swaps.clear_host_prefix()
+        self._swaps.tier.clear()
         return True
 
     def stats(self) -> SchedulerStats:

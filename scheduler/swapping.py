@@ -82,13 +82,7 @@ from dataclasses import dataclass, field
 from pagedserve.scheduler.block_pool import EvictedBlock
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import IntegrityError
-from pagedserve.scheduler.host_prefix import (
-    HostEntry,
-    HostLoad,
-    HostPrefixCache,
-    HostPrefixStats,
-    unpin,
-)
+from pagedserve.scheduler.host_prefix import HostEntry, HostPrefixTier, Key
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
 from pagedserve.scheduler.request import Sequence, SequenceStatus
 from pagedserve.scheduler.swap import (
@@ -203,20 +197,12 @@ class SwapManager:
             for store, bw in spec.pull_bandwidth_bytes_per_s.items()
             if store != spec.store_id
         }
-        # store_id -> its host tier of the prefix cache (sharing that store's host pool)
-        self.prefix_caches: dict[str, HostPrefixCache] = {}
-        if config.host_prefix_cache and config.enable_prefix_caching:
-            self.prefix_caches = {
-                store: HostPrefixCache(int(pool.num_blocks * config.host_prefix_cache_fraction))
-                for store, pool in self.host_pools.items()
-            }
-        self._spills: dict[str, list[HostEntry]] = {}  # transfer_id -> its new entries
-        self._loads: dict[str, HostLoad] = {}  # transfer_id -> its pinned entries
-        self._tier = dict.fromkeys(
-            ("hit_blocks", "hit_tokens", "spills", "spill_bytes", "loads", "load_bytes"), 0
+        # the host tier of the prefix cache, in the stores' host pools
+        self.tier = HostPrefixTier(
+            self.host_pools,
+            config.host_prefix_cache_fraction,
+            config.host_prefix_cache and config.enable_prefix_caching,
         )
-        self._tier_failures = 0
-        self._load_s = 0.0
         keys = ("out_bytes", "in_bytes", "outs", "ins", "failures", "remote_ins", "remote_bytes")
         self._counts = dict.fromkeys(keys, 0)
         # worker_id -> its finished swap-outs, swap-ins and failed transfers
@@ -345,7 +331,7 @@ class SwapManager:
                 return None
         pool = self.host_pools[spec.store_id]
         # NOTE: swap preemption comes first: the host tier gives up its LRU blocks.
-        self._reclaim(spec.store_id, len(unique) - pool.num_free_blocks)
+        self.tier.reclaim(spec.store_id, len(unique) - pool.num_free_blocks)
         host = pool.allocate(len(unique))
         if host is None:
             return None  # host pool full: recompute
@@ -588,56 +574,33 @@ class SwapManager:
         """Whether ``worker_id`` spills to and loads from the host tier (its store runs
         one)."""
         store = self.store_of(worker_id)
-        return store is not None and store in self.prefix_caches
+        return store is not None and store in self.tier.caches
 
-    def _reclaim(self, store: str, n: int) -> None:
-        """Return up to ``n`` of the tier's least recently used host blocks of ``store``
-        to its pool (swap preemption needs them)."""
-        cache = self.prefix_caches.get(store)
-        if cache is None or n <= 0:
-            return
-        free: list[int] = []
-        while len(free) < n:
-            hid = cache.evict_lru()
-            if hid is None:
-                break
-            free.append(hid)
-        self.host_pools[store].free(free)
+    def _load_wins(self, ws: WorkerState, num_blocks: int, bandwidth: float) -> bool:
+        """Loading ``num_blocks`` at ``bandwidth`` beats recomputing their tokens on ``ws``
+        (mode ``swap`` loads whatever it finds, as it swaps every victim)."""
+        if self.config.preemption_mode == "swap":
+            return True
+        wid = ws.spec.worker_id
+        load_s = num_blocks * self.specs[wid].block_bytes / bandwidth
+        return load_s < self.costs[wid].recompute_s(num_blocks * ws.spec.block_size)
 
     def plan_spills(self, ws: WorkerState, evicted: list[EvictedBlock]) -> SwapTransfer | None:
         """The transfer copying ``evicted`` (cached blocks the device pool of ``ws``
         evicted while planning this step) to the tier of its store, as a swap-out that
-        runs before anything writes them; None when nothing is spilled. Blocks already in
-        the tier are only touched; when the tier is at its capacity or the pool is short,
-        the tier's LRU entry makes room; with every entry busy, the block is lost."""
+        runs before anything writes them (:meth:`HostPrefixTier.spill`); None when nothing
+        is spilled, and under ``auto`` when no load from the own store could beat a
+        recompute at the worker's current rates (the spill would be paid for nothing)."""
         wid = ws.spec.worker_id
         if not evicted or not ws.alive or not self.tier_on(wid) or not self._allowed(wid):
             return None
-        store = self.specs[wid].store_id
-        cache, pool = self.prefix_caches[store], self.host_pools[store]
-        block_ids: list[int] = []
-        entries: list[HostEntry] = []
-        # NOTE: newest first (a prompt's head block is freed last, so evicted last): when
-        # the tier is short, the most recently used blocks and the heads of chains win.
-        for ev in reversed(evicted):
-            if ev.block_hash in cache:
-                cache.touch(ev.block_hash)
-                continue
-            ids = pool.allocate(1) if len(cache) < cache.capacity else None
-            hid = ids[0] if ids else cache.evict_lru()
-            if hid is None:
-                continue
-            e = HostEntry(ev.block_hash, hid, ev.parent_hash, ev.token_ids, ev.extra_keys)
-            cache.add(e)
-            block_ids.append(ev.block_id)
-            entries.append(e)
-        if not entries:
+        if not self._load_wins(ws, 1, self.costs[wid].bandwidth_bytes_per_s):
             return None
-        for e in reversed(entries):  # the tier's LRU order: as they were evicted
-            cache.touch(e.block_hash)
         tid = self._transfer_id("spill")
-        host = [e.host_id for e in entries]
-        self._spills[tid] = entries
+        planned = self.tier.spill(self.specs[wid].store_id, evicted, tid)
+        if planned is None:
+            return None
+        block_ids, host = planned
         self._inflight.setdefault(wid, []).append(
             InFlight("spill", tid, None, host, ws.next_step_id)
         )
@@ -650,8 +613,9 @@ class SwapManager:
         ``ws`` should load from a host tier instead of recomputing them: the longest
         chain in its own store's tier, or in another store's when the pair's pull
         bandwidth is measured, whose ``bytes / bandwidth`` is below the worker's prefill
-        cost of those tokens (mode ``auto``; mode ``swap`` loads every chain it finds). Returns ``(store_id, entries in block order)``; None: none
-        (or the worker backs off after a failed transfer). No side effects."""
+        cost of those tokens (mode ``auto``; mode ``swap`` loads every chain it finds).
+        Returns ``(store_id, entries in block order)``; None: none (or the worker backs
+        off after a failed transfer). No side effects."""
         wid = ws.spec.worker_id
         if not self.tier_on(wid) or not self._allowed(wid):
             return None
@@ -659,45 +623,27 @@ class SwapManager:
         parent = kv.block_hash_of(computed_blocks[-1]) if computed_blocks else None
         if computed_blocks and parent is None:
             return None
-        keys = kv.prefix_keys(
-            seq.all_token_ids, seq.sampling.cache_salt, len(computed_blocks), parent
-        )
-        seen: list[tuple] = []  # the keys hashed so far, shared by the stores' walks
+        salt = seq.sampling.cache_salt
+        keys = kv.prefix_keys(seq.all_token_ids, salt, len(computed_blocks), parent)
+        seen: list[Key] = []
         candidates = [(spec.store_id, self.costs[wid].bandwidth_bytes_per_s)]
         candidates += [
             (store, bw)
             for (w, store), bw in self._pull_bandwidth.items()
             if w == wid
-            and store in self.prefix_caches
+            and store in self.tier.caches
             and store in self._remote_addresses
-            and self.specs_block_bytes(store) == spec.block_bytes
+            and self._store_block_bytes(store) == spec.block_bytes
         ]
         best: tuple[str, list[HostEntry]] | None = None
         for store, bandwidth in candidates:
-            cache = self.prefix_caches[store]
-            found: list[HostEntry] = []
-            while True:
-                if len(found) == len(seen):
-                    nxt = next(keys, None)
-                    if nxt is None:
-                        break
-                    seen.append(nxt)
-                e = cache.lookup(*seen[len(found)])
-                if e is None:
-                    break
-                found.append(e)
-            n = len(found)
-            if not n or (best is not None and n <= len(best[1])):
-                continue
-            load_s = n * spec.block_bytes / bandwidth
-            # NOTE: mode swap loads whatever it can, as it swaps every victim it can.
-            if self.config.preemption_mode == "swap" or load_s < self.costs[wid].recompute_s(
-                n * ws.spec.block_size
-            ):
+            found = self.tier.chain(store, keys, seen)
+            longer = found and (best is None or len(found) > len(best[1]))
+            if longer and self._load_wins(ws, len(found), bandwidth):
                 best = store, found
         return best
 
-    def specs_block_bytes(self, store: str) -> int:
+    def _store_block_bytes(self, store: str) -> int:
         """Bytes of one KV block of the workers of ``store``."""
         return next(s.block_bytes for s in self.specs.values() if s.store_id == store)
 
@@ -712,17 +658,11 @@ class SwapManager:
         loaded into its fresh device blocks ``block_ids``: pin them; the load's transfer
         (a swap-in that frees nothing, in flight from now)."""
         store, entries = found
-        cache = self.prefix_caches[store]
-        for e in entries:
-            e.pins += 1
-            cache.touch(e.block_hash)
+        wid = ws.spec.worker_id
         tid = self._transfer_id("load")
-        host = [e.host_id for e in entries]
-        source = (
-            None if store == self.store_of(ws.spec.worker_id) else self._remote_addresses[store]
-        )
-        self._loads[tid] = HostLoad(store, entries, len(entries) * ws.spec.block_size, [seq.seq_id])
-        self._inflight.setdefault(ws.spec.worker_id, []).append(
+        host = self.tier.pin(store, entries, tid, seq.seq_id, ws.spec.block_size)
+        source = None if store == self.store_of(wid) else self._remote_addresses[store]
+        self._inflight.setdefault(wid, []).append(
             InFlight("load", tid, None, host, ws.next_step_id, [seq.seq_id], store_id=store)
         )
         return SwapTransfer(tid, block_ids, host, [seq.seq_id], [], source)
@@ -732,75 +672,25 @@ class SwapManager:
         hit (routing; no side effects)."""
         if not self.tier_on(ws.spec.worker_id):
             return 0
-        computed, _ = ws.kv.get_computed_blocks(
-            seq.all_token_ids, seq.sampling.cache_salt, count=False
-        )
+        salt = seq.sampling.cache_salt
+        computed, _ = ws.kv.get_computed_blocks(seq.all_token_ids, salt, count=False)
         found = self.find_host_prefix(ws, seq, computed)
         return 0 if found is None else len(found[1]) * ws.spec.block_size
-
-    def clear_host_prefix(self) -> None:
-        """Forget every host-tier entry (new weights); blocks a transfer holds go back to
-        the pool when it answers."""
-        for store, cache in self.prefix_caches.items():
-            self.host_pools[store].free(cache.clear())
 
     def _resolve_tier(
         self, worker_id: int, f: InFlight, r: SwapResult, res: SwapResolution, store: str
     ) -> None:
-        """Apply the result of a spill or a load (see :mod:`.host_prefix`)."""
-        pool, cache = self.host_pools[store], self.prefix_caches[store]
+        """Apply the result of a spill or a load (:meth:`HostPrefixTier.resolve`)."""
         if not r.ok:
-            self._tier_failures += 1
             self._backoff_until[worker_id] = time.monotonic() + _BACKOFF_S
         elif store != self.specs[worker_id].store_id:
             self._observe_pull(worker_id, store, r)
         else:
             self.costs[worker_id].observe_transfer(r.num_bytes, r.seconds)
-        if f.kind == "spill":
-            for e in self._spills.pop(f.transfer_id):
-                if r.ok and not e.dropped:
-                    e.ready = True
-                else:
-                    cache.discard(e)
-                    pool.free([e.host_id])
-            if r.ok:
-                self._tier["spills"] += len(f.host_ids)
-                self._tier["spill_bytes"] += r.num_bytes
-            return
-        load = self._loads.pop(f.transfer_id)
-        unpin(load.entries)
-        if r.ok:
-            t = self._tier
-            t["loads"] += 1
-            t["load_bytes"] += r.num_bytes
-            t["hit_blocks"] += len(load.entries)
-            t["hit_tokens"] += load.num_tokens
-            self._load_s += r.seconds
-        else:
-            for e in load.entries:  # NOTE: the store may be dead or the bytes bad
-                if cache.discard(e):
-                    e.dropped = True
-            res.requeue.extend(load.seq_ids)
+        requeue = self.tier.resolve(store, f.kind, f.transfer_id, r.ok, r.num_bytes, r.seconds)
+        if requeue:
+            res.requeue.extend(requeue)
             res.wake = True
-        pool.free([e.host_id for e in load.entries if e.dropped and e.pins == 0])
-
-    def host_prefix_stats(self) -> HostPrefixStats:
-        """The host tier's counters and occupancy (see :class:`HostPrefixStats`)."""
-        t = self._tier
-        caches = self.prefix_caches.values()
-        return HostPrefixStats(
-            enabled=bool(self.prefix_caches),
-            capacity_blocks=sum(c.capacity for c in caches),
-            num_blocks=sum(len(c) for c in caches),
-            num_hit_blocks=t["hit_blocks"],
-            num_hit_tokens=t["hit_tokens"],
-            num_spills=t["spills"],
-            spill_bytes=t["spill_bytes"],
-            num_loads=t["loads"],
-            load_bytes=t["load_bytes"],
-            load_seconds=self._load_s,
-            num_failures=self._tier_failures,
-        )
 
     # ------------------------------------------------------------------ introspection
     def stats(self, preemptions_by_mode: dict[str, int]) -> SwapStats:
@@ -825,7 +715,7 @@ class SwapManager:
             bandwidth_bytes_per_s=_mean([m.bandwidth_bytes_per_s for m in costs]),
             prefill_s_per_token=_mean([m.prefill_s_per_token for m in costs]),
             preemptions_by_mode=preemptions_by_mode,
-            host_prefix=self.host_prefix_stats(),
+            host_prefix=self.tier.stats(),
         )
 
     def worker_stats(self, worker_id: int) -> WorkerSwapStats:
@@ -855,12 +745,8 @@ class SwapManager:
                 held[self._store_of_flight(wid, f)] |= set(f.host_ids)
         for store, ids in self._host_free_queue.items():
             held[store] |= set(ids)
-        for store, cache in self.prefix_caches.items():
-            if len(cache) > cache.capacity:
-                raise IntegrityError(
-                    f"host tier of store {store!r}: {len(cache)} blocks > capacity {cache.capacity}"
-                )
-            held[store] |= cache.host_ids()
+        for store in self.host_pools:
+            held[store] |= self.tier.held(store)
         for store, pool in self.host_pools.items():
             if len(held[store]) + pool.num_free_blocks != pool.num_blocks:
                 raise IntegrityError(

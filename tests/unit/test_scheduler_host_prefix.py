@@ -150,7 +150,7 @@ def test_abort_during_a_load_frees_everything() -> None:
     so = sched.schedule(0).output
     (load,) = loads_of(so)
     assert load.seq_ids == ["a1/0"] and load.host_block_ids == [0, 1, 2]
-    tier = sched._swaps.prefix_caches[""]
+    tier = sched._swaps.tier.caches[""]
     assert all(tier.lookup(*k).pins == 1 for k in _keys(sched, A))  # pinned while in flight
     sched.abort_request("a1")
     sched.check_integrity()
@@ -185,7 +185,7 @@ def test_a_failed_load_recomputes(dead: bool) -> None:
     assert steps[1].num_scheduled_tokens == {"a1/0": 13}  # recomputed whole
     hp = sched.swap_stats().host_prefix
     assert hp.num_failures >= 1 and hp.num_hit_blocks == 0
-    tier = sched._swaps.prefix_caches[""]
+    tier = sched._swaps.tier.caches[""]
     assert all(tier.lookup(*k) is None for k in _keys(sched, A))  # dropped
     assert sched.workers[0].kv.num_free_blocks == NUM_BLOCKS
     sched.check_integrity()
@@ -193,13 +193,14 @@ def test_a_failed_load_recomputes(dead: bool) -> None:
 
 def test_load_only_when_cheaper_than_recompute() -> None:
     fake = FakeKVWorker(NUM_BLOCKS, {})
-    # 300 bytes at >= 1e3 B/s (the spills refine it) > 12 tokens at 1 ns: recompute
+    # a 100-byte block at 1e9 B/s (100 ns) > its 4 tokens at 1 ns: recompute
     sched = make(prefill=1e-9, mode="auto")
     ref = evict_a(sched, fake)
     steps: list = []
     assert send(sched, [fake], "a1", A, on_plan=lambda s, w, so, c: steps.append(so)) == ref
     assert not any(loads_of(so) for so in steps)
     assert steps[0].num_scheduled_tokens == {"a1/0": 13}
+    assert sched.swap_stats().host_prefix.num_spills == 0  # no load could pay for one
     forced = make(prefill=1e-9, mode="swap")  # swap loads whatever it finds
     evict_a(forced, fake)
     steps.clear()
@@ -217,7 +218,7 @@ def test_the_tier_keeps_its_capacity_by_lru() -> None:
         send(sched, [fake], f"b{i}", other)  # evicts p (and spills it)
         hp = sched.swap_stats().host_prefix
         assert hp.num_blocks <= hp.capacity_blocks == 4
-    tier = sched._swaps.prefix_caches[""]
+    tier = sched._swaps.tier.caches[""]
     # the last prompt's 3 blocks are the most recent: kept; the first's are gone
     assert all(tier.lookup(*k) is not None for k in _keys(sched, prompts[-1]))
     assert all(tier.lookup(*k) is None for k in _keys(sched, prompts[0]))
@@ -249,7 +250,7 @@ def test_integrity_catches_a_leaked_or_overfull_tier() -> None:
     fake = FakeKVWorker(NUM_BLOCKS, {})
     sched = make()
     evict_a(sched, fake)
-    tier = sched._swaps.prefix_caches[""]
+    tier = sched._swaps.tier.caches[""]
     assert len(tier) == 3  # A's blocks (B's are still on the device)
     sched.check_integrity()
     assert tier.evict_lru() is not None  # dropped without returning its host id
@@ -323,7 +324,7 @@ def test_router_scores_host_hits_below_device_hits() -> None:
         ws0.waiting.remove(seq)
         sched._enqueue(ws1, seq)
         drive(sched, [f.execute for f in fakes])
-    assert len(sched._swaps.prefix_caches["b"]) == 3 and not sched._swaps.prefix_caches["a"]
+    assert len(sched._swaps.tier.caches["b"]) == 3 and not sched._swaps.tier.caches["a"]
     seqs = sched.add_request(EngineRequest("a1", A, SHORT))
     assert seqs[0].queued_on == 1  # a host hit on worker 1's store beats a cold worker 0
     drive(sched, [f.execute for f in fakes])
@@ -368,7 +369,7 @@ def test_a_host_hit_on_another_nodes_store_is_pulled_when_cheaper(pull_bw: float
     for rid, p in (("a0", A), ("b0", B)):
         sched.add_request(EngineRequest(rid, p, SHORT))
         drive(sched, [f.execute for f in fakes])
-    assert len(sched._swaps.prefix_caches["a"]) == 3
+    assert len(sched._swaps.tier.caches["a"]) == 3
     ws0.alive = False  # worker 0 is gone; its store still serves
     loads: list = []
     sched.add_request(EngineRequest("a1", A, SHORT))

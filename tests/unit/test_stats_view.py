@@ -81,7 +81,7 @@ def _with_remote_swap_ins(sched: Scheduler):
             else w
             for w in st.workers
         ]
-        tier = HostPrefixStats(True, 64, 5, 3, 48, 7, 700, 1, 300, 0.25, 0)
+        tier = HostPrefixStats(True, 64, 5, 3, 48, 7, 700, 0.5, 1, 300, 0.25, 0)
         swap = dataclasses.replace(st.swap, host_prefix=tier, **pulled)
         return dataclasses.replace(st, workers=workers, swap=swap)
 
@@ -130,7 +130,7 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert (hp["num_hit_blocks"], hp["num_hit_tokens"], hp["spill_bytes"]) == (3, 48, 700)
         assert (hp["load_bytes"], hp["load_seconds"], hp["capacity_blocks"]) == (300, 0.25, 64)
         assert "host prefix cache 5 of 64 blocks  hits 3 blocks (48 tokens)" in text
-        assert "loads 1 (300 B, 0.250 s)" in text
+        assert "spills 7 (700 B, 0.500 s)  loads 1 (300 B, 0.250 s)" in text
         assert "acceptance rate 0.500" in text and "mean accepted length 3.00" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
