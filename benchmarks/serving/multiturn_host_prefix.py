@@ -158,24 +158,43 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--swap-space", type=float, default=1.0, help="GiB of host store")
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap"])
+    p.add_argument("--repeats", type=int, default=1, help="pairs, in alternating order")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     model_dir = str(resolve_model(args.model, progress=True))
-    runs = [run_once(args, model_dir, tier) for tier in (False, True)]
-    off, on = runs
-    equal = off["outputs"] == on["outputs"]
+    runs = []
+    for i in range(args.repeats):  # off, on, on, off, ...: drift on a shared machine cancels
+        order = (False, True) if i % 2 == 0 else (True, False)
+        runs += [run_once(args, model_dir, tier) for tier in order]
+    equal = all(r["outputs"] == runs[0]["outputs"] for r in runs)
     print(f"{'tier':>5} {'prompt tok':>10} {'computed':>9} {'TTFT p50':>9} {'TTFT p99':>9} "
-          f"{'tok/s':>7} {'host hits (tok)':>15} {'spills':>7} {'loads':>6} {'load s':>7}")  # fmt: skip
+          f"{'tok/s':>7} {'host hits (tok)':>15} {'spills':>7} {'spill s':>7} {'loads':>6} "
+          f"{'load s':>7}")  # fmt: skip
     for r in runs:
         hp = r["host_prefix"]
         print(
             f"{'on' if r['host_prefix_cache'] else 'off':>5} {r['prompt_tokens']:>10} "
             f"{r['prompt_tokens_computed']:>9} {r['ttft_p50_s']:>9.3f} {r['ttft_p99_s']:>9.3f} "
             f"{r['output_tokens_per_s']:>7.2f} {hp['num_hit_tokens']:>15} {hp['num_spills']:>7} "
-            f"{hp['num_loads']:>6} {hp['load_seconds']:>7.3f}"
+            f"{hp['spill_seconds']:>7.3f} {hp['num_loads']:>6} {hp['load_seconds']:>7.3f}"
         )
+    med = {}
+    for tier in (False, True):
+        mine = [r for r in runs if r["host_prefix_cache"] is tier]
+        med[tier] = {
+            k: statistics.median(r[k] for r in mine)
+            for k in ("prompt_tokens_computed", "ttft_p50_s", "ttft_p99_s", "output_tokens_per_s")
+        }
+    ratio = {k: med[True][k] / med[False][k] for k in med[True] if med[False][k]}
+    print("median on / off: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items()))
     print(f"greedy outputs equal: {equal}")
-    result = {"args": vars(args), "runs": runs, "greedy_equal": equal}
+    result = {
+        "args": vars(args),
+        "runs": runs,
+        "median": {"off": med[False], "on": med[True]},
+        "ratio_on_off": ratio,
+        "greedy_equal": equal,
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
