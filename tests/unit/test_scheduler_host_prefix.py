@@ -422,3 +422,28 @@ def test_multi_turn_conversations_load_from_the_host_tier(overlap: bool) -> None
     assert hp.num_hit_tokens > 0 and hp.num_failures == 0
     assert computed_on == computed_off - hp.num_hit_tokens  # each loaded token not computed
     assert not off.swap_stats().host_prefix.enabled
+
+
+def test_blocks_a_transfer_holds_are_never_reused_before_its_answer() -> None:
+    """A spill in flight pins its host ids: swap preemption cannot reclaim them and a
+    reset of the prefix cache frees them only once the spill answers."""
+    fake = FakeKVWorker(NUM_BLOCKS, {})
+    sched = make(host_blocks=3, fraction=1.0)
+    send(sched, [fake], "a0", A)
+    sched.add_request(EngineRequest("b0", B, SHORT))
+    so = sched.schedule(0).output
+    (spill,) = spills_of(so)
+    assert spill.host_block_ids == [0, 1, 2]
+    sw = sched._swaps
+    pool = sw.host_pools[""]
+    assert pool.num_free_blocks == 0
+    sw.tier.reclaim("", 3)  # what a swap-out that finds the store short asks
+    assert pool.num_free_blocks == 0  # not ready yet: nothing reclaimed
+    sw.tier.clear()  # new weights while the spill runs
+    assert pool.num_free_blocks == 0
+    sched.check_integrity()
+    sched.update(0, so, fake.execute(so))
+    assert pool.num_free_blocks == 3 and len(sw.tier.caches[""]) == 0
+    sched.check_integrity()
+    drive(sched, [fake.execute])
+    sched.check_integrity()
