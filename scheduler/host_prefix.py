@@ -5,9 +5,11 @@ HiCache).
 Pure Python, metadata only: a :class:`HostPrefixCache` per store maps a block hash (which
 covers the whole prefix, the ``cache_salt`` and the KV dtype:
 :mod:`pagedserve.scheduler.block_hash`) to the host block holding that block's K/V, with
-its own LRU and its own capacity (a share of the store's host blocks). The swap manager
-(:mod:`pagedserve.scheduler.swapping`) shares the store's :class:`HostBlockPool` with it,
-plans the transfers and resolves them; this module only keeps the entries and counters.
+its own LRU and its own capacity (a share of the store's host blocks).
+:class:`HostPrefixTier` holds every store's cache, the spills and loads in flight and the
+counters; the swap manager (:mod:`pagedserve.scheduler.swapping`) shares each store's
+``HostBlockPool`` with it, decides (cost model, backoff), numbers the transfers and
+routes their answers here.
 
 Entry life: a spill (the device pool evicted a cached block at ref count 0; the worker
 copies it out at the start of the next step, before anything writes it) adds an entry

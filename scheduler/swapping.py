@@ -50,6 +50,13 @@ blocks return to their store's pool only once the worker that touched them answe
 (``InFlight.store_id`` names the source store of a pull), so a host id is never reused
 while a transfer may still write or read it.
 
+The host tier of the prefix cache (:mod:`pagedserve.scheduler.host_prefix`) lives in the
+same host pools: :meth:`SwapManager.plan_spills` copies the cached blocks a device pool
+evicted into its store's tier (a swap-out before anything writes them),
+:meth:`SwapManager.find_host_prefix` and :meth:`SwapManager.commit_load` load a prompt's
+next blocks from a tier (own store, or another by a pull) when that beats recomputing
+them; a swap-out that finds its store short takes the tier's LRU blocks first.
+
 Overlapped scheduling (``async_scheduling``: step t+1 is planned while step t runs; the
 worker runs its steps one at a time, in order):
 
