@@ -168,6 +168,19 @@ def _add_serve(sub: Any) -> None:
         help="GiB of CPU memory in the host block store (0 = no store: recompute only)",
     )
     p.add_argument(
+        "--no-host-prefix-cache",
+        action="store_true",
+        help="do not spill cached blocks evicted from the KV pool to the host block store "
+        "(the host tier of the prefix cache, on whenever a store runs)",
+    )
+    p.add_argument(
+        "--host-prefix-cache-fraction",
+        type=float,
+        default=0.5,
+        help="share of the host block store the host tier of the prefix cache may hold "
+        "(0..1]; swap preemption may take its blocks too",
+    )
+    p.add_argument(
         "--admission",
         choices=ADMISSION_POLICIES,
         default="fits-now",
@@ -479,6 +492,8 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             async_scheduling=not args.no_async_scheduling,
             step_deadline_floor_s=getattr(args, "step_deadline_floor", 30.0),
             step_deadline_factor=getattr(args, "step_deadline_factor", 20.0),
+            host_prefix_cache=not getattr(args, "no_host_prefix_cache", False),
+            host_prefix_cache_fraction=getattr(args, "host_prefix_cache_fraction", 0.5),
             speculative_config=_speculative_config(args),
         ),
         server=ServerConfig(
@@ -615,6 +630,15 @@ def _stats(args: argparse.Namespace) -> int:
         f"from another node {sw['num_remote_swap_ins']}, {sw['remote_swap_in_bytes']} B)  "
         f"failed {sw['num_swap_failures']}"
     )
+    hp = sw.get("host_prefix", {})
+    if hp.get("enabled"):
+        console.print(
+            f"host prefix cache {hp['num_blocks']} of {hp['capacity_blocks']} blocks  hits "
+            f"{hp['num_hit_blocks']} blocks ({hp['num_hit_tokens']} tokens)  spills "
+            f"{hp['num_spills']} ({hp['spill_bytes']} B, {hp['spill_seconds']:.3f} s)  loads "
+            f"{hp['num_loads']} "
+            f"({hp['load_bytes']} B, {hp['load_seconds']:.3f} s)  failed {hp['num_failures']}"
+        )
     table = Table(
         "worker",
         "blocks",

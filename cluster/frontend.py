@@ -259,6 +259,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_remote_swap_ins=sw.num_remote_swap_ins,
                 remote_swap_in_bytes=sw.remote_swap_in_bytes,
                 preemptions_by_mode=sw.preemptions_by_mode,
+                host_prefix=pb.HostPrefixStats(**dataclasses.asdict(sw.host_prefix)),
             )
         )
         sd = st.spec_decode

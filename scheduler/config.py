@@ -124,6 +124,14 @@ class SchedulerConfig:
             default is generous: a first step (warm-up, compilation) may be slow.
         step_deadline_factor: the multiple of the moving-average step time (0: the
             floor alone).
+        host_prefix_cache: the host tier of the prefix cache
+            (:mod:`pagedserve.scheduler.host_prefix`): cached blocks evicted from a
+            worker's pool are spilled to its node's host store and loaded back on a hit
+            when that beats recomputing them. Runs only with prefix caching and a host
+            store (``SwapSpec``).
+        host_prefix_cache_fraction: in (0, 1]: the share of each store's host blocks the
+            tier may hold; swap preemption may take the tier's blocks too (it evicts the
+            tier's least recently used ones when the store is short).
         speculative_config: speculative decoding (:class:`SpeculativeConfig`); None: off.
             Beam-search requests are refused while it is on. Decode steps are then not
             overlapped (:meth:`~pagedserve.scheduler.scheduler.Scheduler.can_plan_past`).
@@ -145,6 +153,8 @@ class SchedulerConfig:
     async_scheduling: bool = True
     step_deadline_floor_s: float = 30.0
     step_deadline_factor: float = 20.0
+    host_prefix_cache: bool = True
+    host_prefix_cache_fraction: float = 0.5
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -191,6 +201,11 @@ class SchedulerConfig:
             )
         if not self.step_deadline_factor >= 0.0:
             raise ValueError(f"step_deadline_factor must be >= 0, got {self.step_deadline_factor}")
+        if not 0.0 < self.host_prefix_cache_fraction <= 1.0:
+            raise ValueError(
+                f"host_prefix_cache_fraction must be in (0, 1], "
+                f"got {self.host_prefix_cache_fraction}"
+            )
         if self.speculative_config is not None and not isinstance(
             self.speculative_config, SpeculativeConfig
         ):

@@ -170,7 +170,11 @@ class Scheduler:
             w.worker_id: WorkerState(
                 spec=w,
                 kv=KVCacheManager(
-                    w.num_blocks, w.block_size, config.enable_prefix_caching, w.kv_cache_dtype
+                    w.num_blocks,
+                    w.block_size,
+                    config.enable_prefix_caching,
+                    w.kv_cache_dtype,
+                    track_evictions=config.host_prefix_cache and swap is not None,
                 ),
             )
             for w in workers
@@ -237,7 +241,7 @@ class Scheduler:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
-        self._enqueue(self._router.route(seqs[0], self.workers), seqs[0])
+        self._enqueue(self._route(seqs[0]), seqs[0])
         return seqs
 
     def abort_request(
@@ -401,6 +405,9 @@ class Scheduler:
             wake = bool(ws.waiting and num_scheduled)
 
         not_resident.extend(itertools.islice(num_scheduled, num_from_running, None))
+        spill = self._swaps.plan_spills(ws, kv.take_evicted())
+        if spill is not None:
+            swap_outs.append(spill)
         swap = SwapPlan(swap_outs, swap_ins) if swap_outs or swap_ins else None
         out = self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy, swap)
         return StepPlan(out, wake)
@@ -420,6 +427,7 @@ class Scheduler:
         seats = ws.num_seats
         projection: GrowthProjection | None = None
         reserve = self.config.admission_reserve  # a reservation mode needs no projection
+        tier = self._swaps.tier_on(ws.spec.worker_id)
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
             if self._swaps.is_swapped(seq):  # resumes with its KV from the host store
@@ -434,7 +442,10 @@ class Scheduler:
             tokens = seq.all_token_ids
             salt = seq.sampling.cache_salt
             computed_blocks, num_computed = kv.get_computed_blocks(tokens, salt, count=False)
-            num_new = len(tokens) - num_computed
+            # The next full blocks may be in a host tier: loaded instead of recomputed.
+            found = self._swaps.find_host_prefix(ws, seq, computed_blocks) if tier else None
+            num_loaded = len(found[1]) * kv.block_size if found else 0
+            num_new = len(tokens) - num_computed - num_loaded
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -448,9 +459,15 @@ class Scheduler:
                 footprints = self._admission.candidate_footprints(ws, seq, computed_blocks)
                 if not projection.fits(footprints):
                     break
-            result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
+            result = kv.allocate_slots(
+                seq.seq_id, num_computed + num_loaded + num_new, computed_blocks
+            )
             if result is None:
                 break
+            if found:
+                start = len(computed_blocks)
+                dest = result.new_block_ids[start : start + len(found[1])]
+                swap_ins.append(self._swaps.commit_load(ws, seq, found, dest))
             ws.waiting.popleft()
             seq.queued_on = None
             if projection is not None:
@@ -458,9 +475,9 @@ class Scheduler:
             kv.record_prefix_query(len(tokens), num_computed)
             seq.status = SequenceStatus.RUNNING
             seq.worker_id = ws.spec.worker_id
-            seq.num_computed_tokens = num_computed
+            seq.num_computed_tokens = num_computed + num_loaded
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_computed
+                seq.num_cached_tokens = num_computed + num_loaded
             ws.running.append(seq)
             self.metrics.on_scheduled(seq)
             num_scheduled[seq.seq_id] = num_new
@@ -725,6 +742,12 @@ class Scheduler:
         0; arrival time)."""
         prio = seq.sampling.priority if self.config.scheduling_policy == "priority" else 0
         return prio, seq.arrival_s
+
+    def _route(self, seq: Sequence) -> WorkerState:
+        """The worker whose queue ``seq`` joins (:meth:`Router.route`, scoring host-tier
+        hits when the tier runs)."""
+        tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
+        return self._router.route(seq, self.workers, tier)
 
     def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
         """Put a waiting sequence on ``ws``'s queue (see :meth:`WorkerState.enqueue`)."""
@@ -1037,7 +1060,10 @@ class Scheduler:
         pools = [ws.kv for ws in self.workers.values()]
         if any(kv.num_free_blocks != kv.num_blocks for kv in pools):
             return False
-        return all([kv.reset_prefix_cache() for kv in pools])
+        if not all([kv.reset_prefix_cache() for kv in pools]):
+            return False
+        self._swaps.tier.clear()
+        return True
 
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
@@ -1094,7 +1120,7 @@ class Scheduler:
         requeued = list(ws.waiting)
         ws.waiting.clear()
         for seq in reversed(requeued):  # front-inserted: the queue's order is kept
-            self._enqueue(self._router.route(seq, self.workers), seq, front=True)
+            self._enqueue(self._route(seq), seq, front=True)
         return outputs
 
     def revive_worker(self, worker_id: int) -> None:
