@@ -34,6 +34,8 @@ from pagedserve.scheduler.config import (
     PREEMPTION_VICTIMS,
     ROUTING_POLICIES,
     SCHEDULING_POLICIES,
+    SPECULATIVE_METHODS,
+    SpeculativeConfig,
 )
 from pagedserve.worker.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
@@ -166,6 +168,19 @@ def _add_serve(sub: Any) -> None:
         help="GiB of CPU memory in the host block store (0 = no store: recompute only)",
     )
     p.add_argument(
+        "--no-host-prefix-cache",
+        action="store_true",
+        help="do not spill cached blocks evicted from the KV pool to the host block store "
+        "(the host tier of the prefix cache, on whenever a store runs)",
+    )
+    p.add_argument(
+        "--host-prefix-cache-fraction",
+        type=float,
+        default=0.5,
+        help="share of the host block store the host tier of the prefix cache may hold "
+        "(0..1]; swap preemption may take its blocks too",
+    )
+    p.add_argument(
         "--admission",
         choices=ADMISSION_POLICIES,
         default="fits-now",
@@ -229,6 +244,41 @@ def _add_serve(sub: Any) -> None:
         help="ranks each worker's model is sharded over (Megatron-style; one node, "
         "--cpus-per-worker CPUs or one GPU per rank; --workers counts such groups; "
         "default: %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-method",
+        choices=SPECULATIVE_METHODS,
+        default=None,
+        help="speculative decoding: ngram proposes the continuation of the last earlier "
+        "occurrence of the sequence's trailing n-gram (prompt lookup), verified in one "
+        "step; greedy and seeded outputs are unchanged (default: off)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=4,
+        help="with --speculative-method: the most tokens proposed per decode "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-min",
+        type=int,
+        default=1,
+        help="with --speculative-method ngram: shortest n-gram matched (default: %(default)s)",
+    )
+    p.add_argument(
+        "--ngram-max",
+        type=int,
+        default=3,
+        help="with --speculative-method ngram: longest n-gram matched, tried first "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="with --speculative-method: a step whose running batch holds at least this "
+        "many sequences proposes nothing (default: always propose)",
     )
     p.add_argument(
         "--cpus-per-worker",
@@ -400,6 +450,20 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """The ``--speculative-method`` flags as a config (None: speculation off)."""
+    method = getattr(args, "speculative_method", None)
+    if method is None:
+        return None
+    return SpeculativeConfig(
+        method=method,
+        num_speculative_tokens=args.num_speculative_tokens,
+        ngram_min=args.ngram_min,
+        ngram_max=args.ngram_max,
+        disable_by_batch_size=args.speculative_disable_by_batch_size,
+    )
+
+
 def serve_config(args: argparse.Namespace) -> ClusterConfig:
     """The :class:`ClusterConfig` of parsed ``serve`` arguments (also used by
     ``python -m pagedserve.cluster.job serve``)."""
@@ -436,6 +500,9 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             async_scheduling=not args.no_async_scheduling,
             step_deadline_floor_s=getattr(args, "step_deadline_floor", 30.0),
             step_deadline_factor=getattr(args, "step_deadline_factor", 20.0),
+            host_prefix_cache=not getattr(args, "no_host_prefix_cache", False),
+            host_prefix_cache_fraction=getattr(args, "host_prefix_cache_fraction", 0.5),
+            speculative_config=_speculative_config(args),
         ),
         server=ServerConfig(
             host=args.host,
@@ -473,7 +540,8 @@ def _read_text(path: str | None, flag: str) -> str | None:
     """The text of the file a flag names (None when the flag is unset).
 
     Raises:
-        SystemExit: the file cannot be read (the message names the flag).
+        ValueError: the file cannot be read or is not UTF-8 text (the message names the
+            flag; ``main`` prints it as an ``error:`` and exits 2).
     """
     if path is None:
         return None
@@ -481,7 +549,9 @@ def _read_text(path: str | None, flag: str) -> str | None:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as exc:
-        raise SystemExit(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+        raise ValueError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{flag}: cannot read {path!r}: not UTF-8 ({exc.reason})") from None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -553,6 +623,13 @@ def _stats(args: argparse.Namespace) -> int:
         f"{st['num_requests_running']}  waiting {st['num_requests_waiting']}  preemptions "
         f"{st['num_preemptions']}  recomputed tokens {st['num_recomputed_tokens']}"
     )
+    sd = st.get("spec_decode")
+    if sd and sd["num_drafts"]:
+        console.print(
+            f"speculative decoding  drafts {sd['num_drafts']}  draft tokens "
+            f"{sd['num_draft_tokens']}  accepted {sd['num_accepted_tokens']}  acceptance rate "
+            f"{sd['acceptance_rate']:.3f}  mean accepted length {sd['mean_accepted_length']:.2f}"
+        )
     sw = st["swap"]
     console.print(
         f"preemption {sw['preemption_mode']}  by mode {sw['preemptions_by_mode']}  swapped "
@@ -562,6 +639,15 @@ def _stats(args: argparse.Namespace) -> int:
         f"from another node {sw['num_remote_swap_ins']}, {sw['remote_swap_in_bytes']} B)  "
         f"failed {sw['num_swap_failures']}"
     )
+    hp = sw.get("host_prefix", {})
+    if hp.get("enabled"):
+        console.print(
+            f"host prefix cache {hp['num_blocks']} of {hp['capacity_blocks']} blocks  hits "
+            f"{hp['num_hit_blocks']} blocks ({hp['num_hit_tokens']} tokens)  spills "
+            f"{hp['num_spills']} ({hp['spill_bytes']} B, {hp['spill_seconds']:.3f} s)  loads "
+            f"{hp['num_loads']} "
+            f"({hp['load_bytes']} B, {hp['load_seconds']:.3f} s)  failed {hp['num_failures']}"
+        )
     table = Table(
         "worker",
         "blocks",

@@ -319,8 +319,19 @@ def stats_to_dict(r: Any) -> dict[str, Any]:
             "num_remote_swap_ins": r.swap.num_remote_swap_ins,
             "remote_swap_in_bytes": r.swap.remote_swap_in_bytes,
             "preemptions_by_mode": dict(r.swap.preemptions_by_mode),
+            "host_prefix": {
+                f.name: getattr(r.swap.host_prefix, f.name)
+                for f in r.swap.host_prefix.DESCRIPTOR.fields
+            },
         },
         "num_recomputed_tokens": r.num_recomputed_tokens,
+        "spec_decode": {
+            "num_drafts": r.spec_decode.num_drafts,
+            "num_draft_tokens": r.spec_decode.num_draft_tokens,
+            "num_accepted_tokens": r.spec_decode.num_accepted_tokens,
+            "acceptance_rate": r.spec_decode.acceptance_rate,
+            "mean_accepted_length": r.spec_decode.mean_accepted_length,
+        },
         "workers": [
             {
                 "worker_id": w.worker_id,

@@ -176,6 +176,8 @@ class ClusterConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.swap_space:
             raise ValueError("swap_space needs tensor_parallel_size 1 (swap does not shard yet)")
+        if self.tensor_parallel_size > 1 and self.scheduler.speculative_config is not None:
+            raise ValueError("speculative decoding needs tensor_parallel_size 1")
         if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:
             raise ValueError("worker_max_restarts / scheduler_max_restarts must be >= -1")
         if self.swap_space < 0:

@@ -29,11 +29,15 @@ class TextDelta:
             stop string, and the stop string itself unless it is kept, is not part of
             the text).
         stop: the stop string that matched (on the delta that stopped).
+        num_token_ids: of the ids fed, how many belong to the choice: those up to the
+            one whose text completed the stop string (a speculative step's delta may
+            carry ids after it, which are dropped); all of them when none matched.
     """
 
     text: str
     stopped: bool
     stop: str | None = None
+    num_token_ids: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,11 +49,14 @@ class OutputText:
         text: new text that may be sent (stop strings cut, held-back text withheld).
         finish_reason: the delta's, or STOP when a stop string matched in it.
         stop_reason: the stop string that matched, else the delta's stop token id.
+        num_token_ids: how many of the delta's ids (and logprobs) belong to the choice:
+            fewer than all when a stop string matched before its last id.
     """
 
     text: str
     finish_reason: FinishReason | None
     stop_reason: str | int | None
+    num_token_ids: int = 0
 
 
 class IncrementalDetokenizer:
@@ -92,8 +99,9 @@ class IncrementalDetokenizer:
             final: the choice ends with these ids: flush everything held back.
         """
         if self._stopped:
-            return TextDelta("", True)
-        for tid in token_ids:
+            return TextDelta("", True, None, 0)
+        used = None
+        for i, tid in enumerate(token_ids):
             chunk = self._stream.step(self._tokenizer, int(tid))
             if chunk:
                 search_from = max(0, len(self._text) - self._hold)
@@ -105,13 +113,14 @@ class IncrementalDetokenizer:
                         cut += len(self._matched)
                     self._text = self._text[:cut]
                     self._stopped = True
+                    used = i + 1
                     break
         end = len(self._text) if (final or self._stopped) else len(self._text) - self._held()
         if end <= self._sent:
-            return TextDelta("", self._stopped, self._matched)
+            return TextDelta("", self._stopped, self._matched, used)
         delta = self._text[self._sent : end]
         self._sent = end
-        return TextDelta(delta, self._stopped, self._matched)
+        return TextDelta(delta, self._stopped, self._matched, used)
 
     def step_output(self, out: SequenceOutput) -> OutputText:
         """Feed one scheduler delta of this choice (its last one flushes the text).
@@ -125,10 +134,12 @@ class IncrementalDetokenizer:
         if out.stop_reason is not None and not self._include_stop:
             text_ids = text_ids[:-1]
         text = self.step(text_ids, final=out.finish_reason is not None)
+        n = len(out.new_token_ids) if text.num_token_ids is None else text.num_token_ids
         return OutputText(
             text.text,
             FinishReason.STOP if text.stopped else out.finish_reason,
             text.stop if text.stop is not None else out.stop_reason,
+            n,
         )
 
     def _held(self) -> int:

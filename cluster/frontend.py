@@ -259,6 +259,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 num_remote_swap_ins=sw.num_remote_swap_ins,
                 remote_swap_in_bytes=sw.remote_swap_in_bytes,
                 preemptions_by_mode=sw.preemptions_by_mode,
+                host_prefix=pb.HostPrefixStats(**dataclasses.asdict(sw.host_prefix)),
+            )
+        )
+        sd = st.spec_decode
+        resp.spec_decode.CopyFrom(
+            pb.SpecDecodeStats(
+                num_drafts=sd.num_drafts,
+                num_draft_tokens=sd.num_draft_tokens,
+                num_accepted_tokens=sd.num_accepted_tokens,
+                acceptance_rate=sd.acceptance_rate,
+                mean_accepted_length=sd.mean_accepted_length,
             )
         )
         for w in st.workers:

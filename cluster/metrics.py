@@ -139,6 +139,31 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
     counter(
         "swap_failures", "Swap transfers that failed (their sequences were recomputed)."
     ).add_metric([model_name], sw.num_swap_failures)
+    hp = sw.host_prefix
+    counter(
+        "host_prefix_cache_hits",
+        "Prompt tokens loaded from the host tier of the prefix cache instead of recomputed.",
+    ).add_metric([model_name], hp.num_hit_tokens)
+    counter(
+        "host_prefix_cache_spills", "KV blocks spilled from KV pools to the host tier, blocks."
+    ).add_metric([model_name], hp.num_spills)
+    tier_bytes = counter(
+        "host_prefix_cache_bytes",
+        "KV bytes moved by the host tier, by direction.",
+        [*m, "direction"],
+    )
+    tier_bytes.add_metric([model_name, "spill"], hp.spill_bytes)
+    tier_bytes.add_metric([model_name, "load"], hp.load_bytes)
+    tier_s = counter(
+        "host_prefix_cache_seconds",
+        "Workers' time spent in host-tier transfers, by direction, s.",
+        [*m, "direction"],
+    )
+    tier_s.add_metric([model_name, "spill"], hp.spill_seconds)
+    tier_s.add_metric([model_name, "load"], hp.load_seconds)
+    gauge(
+        "host_prefix_cache_blocks", "Host blocks the host tier of the prefix cache holds now."
+    ).add_metric([model_name], hp.num_blocks)
     pre = counter("num_preemptions", "Preemptions by mode.", [*m, "mode"])
     for mode, n in sorted(snap.num_preemptions.items()):
         pre.add_metric([model_name, mode], n)
@@ -160,6 +185,16 @@ def snapshot_families(snap: MetricsSnapshot, model_name: str) -> list[Metric]:
     ).add_metric([model_name], snap.prompt_tokens)
     counter("generation_tokens", "Output tokens generated, tokens.").add_metric(
         [model_name], snap.generation_tokens
+    )
+    sd = st.spec_decode
+    counter(
+        "spec_decode_num_drafts", "Sequence-steps that verified speculative proposals."
+    ).add_metric([model_name], sd.num_drafts)
+    counter("spec_decode_num_draft_tokens", "Speculative tokens proposed, tokens.").add_metric(
+        [model_name], sd.num_draft_tokens
+    )
+    counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted, tokens.").add_metric(
+        [model_name], sd.num_accepted_tokens
     )
     ok = counter("request_success", "Finished sequences by reason.", [*m, "finished_reason"])
     for reason, n in sorted(snap.request_success.items()):

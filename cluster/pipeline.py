@@ -388,19 +388,22 @@ class RequestPipeline:
     def _delta(out: SequenceOutput, detok: IncrementalDetokenizer) -> ChoiceDelta:
         text = detok.step_output(out)
         reason = text.finish_reason
+        # NOTE: a stop string may end a speculative step's run of ids before its last:
+        # the ids after it (and their logprobs) are dropped, as if never generated.
+        kept = text.num_token_ids
         usage = None
         if reason is not None:
             usage = Usage(
                 out.num_prompt_tokens,
-                out.num_output_tokens,
+                out.num_output_tokens - (len(out.new_token_ids) - kept),
                 out.num_cached_tokens,
                 out.num_preemptions,
             )
         return ChoiceDelta(
             index=out.choice_index,
-            token_ids=tuple(out.new_token_ids),
+            token_ids=tuple(out.new_token_ids[:kept]),
             text=text.text,
-            logprobs=tuple(out.logprobs),
+            logprobs=tuple(out.logprobs[:kept]),
             cumulative_logprob=out.cumulative_logprob,
             score=out.score,
             finish_reason=reason,

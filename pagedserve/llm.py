@@ -15,7 +15,8 @@ Engine options are the fields of the configuration dataclasses, with their defau
 ``attention_backend``, ``adaptive_threads``) and
 :class:`~pagedserve.scheduler.config.SchedulerConfig` (``max_num_seqs``,
 ``max_num_batched_tokens``, ``enable_prefix_caching``, ``enable_chunked_prefill``,
-``async_scheduling``, ``scheduling_policy``, ...). ``async_scheduling`` defaults to
+``async_scheduling``, ``scheduling_policy``, ``speculative_config``: a
+:class:`~pagedserve.scheduler.config.SpeculativeConfig` or its fields as a dict, ...). ``async_scheduling`` defaults to
 overlapped on a GPU and serial on CPU (where the overlap's planning competes with the
 model's kernels for the cores). ``seed`` seeds every request that
 gives none (request k of this engine gets ``seed + k``). ``tensor_parallel_size`` T > 1
@@ -34,7 +35,7 @@ from typing import Any
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker, ThreadWorker
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import InvalidRequest, ServingError
@@ -123,6 +124,8 @@ class LLM:
         tp = int(engine_options.pop("tensor_parallel_size", 1))
         worker_config, sched_options = split_engine_options(model, engine_options)
         self._ranks: LocalRanks | None = None
+        if tp > 1 and sched_options.get("speculative_config") is not None:
+            raise ValueError("speculative decoding needs tensor_parallel_size 1")
         if tp > 1:
             self._ranks = start_local_ranks(worker_config, tp)
             worker_config = self._ranks.config
@@ -139,6 +142,12 @@ class LLM:
             # (benchmarks/RESULTS.md, "Engine core"). On a GPU the overlap hides the
             # scheduler behind the device, as in serving.
             sched_options["async_scheduling"] = info.device != "cpu"
+        spec = sched_options.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's form: {"method": "ngram", ...}
+            try:
+                sched_options["speculative_config"] = SpeculativeConfig(**spec)
+            except TypeError as exc:
+                raise ValueError(f"speculative_config: {exc}") from None
         config = SchedulerConfig(max_model_len=info.max_model_len, **sched_options)
         spec = WorkerSpec(0, info.num_blocks, info.block_size, info.dtype, info.kv_cache_dtype)
         self.scheduler = Scheduler(config, [spec])
@@ -293,9 +302,10 @@ class LLM:
                 continue
             choice = req.choices[out.choice_index]
             delta = choice.detok.step_output(out)
-            choice.token_ids.extend(out.new_token_ids)
+            kept = delta.num_token_ids  # fewer when a stop string ends a speculative run
+            choice.token_ids.extend(out.new_token_ids[:kept])
             choice.text.append(delta.text)
-            choice.logprobs.extend(out.logprobs)
+            choice.logprobs.extend(out.logprobs[:kept])
             choice.cumulative_logprob = out.cumulative_logprob
             req.num_cached_tokens = out.num_cached_tokens
             if delta.finish_reason is None:

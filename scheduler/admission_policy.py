@@ -21,14 +21,20 @@ class AdmissionPolicy:
     """The projected-growth and reservation rules of one scheduler.
 
     Args:
-        config: ``admission``, ``admission_reserve``, ``admission_growth_ratio`` and
-            ``async_scheduling``.
+        config: ``admission``, ``admission_reserve``, ``admission_growth_ratio``,
+            ``async_scheduling`` and ``speculative_config``.
         max_model_len: the reservation of ``admission_reserve="max_model_len"``, tokens.
     """
 
     def __init__(self, config: SchedulerConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
+        spec = config.speculative_config
+        # Slots a sequence may hold beyond its growth: one step more under overlap (see
+        # _growth), and the K lookahead slots of a speculative decode.
+        self._lag = (1 if config.async_scheduling else 0) + (
+            0 if spec is None else spec.num_speculative_tokens
+        )
 
     def _growth(self, seq: Sequence, num_tokens: int) -> int:
         """Steps a sequence with ``num_tokens`` known tokens may still grow (its last
@@ -37,8 +43,9 @@ class AdmissionPolicy:
         NOTE: with overlapped scheduling a finished sequence's blocks are freed when its
         last step's answer is applied, which is after the next step was planned: it holds
         them one step longer, counted here as one more step of growth (at most one block
-        too many per sequence)."""
-        lag = 1 if self.config.async_scheduling else 0
+        too many per sequence). With speculative decoding a decode holds up to K
+        lookahead slots more, counted the same way."""
+        lag = self._lag
         remaining = seq.max_total_tokens - 1 - num_tokens
         if remaining <= 0:
             return lag
@@ -52,7 +59,7 @@ class AdmissionPolicy:
         # NOTE: O(batch) on every step that a waiting sequence is refused: _growth inlined.
         get_usage = kv.get_usage
         add_running = proj.add_running
-        lag = 1 if self.config.async_scheduling else 0
+        lag = self._lag
         ratio = self.config.admission_growth_ratio
         ceil = math.ceil
         for seq in ws.running:

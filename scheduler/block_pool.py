@@ -21,10 +21,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 from pagedserve.scheduler import block_hash as _bh
 from pagedserve.scheduler.block_hash import BlockHash
 from pagedserve.scheduler.errors import IntegrityError
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedBlock:
+    """A cached block that allocation evicted: its physical id and its content key (the
+    hash and what :meth:`Block.matches` compares)."""
+
+    block_id: int
+    block_hash: BlockHash
+    parent_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    extra_keys: tuple[str, ...]
 
 
 class Block:
@@ -122,12 +135,14 @@ class BlockPool:
     Args:
         num_blocks: pool size (>= 1).
         block_size: tokens per block (>= 1).
+        track_evictions: keep each block that allocation evicts (its id and content key)
+            until :meth:`take_evicted` (the host tier of the prefix cache spills them).
 
     Raises:
         ValueError: a size is not a positive int.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, track_evictions: bool = False) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -136,6 +151,7 @@ class BlockPool:
         self.blocks: list[Block] = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self._cached: dict[BlockHash, Block] = {}
+        self._evicted: list[EvictedBlock] | None = [] if track_evictions else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -156,10 +172,32 @@ class BlockPool:
         if n > len(self.free_queue):
             raise ValueError(f"need {n} blocks, only {len(self.free_queue)} free")
         out = self.free_queue.take(n)
+        evicted = self._evicted
         for block in out:
             if block.block_hash is not None:
+                if evicted is not None:
+                    evicted.append(
+                        EvictedBlock(
+                            block.block_id,
+                            block.block_hash,
+                            block.parent_hash,
+                            block.token_ids,
+                            block.extra_keys,
+                        )
+                    )
                 self._evict(block)
             block.ref_count = 1
+        return out
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The cached blocks allocation evicted since the last call, in eviction order
+        (empty unless ``track_evictions``). Their ids now belong to new owners, whose
+        writes come in a step after this call, so a step that copies them out first
+        still reads the evicted content."""
+        out = self._evicted
+        if not out:
+            return []
+        self._evicted = []
         return out
 
     def touch(self, block: Block) -> None:
@@ -240,6 +278,8 @@ class BlockPool:
             return False
         for block in list(self._cached.values()):
             self._evict(block)
+        if self._evicted:
+            self._evicted = []  # NOTE: stale content (new weights): never spilled
         return True
 
     def check_integrity(self, expected_refs: Sequence[int]) -> None:

@@ -14,6 +14,56 @@ ADMISSION_RESERVES = ("none", "max_tokens", "max_model_len")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ADMISSION_POLICIES = ("projected", "fits-now")
 PREEMPTION_VICTIMS = ("least-waste", "latest")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose tokens cheaply, verify them in one model step.
+
+    Each decode of a sequence carries up to ``num_speculative_tokens`` proposed tokens; the
+    worker runs the last known token and the proposals as one chunk and keeps the
+    proposals its own sampling agrees with, plus one token it samples after them (see
+    :mod:`pagedserve.scheduler.proposer` and :mod:`pagedserve.worker.spec_decode`).
+
+    Attributes:
+        method: ``"ngram"``: prompt lookup, the continuation of the last earlier
+            occurrence of the sequence's trailing n-gram in its prompt and outputs.
+        num_speculative_tokens: K, the most tokens proposed per decode (>= 1); each
+            decode reserves K lookahead slots and counts K + 1 tokens of the budget.
+        ngram_min: shortest n-gram matched (>= 1).
+        ngram_max: longest n-gram matched (>= ngram_min); longer ones are tried first.
+        disable_by_batch_size: a worker step whose running batch holds at least this many
+            sequences proposes nothing (and may be overlapped): verification costs more
+            than it saves in a large batch (vLLM's ``speculative_disable_by_batch_size``).
+            None: always propose.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 3
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
+            )
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be an int >= 1, got {self.num_speculative_tokens!r}"
+            )
+        if not isinstance(self.ngram_min, int) or self.ngram_min < 1:
+            raise ValueError(f"ngram_min must be an int >= 1, got {self.ngram_min!r}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 2:
+            raise ValueError(
+                f"disable_by_batch_size must be >= 2 or None, got {self.disable_by_batch_size!r}"
+            )
+        if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
+            raise ValueError(
+                f"ngram_max must be an int >= ngram_min ({self.ngram_min}), got {self.ngram_max!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -74,6 +124,17 @@ class SchedulerConfig:
             default is generous: a first step (warm-up, compilation) may be slow.
         step_deadline_factor: the multiple of the moving-average step time (0: the
             floor alone).
+        host_prefix_cache: the host tier of the prefix cache
+            (:mod:`pagedserve.scheduler.host_prefix`): cached blocks evicted from a
+            worker's pool are spilled to its node's host store and loaded back on a hit
+            when that beats recomputing them. Runs only with prefix caching and a host
+            store (``SwapSpec``).
+        host_prefix_cache_fraction: in (0, 1]: the share of each store's host blocks the
+            tier may hold; swap preemption may take the tier's blocks too (it evicts the
+            tier's least recently used ones when the store is short).
+        speculative_config: speculative decoding (:class:`SpeculativeConfig`); None: off.
+            Beam-search requests are refused while it is on. Decode steps are then not
+            overlapped (:meth:`~pagedserve.scheduler.scheduler.Scheduler.can_plan_past`).
     """
 
     max_num_seqs: int = 64
@@ -92,6 +153,9 @@ class SchedulerConfig:
     async_scheduling: bool = True
     step_deadline_floor_s: float = 30.0
     step_deadline_factor: float = 20.0
+    host_prefix_cache: bool = True
+    host_prefix_cache_fraction: float = 0.5
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -137,6 +201,18 @@ class SchedulerConfig:
             )
         if not self.step_deadline_factor >= 0.0:
             raise ValueError(f"step_deadline_factor must be >= 0, got {self.step_deadline_factor}")
+        if not 0.0 < self.host_prefix_cache_fraction <= 1.0:
+            raise ValueError(
+                f"host_prefix_cache_fraction must be in (0, 1], "
+                f"got {self.host_prefix_cache_fraction}"
+            )
+        if self.speculative_config is not None and not isinstance(
+            self.speculative_config, SpeculativeConfig
+        ):
+            raise ValueError(
+                "speculative_config must be a SpeculativeConfig or None, "
+                f"got {type(self.speculative_config).__name__}"
+            )
         if self.preemption_victim not in PREEMPTION_VICTIMS:
             raise ValueError(
                 f"preemption_victim must be one of {PREEMPTION_VICTIMS}, "

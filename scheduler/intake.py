@@ -66,6 +66,22 @@ def check_request(
     return max_total
 
 
+def check_speculative(sampling: SamplingParams) -> None:
+    """Refuse what speculative decoding does not support: beam search (its candidates
+    come from one position per step) and structured outputs (the grammar would have to
+    mask every verified position).
+
+    Raises:
+        InvalidRequest: naming the field.
+    """
+    if sampling.use_beam_search:
+        raise InvalidRequest(
+            "beam search (beam_width > 1) is not supported with speculative decoding"
+        )
+    if sampling.structured_outputs is not None:
+        raise InvalidRequest("structured_outputs is not supported with speculative decoding")
+
+
 def new_sequences(
     request_id: str,
     prompt_token_ids: Sequence_[int],

@@ -23,11 +23,11 @@ last block, builds no result object; ``free``/``fork`` are O(blocks of the seque
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from pagedserve.scheduler import block_hash as _bh
 from pagedserve.scheduler.block_hash import BlockHash, extra_keys_for_block
-from pagedserve.scheduler.block_pool import Block, BlockPool
+from pagedserve.scheduler.block_pool import Block, BlockPool, EvictedBlock
 from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.kv_cache_types import AllocationResult, PrefixCacheStats
 
@@ -59,6 +59,8 @@ class KVCacheManager:
         kv_cache_dtype: the pool's KV dtype name (e.g. ``"bfloat16"``), mixed into every
             block hash (``""``: none), so that equal prompts in pools of different dtypes
             hash apart and a block never moves to a pool that reads it as another dtype.
+        track_evictions: keep the cached blocks that allocation evicts for
+            :meth:`take_evicted` (the host tier of the prefix cache spills them).
 
     Raises:
         ValueError: ``num_blocks`` or ``block_size`` is not a positive int.
@@ -70,8 +72,9 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         kv_cache_dtype: str = "",
+        track_evictions: bool = False,
     ):
-        self._pool = BlockPool(num_blocks, block_size)
+        self._pool = BlockPool(num_blocks, block_size, track_evictions and enable_prefix_caching)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -206,6 +209,34 @@ class KVCacheManager:
         if count:
             self.record_prefix_query(len(token_ids), len(out) * bs)
         return out, len(out) * bs
+
+    def take_evicted(self) -> list[EvictedBlock]:
+        """The cached blocks evicted by allocations since the last call (see
+        :meth:`BlockPool.take_evicted`; empty unless ``track_evictions``)."""
+        return self._pool.take_evicted()
+
+    def block_hash_of(self, block_id: int) -> BlockHash | None:
+        """The prefix-cache hash of physical block ``block_id`` (None: not cached)."""
+        return self._pool.blocks[block_id].block_hash
+
+    def prefix_keys(
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None,
+        start_block: int,
+        parent_hash: BlockHash | None,
+    ) -> Iterator[tuple[BlockHash, BlockHash | None, tuple[int, ...], tuple[str, ...]]]:
+        """The content keys ``(hash, parent hash, token ids, extra keys)`` of the prompt's
+        full blocks from ``start_block`` on (``parent_hash``: block ``start_block - 1``'s),
+        lazily, never covering the last token (as :meth:`get_computed_blocks`)."""
+        bs = self.block_size
+        parent = parent_hash
+        for i in range(start_block, max(0, (len(token_ids) - 1) // bs)):
+            toks = tuple(token_ids[i * bs : (i + 1) * bs])
+            extra = extra_keys_for_block(i, cache_salt, self.kv_cache_dtype)
+            h = _bh.hash_block_tokens(parent, toks, extra)
+            yield h, parent, toks, extra
+            parent = h
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Count one prefix-cache lookup (tokens queried, tokens hit)."""
@@ -367,6 +398,44 @@ class KVCacheManager:
         hashes = [b.block_hash for b in computed if b.block_hash is not None]
         self._seqs[seq_id] = _SeqState(blocks, num_total_tokens, hashes)
         return AllocationResult([b.block_id for b in blocks], [], False, 0)
+
+    def rollback(self, seq_id: str, num_tokens: int) -> list[int]:
+        """Shrink the sequence's reservation to ``num_tokens`` slots (speculative decoding:
+        the slots of rejected proposals); blocks left holding none go back to the pool.
+
+        The freed blocks were allocated for the rejected slots (the step reserved them
+        past every slot computed before), so each is held by this table alone and holds
+        no hash (:meth:`cache_blocks` only hashes computed blocks).
+
+        Args:
+            seq_id: the sequence.
+            num_tokens: slots it keeps (>= 1 and <= the slots reserved).
+
+        Returns:
+            The freed block ids, in table order.
+
+        Raises:
+            KeyError: unknown sequence.
+            ValueError: ``num_tokens`` outside ``[1, reserved]``.
+            IntegrityError: a block to free is shared or cached.
+        """
+        seq = self._seqs[seq_id]
+        if not 1 <= num_tokens <= seq.num_tokens:
+            raise ValueError(
+                f"{seq_id!r}: cannot roll back to {num_tokens} of {seq.num_tokens} slots"
+            )
+        keep = _cdiv(num_tokens, self.block_size)
+        tail = seq.blocks[keep:]
+        for b in tail:
+            if b.ref_count != 1 or b.block_hash is not None:
+                raise IntegrityError(f"{seq_id!r}: rolled-back {b!r} is shared or cached")
+        del seq.blocks[keep:]
+        del seq.block_hashes[keep:]
+        seq.num_tokens = num_tokens
+        release = self._pool.release
+        for b in reversed(tail):
+            release(b)
+        return [b.block_id for b in tail]
 
     def fork(self, parent_seq_id: str, child_seq_id: str, num_tokens: int | None = None) -> None:
         """Give ``child_seq_id`` the head of the parent's block table (``ref_count + 1`` each).

@@ -78,6 +78,10 @@ class CachedSequenceData:
         num_computed_tokens: tokens with K/V in the cache before this step.
         new_token_ids: tokens the scheduler appended that the worker did not sample (the
             tokens beam search chose); the worker appends them before the step.
+        spec_token_ids: speculative decoding: the proposed tokens to verify after the
+            sequence's last known token (the step schedules ``1 + len(spec_token_ids)``
+            tokens for it and reserves their slots); the worker keeps those it accepts
+            and answers in ``RunnerOutput.spec_token_ids``. Empty for a plain step.
     """
 
     seq_id: str
@@ -85,6 +89,7 @@ class CachedSequenceData:
     new_block_ids: list[int]
     num_computed_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -164,7 +169,7 @@ class SchedulerOutput:
         new_seqs: sequences sent in full.
         cached_seqs: sequences the worker holds, with their deltas.
         num_scheduled_tokens: seq_id -> tokens to compute this step (prefill chunk size, or
-            1 for decode). Every scheduled sequence appears here; the order of this dict is
+            1 for decode, 1 + its proposals for a speculative decode). Every scheduled sequence appears here; the order of this dict is
             the batch order.
         finished_seq_ids: sequences to forget (finished, aborted or preempted) before
             running.
@@ -217,6 +222,13 @@ class RunnerOutput:
             scheduler aborts these sequences. Such a sequence samples nothing this step.
         grammar_fill_s: seconds the worker spent filling this step's grammar bitmask (on
             a thread, while the forward ran); 0.0 when no row was constrained.
+        spec_token_ids: seq_id -> the tokens a speculative step (one with
+            ``CachedSequenceData.spec_token_ids``) produced: the accepted proposals, then
+            the token sampled after them (1 to ``1 + len(proposals)`` tokens; such
+            sequences appear here, not in ``sampled_token_ids``). The sequence's KV is
+            computed for its last known token and the accepted proposals only.
+        spec_logprobs: seq_id -> log probabilities of each token of ``spec_token_ids``,
+            for the sequences whose request asked for ``logprobs``.
     """
 
     step_id: int
@@ -228,3 +240,5 @@ class RunnerOutput:
     started_s: float = 0.0
     failed_seq_ids: dict[str, str] = field(default_factory=dict)
     grammar_fill_s: float = 0.0
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[SampleLogprobs]] = field(default_factory=dict)

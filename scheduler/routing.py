@@ -5,7 +5,8 @@ balancer in front of separate engines does not. A new request joins the queue of
 
 - ``prefix`` (default): the live worker whose prefix cache holds the longest prefix of its
   prompt (full blocks, the same hashes admission looks up; ties: lower load, then lower
-  worker id), unless that worker's load exceeds the least-loaded live worker's by more
+  worker id; a block it would load from the host tier of the prefix cache, in its node's
+  store or pulled from another's, counts half a block on its device), unless that worker's load exceeds the least-loaded live worker's by more
   than ``routing_load_threshold``; then, or when no worker holds any of its prefix, the
   least-loaded live worker.
 - ``least-loaded``: the least-loaded live worker (ties: lower worker id).
@@ -61,8 +62,16 @@ class Router:
         self.max_num_seqs = config.max_num_seqs
         self._next = 0
 
-    def route(self, seq: Sequence, workers: Mapping[int, WorkerState]) -> WorkerState:
+    def route(
+        self,
+        seq: Sequence,
+        workers: Mapping[int, WorkerState],
+        host_tokens: Callable[[WorkerState, Sequence], int] | None = None,
+    ) -> WorkerState:
         """The live worker whose queue ``seq`` joins (see the module docstring).
+
+        ``host_tokens(ws, seq)``: tokens ``ws`` would load from a host tier of the prefix
+        cache beyond its device hit; such a token scores half a device hit.
 
         Raises:
             ValueError: no worker is alive (callers check first).
@@ -80,7 +89,10 @@ class Router:
             return least
         best, best_hit = least, 0
         for ws in live:
-            hit = cached_prefix_tokens(ws, seq)
+            # NOTE: a device hit costs nothing; a host hit costs a load: scored below it.
+            hit = 2 * cached_prefix_tokens(ws, seq)
+            if host_tokens is not None:
+                hit += host_tokens(ws, seq)
             if hit > best_hit or (
                 hit == best_hit
                 and hit > 0

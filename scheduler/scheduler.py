@@ -47,6 +47,14 @@ but the last (``blocks_to_copy``). From then on each choice is a sequence of its
 it streams, finishes, frees its own references and is preempted (recompute; its full
 prompt blocks are usually still cached and held by its siblings) on its own.
 
+Speculative decoding (``SchedulerConfig.speculative_config``): a decode of a sequence the
+worker holds also carries up to K proposed tokens (:mod:`pagedserve.scheduler.proposer`,
+``CachedSequenceData.spec_token_ids``), counted in the budget and given slots like the
+sequence's own token; the answer (``RunnerOutput.spec_token_ids``) moves the computed length
+to the accepted tokens, rolls the rest back (:meth:`KVCacheManager.rollback`) and appends the
+tokens one at a time with the stop checks. Such steps are not planned past
+(:meth:`Scheduler.can_plan_past`).
+
 Beam search (``beam_width`` K > 1; rule in :mod:`pagedserve.scheduler.beam_search`): the
 request starts as one sequence. A beam whose tokens are all computed reports its top
 candidates (the worker samples nothing for it); once every running beam of the request
@@ -62,6 +70,7 @@ from __future__ import annotations
 import itertools
 import logging
 import operator
+import sys
 import time
 from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
@@ -73,20 +82,23 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import DuplicateRequest, IntegrityError
 from pagedserve.scheduler.forking import BeamStep, ForkManager
-from pagedserve.scheduler.intake import check_request, new_sequences
+from pagedserve.scheduler.intake import check_request, check_speculative, new_sequences
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.metrics import MetricsSnapshot, SchedulerMetrics
 from pagedserve.scheduler.outputs import (
     CachedSequenceData,
     NewSequenceData,
     RunnerOutput,
+    SampleLogprobs,
     SchedulerOutput,
     SwapPlan,
     SwapTransfer,
 )
 from pagedserve.scheduler.preemption import choose_victim
+from pagedserve.scheduler.proposer import Proposer, make_proposer
 from pagedserve.scheduler.request import FinishReason, Sequence, SequenceStatus
 from pagedserve.scheduler.routing import Router
+from pagedserve.scheduler.spec_stats import SpecDecodeCounters
 from pagedserve.scheduler.swap import SwapSpec, SwapStats
 from pagedserve.scheduler.swapping import SwapManager, SwapResolution
 from pagedserve.scheduler.worker_state import (
@@ -158,7 +170,11 @@ class Scheduler:
             w.worker_id: WorkerState(
                 spec=w,
                 kv=KVCacheManager(
-                    w.num_blocks, w.block_size, config.enable_prefix_caching, w.kv_cache_dtype
+                    w.num_blocks,
+                    w.block_size,
+                    config.enable_prefix_caching,
+                    w.kv_cache_dtype,
+                    track_evictions=config.host_prefix_cache and swap is not None,
                 ),
             )
             for w in workers
@@ -174,12 +190,18 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.metrics = SchedulerMetrics(self.max_model_len)
+        self.spec_decode = SpecDecodeCounters()
         fcfs = config.scheduling_policy == "fcfs"
         # The batch's sort key: arrival alone under fcfs (same order as _rank, cheaper).
         self._sort_key: Callable[[Sequence], Any] = (
             operator.attrgetter("arrival_s") if fcfs else self._rank
         )
         self._queue_rank = None if fcfs else self._rank  # queues in rank order (priority)
+        spec = config.speculative_config
+        self._proposer: Proposer | None = None if spec is None else make_proposer(spec)
+        self._num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
+        limit = None if spec is None else spec.disable_by_batch_size
+        self._spec_max_batch = limit if limit is not None else sys.maxsize
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineRequest) -> list[Sequence]:
@@ -200,6 +222,8 @@ class Scheduler:
         sampling = request.sampling
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
+        if self._proposer is not None:
+            check_speculative(sampling)
         max_total = check_request(
             prompt_token_ids, sampling, self.workers.values(), self.max_model_len
         )
@@ -217,7 +241,7 @@ class Scheduler:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
-        self._enqueue(self._router.route(seqs[0], self.workers), seqs[0])
+        self._enqueue(self._route(seqs[0]), seqs[0])
         return seqs
 
     def abort_request(
@@ -286,6 +310,7 @@ class Scheduler:
         # message is read, never written, so they may share it (fewer objects per step).
         empty: list[int] = []
 
+        proposer = self._proposer if len(running) < self._spec_max_batch else None
         # NOTE: the hot path of a step (one pass per running sequence): a decode step with
         # room in its last block takes kv.grow_in_place and builds nothing but its delta.
         idx = 0
@@ -314,6 +339,10 @@ class Scheduler:
                     f"running sequence {seq_id!r} has nothing to compute "
                     f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
                 )
+            drafts = empty
+            if proposer is not None and num_new == 1 and not inflight and seq_id in resident:
+                drafts = self._propose(proposer, seq, budget - 1)
+                num_new += len(drafts)
             total = computed + num_new
             start = grow_in_place(seq_id, total)
             if start >= 0:
@@ -341,14 +370,16 @@ class Scheduler:
                 not_resident.append(seq_id)
                 continue
             seq.num_inflight_tokens = inflight + num_new
-            if total == known and seq.sampling.beam_width <= 1:
+            if total >= known and seq.sampling.beam_width <= 1:
                 seq.num_pending_tokens = pending + 1  # the worker samples a token for it
             unsent = seq.unsent_token_ids
             if unsent:
                 seq.unsent_token_ids = []  # the message keeps the list it was given
             else:
                 unsent = empty
-            cached.append(CachedSequenceData(seq_id, start, new_block_ids, computed, unsent))
+            cached.append(
+                CachedSequenceData(seq_id, start, new_block_ids, computed, unsent, drafts)
+            )
         num_from_running = len(num_scheduled)
 
         # Freed blocks and requeued sequences (preemption): other workers may take them.
@@ -374,6 +405,9 @@ class Scheduler:
             wake = bool(ws.waiting and num_scheduled)
 
         not_resident.extend(itertools.islice(num_scheduled, num_from_running, None))
+        spill = self._swaps.plan_spills(ws, kv.take_evicted())
+        if spill is not None:
+            swap_outs.append(spill)
         swap = SwapPlan(swap_outs, swap_ins) if swap_outs or swap_ins else None
         out = self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy, swap)
         return StepPlan(out, wake)
@@ -393,6 +427,7 @@ class Scheduler:
         seats = ws.num_seats
         projection: GrowthProjection | None = None
         reserve = self.config.admission_reserve  # a reservation mode needs no projection
+        tier = self._swaps.tier_on(ws.spec.worker_id)
         while ws.waiting and budget > 0 and seats < max_seqs:
             seq = ws.waiting[0]
             if self._swaps.is_swapped(seq):  # resumes with its KV from the host store
@@ -407,7 +442,10 @@ class Scheduler:
             tokens = seq.all_token_ids
             salt = seq.sampling.cache_salt
             computed_blocks, num_computed = kv.get_computed_blocks(tokens, salt, count=False)
-            num_new = len(tokens) - num_computed
+            # The next full blocks may be in a host tier: loaded instead of recomputed.
+            found = self._swaps.find_host_prefix(ws, seq, computed_blocks) if tier else None
+            num_loaded = len(found[1]) * kv.block_size if found else 0
+            num_new = len(tokens) - num_computed - num_loaded
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
@@ -421,9 +459,15 @@ class Scheduler:
                 footprints = self._admission.candidate_footprints(ws, seq, computed_blocks)
                 if not projection.fits(footprints):
                     break
-            result = kv.allocate_slots(seq.seq_id, num_computed + num_new, computed_blocks)
+            result = kv.allocate_slots(
+                seq.seq_id, num_computed + num_loaded + num_new, computed_blocks
+            )
             if result is None:
                 break
+            if found:
+                start = len(computed_blocks)
+                dest = result.new_block_ids[start : start + len(found[1])]
+                swap_ins.append(self._swaps.commit_load(ws, seq, found, dest))
             ws.waiting.popleft()
             seq.queued_on = None
             if projection is not None:
@@ -431,9 +475,9 @@ class Scheduler:
             kv.record_prefix_query(len(tokens), num_computed)
             seq.status = SequenceStatus.RUNNING
             seq.worker_id = ws.spec.worker_id
-            seq.num_computed_tokens = num_computed
+            seq.num_computed_tokens = num_computed + num_loaded
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_computed
+                seq.num_cached_tokens = num_computed + num_loaded
             ws.running.append(seq)
             self.metrics.on_scheduled(seq)
             num_scheduled[seq.seq_id] = num_new
@@ -529,6 +573,7 @@ class Scheduler:
         cache_blocks = kv.cache_blocks
         sampled = runner_out.sampled_token_ids
         failed = runner_out.failed_seq_ids
+        spec = runner_out.spec_token_ids
         logprobs = runner_out.logprobs
         on_token = self.metrics.on_token
         now = self.metrics.clock()
@@ -550,6 +595,15 @@ class Scheduler:
                         if late.finish_reason is not None:
                             finished_requests.add(seq.request_id)
                 continue  # aborted, preempted or moved while the step ran
+            if spec and seq_id in spec:
+                outputs.append(
+                    self._apply_spec(
+                        ws, seq, num_new, spec[seq_id], runner_out.spec_logprobs.get(seq_id), now
+                    )
+                )
+                if seq.status is SequenceStatus.FINISHED:
+                    finished_requests.add(seq.request_id)
+                continue
             seq.num_inflight_tokens -= num_new
             computed = seq.num_computed_tokens
             if seq.max_computed_tokens > computed:  # recomputing
@@ -602,6 +656,65 @@ class Scheduler:
             ws.last_step_end_s = None  # the worker may idle for want of work: no gap
         return StepUpdate(outputs, wake or bool(finished_requests))
 
+    def _propose(self, proposer: Proposer, seq: Sequence, room: int) -> list[int]:
+        """Speculative tokens for ``seq``'s decode: at most K, ``room`` (the budget left
+        after its own token) and what its ``max_tokens`` and ``max_total_tokens`` leave
+        after the token sampled behind them, so an accepted run never overshoots."""
+        if not seq.output_token_ids or seq.sampling.beam_width > 1:
+            return []  # n > 1 choices fork at the first output token: none before it
+        k = min(
+            self._num_spec_tokens,
+            room,
+            seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
+            seq.max_total_tokens - len(seq.all_token_ids) - 1,
+        )
+        return proposer.propose(seq.all_token_ids, k) if k > 0 else []
+
+    def _apply_spec(
+        self,
+        ws: WorkerState,
+        seq: Sequence,
+        num_new: int,
+        tokens: list[int],
+        logprobs: list[SampleLogprobs] | None,
+        now: float,
+    ) -> SequenceOutput:
+        """Apply a speculative step's answer for ``seq`` (scheduled ``num_new`` = 1 +
+        proposals): the KV is kept for its last token and the accepted proposals, the
+        slots of the rejected ones are rolled back (blocks left empty return to the
+        pool) and the tokens are appended one at a time, stopping at the first that ends
+        the sequence (the rest are dropped). Returns its delta."""
+        accepted = len(tokens) - 1
+        if not 0 <= accepted < num_new:
+            raise IntegrityError(
+                f"{seq.seq_id!r}: {len(tokens)} tokens answer a step of {num_new} slots"
+            )
+        self.spec_decode.on_step(num_new - 1, accepted)
+        seq.num_inflight_tokens -= num_new
+        if seq.num_pending_tokens:
+            seq.num_pending_tokens -= 1
+        self._count_computed(ws, seq, accepted + 1)
+        ws.kv.rollback(seq.seq_id, seq.num_computed_tokens)
+        appended: list[int] = []
+        reason = None
+        for i, token in enumerate(tokens):
+            seq.append_token(token)
+            appended.append(token)
+            self.metrics.on_token(seq, now)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
+                seq.cumulative_logprob += logprobs[i].logprob
+            reason = seq.check_stop()
+            if reason is not None:
+                break
+        sampling = seq.sampling
+        ws.kv.cache_blocks(
+            seq.seq_id, seq.all_token_ids, seq.num_computed_tokens, sampling.cache_salt
+        )
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._delta(seq, tuple(appended))
+
     @staticmethod
     def _ends_with_pending(seq: Sequence) -> bool:
         """Whether the tokens the steps in flight sample end ``seq`` by length."""
@@ -629,6 +742,12 @@ class Scheduler:
         0; arrival time)."""
         prio = seq.sampling.priority if self.config.scheduling_policy == "priority" else 0
         return prio, seq.arrival_s
+
+    def _route(self, seq: Sequence) -> WorkerState:
+        """The worker whose queue ``seq`` joins (:meth:`Router.route`, scoring host-tier
+        hits when the tier runs)."""
+        tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
+        return self._router.route(seq, self.workers, tier)
 
     def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
         """Put a waiting sequence on ``ws``'s queue (see :meth:`WorkerState.enqueue`)."""
@@ -758,6 +877,10 @@ class Scheduler:
         """Apply step ``step_id``'s answer for ``seq``, swapped out by the step after it
         (``SwapGroup.late``); returns its delta, or None (nothing applies, or nothing
         was sampled). Call from update for a sequence that is no longer running."""
+        if seq.seq_id in runner_out.spec_token_ids:
+            # can_plan_past never lets a step swap out a sequence whose speculative step
+            # is in flight: its accepted length would be unknown to the swap-out.
+            raise IntegrityError(f"late answer of a speculative step for {seq.seq_id!r}")
         computed = seq.num_computed_tokens
         if not self._swaps.take_late(seq.seq_id, step_id, num_new, computed + num_new):
             return None
@@ -937,7 +1060,10 @@ class Scheduler:
         pools = [ws.kv for ws in self.workers.values()]
         if any(kv.num_free_blocks != kv.num_blocks for kv in pools):
             return False
-        return all([kv.reset_prefix_cache() for kv in pools])
+        if not all([kv.reset_prefix_cache() for kv in pools]):
+            return False
+        self._swaps.tier.clear()
+        return True
 
     def stats(self) -> SchedulerStats:
         """Counts for GetStats and metrics."""
@@ -959,6 +1085,7 @@ class Scheduler:
             prefix_cache_hits=hits,
             swap=self.swap_stats(),
             num_recomputed_tokens=self.num_recomputed_tokens,
+            spec_decode=self.spec_decode.snapshot(),
         )
 
     def metrics_snapshot(self) -> MetricsSnapshot:
@@ -993,7 +1120,7 @@ class Scheduler:
         requeued = list(ws.waiting)
         ws.waiting.clear()
         for seq in reversed(requeued):  # front-inserted: the queue's order is kept
-            self._enqueue(self._router.route(seq, self.workers), seq, front=True)
+            self._enqueue(self._route(seq), seq, front=True)
         return outputs
 
     def revive_worker(self, worker_id: int) -> None:
@@ -1040,8 +1167,20 @@ class Scheduler:
     def can_plan_past(self, sched_out: SchedulerOutput) -> bool:
         """Whether the worker's next step may be planned while ``sched_out`` is in flight
         (overlapped scheduling): False when it swaps a group in, whose failure makes the
-        worker drop the group (see :mod:`.swapping`)."""
+        worker drop the group (see :mod:`.swapping`), and with speculative decoding for a
+        step of resident sequences (unless its batch switches proposals off)."""
         swap = sched_out.swap_plan
+        if (
+            self._proposer is not None
+            and sched_out.cached_seqs
+            and len(sched_out.num_scheduled_tokens) < self._spec_max_batch
+        ):
+            # NOTE: a proposal needs the sequence's last token, which the scheduler does
+            # not have while the step that samples it runs, and a speculative step's
+            # answer decides how many slots and positions the next one starts from: with
+            # speculation, steps of sequences the worker holds are not planned past,
+            # unless their batch is large enough to switch proposals off.
+            return False
         return swap is None or not swap.blocks_to_swap_in
 
     def swap_spec(self, worker_id: int) -> SwapSpec | None:

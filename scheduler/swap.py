@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.errors import IntegrityError
+from pagedserve.scheduler.host_prefix import HostPrefixStats
 
 _EMA = 0.2  # weight of a new observation
 _MIN_STEP_TOKENS = 64  # steps this large are prefill-dominated: they refine s/token
@@ -260,6 +261,7 @@ class SwapStats:
         bandwidth_bytes_per_s: the cost model's current bandwidth estimate (0 without).
         prefill_s_per_token: its current prefill estimate (0 without).
         preemptions_by_mode: preemptions since start, "recompute" and "swap".
+        host_prefix: the host tier of the prefix cache (:class:`HostPrefixStats`).
     """
 
     preemption_mode: str = "recompute"
@@ -276,3 +278,4 @@ class SwapStats:
     bandwidth_bytes_per_s: float = 0.0
     prefill_s_per_token: float = 0.0
     preemptions_by_mode: dict[str, int] = field(default_factory=dict)
+    host_prefix: HostPrefixStats = field(default_factory=HostPrefixStats)

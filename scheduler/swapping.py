@@ -50,6 +50,13 @@ blocks return to their store's pool only once the worker that touched them answe
 (``InFlight.store_id`` names the source store of a pull), so a host id is never reused
 while a transfer may still write or read it.
 
+The host tier of the prefix cache (:mod:`pagedserve.scheduler.host_prefix`) lives in the
+same host pools: :meth:`SwapManager.plan_spills` copies the cached blocks a device pool
+evicted into its store's tier (a swap-out before anything writes them),
+:meth:`SwapManager.find_host_prefix` and :meth:`SwapManager.commit_load` load a prompt's
+next blocks from a tier (own store, or another by a pull) when that beats recomputing
+them; a swap-out that finds its store short takes the tier's LRU blocks first.
+
 Overlapped scheduling (``async_scheduling``: step t+1 is planned while step t runs; the
 worker runs its steps one at a time, in order):
 
@@ -79,8 +86,10 @@ import time
 from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from pagedserve.scheduler.block_pool import EvictedBlock
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.errors import IntegrityError
+from pagedserve.scheduler.host_prefix import HostEntry, HostPrefixTier, Key
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput, SwapResult, SwapTransfer
 from pagedserve.scheduler.request import Sequence, SequenceStatus
 from pagedserve.scheduler.swap import (
@@ -195,6 +204,12 @@ class SwapManager:
             for store, bw in spec.pull_bandwidth_bytes_per_s.items()
             if store != spec.store_id
         }
+        # the host tier of the prefix cache, in the stores' host pools
+        self.tier = HostPrefixTier(
+            self.host_pools,
+            config.host_prefix_cache_fraction,
+            config.host_prefix_cache and config.enable_prefix_caching,
+        )
         keys = ("out_bytes", "in_bytes", "outs", "ins", "failures", "remote_ins", "remote_bytes")
         self._counts = dict.fromkeys(keys, 0)
         # worker_id -> its finished swap-outs, swap-ins and failed transfers
@@ -321,7 +336,10 @@ class SwapManager:
             tokens = sum(tokens_of.values())
             if cost.swap_s(nbytes) >= cost.recompute_s(tokens):
                 return None
-        host = self.host_pools[spec.store_id].allocate(len(unique))
+        pool = self.host_pools[spec.store_id]
+        # NOTE: swap preemption comes first: the host tier gives up its LRU blocks.
+        self.tier.reclaim(spec.store_id, len(unique) - pool.num_free_blocks)
+        host = pool.allocate(len(unique))
         if host is None:
             return None  # host pool full: recompute
         to_host = dict(zip(unique, host))
@@ -484,6 +502,9 @@ class SwapManager:
         if f.kind == "free":
             pool.free(f.host_ids)
             return
+        if f.kind in ("spill", "load"):
+            self._resolve_tier(worker_id, f, r, res, store)
+            return
         g = f.group
         if g is None:
             raise IntegrityError(f"transfer {f.transfer_id} has no group")
@@ -555,6 +576,129 @@ class SwapManager:
         if not g.pending:  # else the swap-out's result frees them
             self._queue_free(self._home(g), sorted(before - g.host_ids()))
 
+    # ------------------------------------------------------------------ host prefix tier
+    def tier_on(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` spills to and loads from the host tier (its store runs
+        one)."""
+        store = self.store_of(worker_id)
+        return store is not None and store in self.tier.caches
+
+    def _load_wins(self, ws: WorkerState, num_blocks: int, bandwidth: float) -> bool:
+        """Loading ``num_blocks`` at ``bandwidth`` beats recomputing their tokens on ``ws``
+        (mode ``swap`` loads whatever it finds, as it swaps every victim)."""
+        if self.config.preemption_mode == "swap":
+            return True
+        wid = ws.spec.worker_id
+        load_s = num_blocks * self.specs[wid].block_bytes / bandwidth
+        return load_s < self.costs[wid].recompute_s(num_blocks * ws.spec.block_size)
+
+    def plan_spills(self, ws: WorkerState, evicted: list[EvictedBlock]) -> SwapTransfer | None:
+        """The transfer copying ``evicted`` (cached blocks the device pool of ``ws``
+        evicted while planning this step) to the tier of its store, as a swap-out that
+        runs before anything writes them (:meth:`HostPrefixTier.spill`); None when nothing
+        is spilled, and under ``auto`` when no load from the own store could beat a
+        recompute at the worker's current rates (the spill would be paid for nothing)."""
+        wid = ws.spec.worker_id
+        if not evicted or not ws.alive or not self.tier_on(wid) or not self._allowed(wid):
+            return None
+        if not self._load_wins(ws, 1, self.costs[wid].bandwidth_bytes_per_s):
+            return None
+        tid = self._transfer_id("spill")
+        planned = self.tier.spill(self.specs[wid].store_id, evicted, tid)
+        if planned is None:
+            return None
+        block_ids, host = planned
+        self._inflight.setdefault(wid, []).append(
+            InFlight("spill", tid, None, host, ws.next_step_id)
+        )
+        return SwapTransfer(tid, block_ids, host)
+
+    def find_host_prefix(
+        self, ws: WorkerState, seq: Sequence, computed_blocks: list[int]
+    ) -> tuple[str, list[HostEntry]] | None:
+        """The blocks of ``seq``'s prompt after its device hit ``computed_blocks`` that
+        ``ws`` should load from a host tier instead of recomputing them: the longest
+        chain in its own store's tier, or in another store's when the pair's pull
+        bandwidth is measured, whose ``bytes / bandwidth`` is below the worker's prefill
+        cost of those tokens (mode ``auto``; mode ``swap`` loads every chain it finds).
+        Returns ``(store_id, entries in block order)``; None: none (or the worker backs
+        off after a failed transfer). No side effects."""
+        wid = ws.spec.worker_id
+        if not self.tier_on(wid) or not self._allowed(wid):
+            return None
+        kv, spec = ws.kv, self.specs[wid]
+        parent = kv.block_hash_of(computed_blocks[-1]) if computed_blocks else None
+        if computed_blocks and parent is None:
+            return None
+        salt = seq.sampling.cache_salt
+        keys = kv.prefix_keys(seq.all_token_ids, salt, len(computed_blocks), parent)
+        seen: list[Key] = []
+        candidates = [(spec.store_id, self.costs[wid].bandwidth_bytes_per_s)]
+        candidates += [
+            (store, bw)
+            for (w, store), bw in self._pull_bandwidth.items()
+            if w == wid
+            and store in self.tier.caches
+            and store in self._remote_addresses
+            and self._store_block_bytes(store) == spec.block_bytes
+        ]
+        best: tuple[str, list[HostEntry]] | None = None
+        for store, bandwidth in candidates:
+            found = self.tier.chain(store, keys, seen)
+            longer = found and (best is None or len(found) > len(best[1]))
+            if longer and self._load_wins(ws, len(found), bandwidth):
+                best = store, found
+        return best
+
+    def _store_block_bytes(self, store: str) -> int:
+        """Bytes of one KV block of the workers of ``store``."""
+        return next(s.block_bytes for s in self.specs.values() if s.store_id == store)
+
+    def commit_load(
+        self,
+        ws: WorkerState,
+        seq: Sequence,
+        found: tuple[str, list[HostEntry]],
+        block_ids: list[int],
+    ) -> SwapTransfer:
+        """``seq`` is admitted on ``ws`` with the blocks ``found`` (:meth:`find_host_prefix`)
+        loaded into its fresh device blocks ``block_ids``: pin them; the load's transfer
+        (a swap-in that frees nothing, in flight from now)."""
+        store, entries = found
+        wid = ws.spec.worker_id
+        tid = self._transfer_id("load")
+        host = self.tier.pin(store, entries, tid, seq.seq_id, ws.spec.block_size)
+        source = None if store == self.store_of(wid) else self._remote_addresses[store]
+        self._inflight.setdefault(wid, []).append(
+            InFlight("load", tid, None, host, ws.next_step_id, [seq.seq_id], store_id=store)
+        )
+        return SwapTransfer(tid, block_ids, host, [seq.seq_id], [], source)
+
+    def host_prefix_tokens(self, ws: WorkerState, seq: Sequence) -> int:
+        """Tokens of ``seq`` that ``ws`` would load from a host tier beyond its device
+        hit (routing; no side effects)."""
+        if not self.tier_on(ws.spec.worker_id):
+            return 0
+        salt = seq.sampling.cache_salt
+        computed, _ = ws.kv.get_computed_blocks(seq.all_token_ids, salt, count=False)
+        found = self.find_host_prefix(ws, seq, computed)
+        return 0 if found is None else len(found[1]) * ws.spec.block_size
+
+    def _resolve_tier(
+        self, worker_id: int, f: InFlight, r: SwapResult, res: SwapResolution, store: str
+    ) -> None:
+        """Apply the result of a spill or a load (:meth:`HostPrefixTier.resolve`)."""
+        if not r.ok:
+            self._backoff_until[worker_id] = time.monotonic() + _BACKOFF_S
+        elif store != self.specs[worker_id].store_id:
+            self._observe_pull(worker_id, store, r)
+        else:
+            self.costs[worker_id].observe_transfer(r.num_bytes, r.seconds)
+        requeue = self.tier.resolve(store, f.kind, f.transfer_id, r.ok, r.num_bytes, r.seconds)
+        if requeue:
+            res.requeue.extend(requeue)
+            res.wake = True
+
     # ------------------------------------------------------------------ introspection
     def stats(self, preemptions_by_mode: dict[str, int]) -> SwapStats:
         """Swap counters and host pool occupancy, summed over the stores; the cost
@@ -578,6 +722,7 @@ class SwapManager:
             bandwidth_bytes_per_s=_mean([m.bandwidth_bytes_per_s for m in costs]),
             prefill_s_per_token=_mean([m.prefill_s_per_token for m in costs]),
             preemptions_by_mode=preemptions_by_mode,
+            host_prefix=self.tier.stats(),
         )
 
     def worker_stats(self, worker_id: int) -> WorkerSwapStats:
@@ -607,6 +752,8 @@ class SwapManager:
                 held[self._store_of_flight(wid, f)] |= set(f.host_ids)
         for store, ids in self._host_free_queue.items():
             held[store] |= set(ids)
+        for store in self.host_pools:
+            held[store] |= self.tier.held(store)
         for store, pool in self.host_pools.items():
             if len(held[store]) + pool.num_free_blocks != pool.num_blocks:
                 raise IntegrityError(

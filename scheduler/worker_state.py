@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.kv_cache_manager import KVCacheManager
 from pagedserve.scheduler.request import Sequence, SequenceStatus
+from pagedserve.scheduler.spec_stats import SpecDecodeStats
 from pagedserve.scheduler.swap import SwapStats, WorkerSwapStats
 
 
@@ -209,6 +210,7 @@ class SchedulerStats:
         prefix_cache_hits: of those, tokens found cached.
         swap: swap preemption counters and host pool occupancy.
         num_recomputed_tokens: tokens computed again after a preemption, all workers.
+        spec_decode: speculative decoding counters (all zero when it is off).
     """
 
     num_running: int
@@ -219,6 +221,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     swap: SwapStats = field(default_factory=SwapStats)
     num_recomputed_tokens: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
 
 def worker_stats(ws: WorkerState, swap: WorkerSwapStats | None = None) -> WorkerStats:

@@ -342,16 +342,30 @@ class ScriptedWorker:
             assert 0 <= cr.new_blocks_start <= len(table)
             table[cr.new_blocks_start :] = cr.new_block_ids
         sampled = {}
+        spec: dict[str, list[int]] = {}
+        drafts = {cr.seq_id: cr.spec_token_ids for cr in so.cached_seqs if cr.spec_token_ids}
         for rid, n in so.num_scheduled_tokens.items():
             computed = self._computed(so, rid)
-            assert computed + n <= len(self.tokens[rid])
-            if computed + n == len(self.tokens[rid]):
-                script = self.script.get(rid.split("/")[0])
-                k = len(self.tokens[rid])
-                tok = script.pop(0) if script else 100 + k
-                self.tokens[rid].append(tok)
-                sampled[rid] = tok
-        return RunnerOutput(step_id=so.step_id, sampled_token_ids=sampled)
+            proposed = drafts.get(rid, [])
+            assert computed + n - len(proposed) <= len(self.tokens[rid])
+            if proposed:
+                # Speculative decoding: 'sample' each position in turn, accept while the
+                # proposal agrees (what the real worker's verification does).
+                assert computed + n == len(self.tokens[rid]) + len(proposed)
+                out = spec[rid] = []
+                for j in range(len(proposed) + 1):
+                    out.append(self._sample(rid))
+                    if j == len(proposed) or out[-1] != proposed[j]:
+                        break
+            elif computed + n == len(self.tokens[rid]):
+                sampled[rid] = self._sample(rid)
+        return RunnerOutput(step_id=so.step_id, sampled_token_ids=sampled, spec_token_ids=spec)
+
+    def _sample(self, rid: str) -> int:
+        script = self.script.get(rid.split("/")[0])
+        tok = script.pop(0) if script else 100 + len(self.tokens[rid])
+        self.tokens[rid].append(tok)
+        return tok
 
     @staticmethod
     def _computed(so: SchedulerOutput, rid: str) -> int:

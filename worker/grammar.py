@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.scheduler.structured_outputs import StructuredOutputs
+from pagedserve.worker.schema_keywords import unenforced_keyword
 
 FIELDS = {
     "json": "json_schema",
@@ -82,6 +83,24 @@ def xgrammar_reason(exc: BaseException) -> str:
     """xgrammar's error message without its timestamp and C++ source location."""
     text = str(exc).strip()
     return _XGR_PREFIX.sub("", text.splitlines()[0] if text else type(exc).__name__)
+
+
+def _refuse_unenforced(schema_text: str) -> None:
+    """Raise ``ValueError`` (``json_schema: ...``) where xgrammar would drop a keyword.
+
+    Text that is not JSON is left to xgrammar, whose reason is the clearer one.
+    """
+    try:
+        schema = json.loads(schema_text)
+    except (ValueError, RecursionError):
+        return
+    found = unenforced_keyword(schema)
+    if found is not None:
+        keyword, where = found
+        raise ValueError(
+            f"json_schema: keyword {keyword!r} (at {where}) is not supported: "
+            "xgrammar would not enforce it"
+        )
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
@@ -143,7 +162,8 @@ class GrammarCompiler:
         """The ``xgrammar.CompiledGrammar`` of ``spec`` (cached by ``spec.key``).
 
         Raises:
-            ValueError: the spec does not compile, takes longer than
+            ValueError: the spec does not compile, is a schema using a keyword xgrammar
+                would not enforce (:mod:`pagedserve.worker.schema_keywords`), takes longer than
                 ``compile_timeout_s`` or compiles larger than ``max_grammar_bytes``; the
                 message starts with the request field (e.g. ``"json_schema: ..."``).
         """
@@ -154,6 +174,8 @@ class GrammarCompiler:
                 self._cache.move_to_end(key)
                 return hit
         field = FIELDS[spec.kind]
+        if spec.kind == "json":
+            _refuse_unenforced(str(spec.json))
         limit = self.config.compile_timeout_s
         if not self._slots.acquire(timeout=limit):
             raise ValueError(f"{field}: the grammar compiler stayed busy for {limit:g} s")

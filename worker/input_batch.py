@@ -94,6 +94,9 @@ class SequenceState:
         seed: sampling seed (the user's, or drawn once by the worker).
         grammar: the structured-output matcher (None when unconstrained;
             :mod:`pagedserve.worker.structured`).
+        num_spec_tokens: during a speculative step, the proposals at the end of
+            ``token_ids`` (verified this step, then replaced by the accepted tokens); 0
+            otherwise.
     """
 
     seq_id: str
@@ -105,6 +108,7 @@ class SequenceState:
     choice_index: int
     seed: int
     grammar: SequenceGrammar | None = None
+    num_spec_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_ids, BlockTableRow):
@@ -131,7 +135,8 @@ class ModelInputs:
         positions: int64 ``[T]`` their positions in their sequences.
         attn_metadata: slots, block tables and lengths for the paged kernels.
         logits_indices: int64 ``[num_samples]`` rows (last token of a chunk) whose logits
-            are sampled: the chunks that complete their sequence's known tokens.
+            are sampled: the chunks that complete their sequence's known tokens; a
+            speculative chunk adds the rows of its ``num_spec_tokens`` proposals before.
         sample_seq_ids: the sequences those rows belong to, same order.
     """
 
@@ -191,7 +196,8 @@ def prepare_inputs(
         tables.append(state.block_ids.view(blocks))
         total += n
         if end == len(state.token_ids):
-            logits_rows.append(total - 1)
+            # a speculative chunk samples its last token and every proposal's row
+            logits_rows.extend(range(total - 1 - state.num_spec_tokens, total))
             sample_ids.append(state.seq_id)
 
     width = max((len(t) for t in tables), default=0)

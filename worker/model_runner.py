@@ -57,6 +57,7 @@ from pagedserve.worker.model_store import resolve_model, weights_digest
 from pagedserve.worker.parallel import TensorParallelGroup
 from pagedserve.worker.sampler import Sampler
 from pagedserve.worker.sharding import ShardPlan, load_sharded_model
+from pagedserve.worker.spec_decode import accept, expand_rows
 from pagedserve.worker.structured import StructuredOutputsRunner
 from pagedserve.worker.weights import load_model
 
@@ -333,6 +334,9 @@ class ModelRunner:
             state.block_ids.assign(start, cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
             state.token_ids.extend(cached.new_token_ids)  # chosen by beam search
+            if cached.spec_token_ids:  # verified this step (spec_decode)
+                state.token_ids.extend(cached.spec_token_ids)
+                state.num_spec_tokens = len(cached.spec_token_ids)
         unknown = [r for r in so.num_scheduled_tokens if r not in self.seqs]
         if unknown:
             raise ValueError(f"scheduled sequences unknown to this worker: {unknown}")
@@ -383,9 +387,16 @@ class ModelRunner:
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
         states = [self.seqs[r] for r in inputs.sample_seq_ids]
+        # A speculative step (proposals to verify) has no constrained row: speculation and
+        # structured outputs are refused together at validation.
+        speculative = any(s.num_spec_tokens for s in states)
+        if speculative and self.group.size > 1:
+            raise ValueError("speculative decoding needs tensor_parallel_size 1")
         # NOTE: the grammar bitmask fills on a thread while the forward runs (xgrammar's
         # fill releases the GIL, as do the model's kernels); None when nothing is masked.
-        grammar_step = self.structured.start_fill([s.grammar for s in states])
+        grammar_step = (
+            None if speculative else self.structured.start_fill([s.grammar for s in states])
+        )
         logits = self.model(
             inputs.input_ids,
             inputs.positions,
@@ -395,6 +406,14 @@ class ModelRunner:
         )
         if not self.group.is_driver:
             return self._follow_step(so, scheduled, states, start, started_s, swaps)
+        if speculative:
+            out = self._verify(so, logits, states, scheduled)
+            return dataclasses.replace(
+                out,
+                execute_time_s=time.perf_counter() - start,
+                swap_results=swaps,
+                started_s=started_s,
+            )
         processed = process_logits(
             logits,
             [s.sampling for s in states],
@@ -471,6 +490,60 @@ class ModelRunner:
                 state.token_ids.append(token)
         return RunnerOutput(
             so.step_id, {}, time.perf_counter() - start, swap_results=swaps, started_s=started_s
+        )
+
+    def _verify(
+        self,
+        so: SchedulerOutput,
+        logits: torch.Tensor,
+        states: list[SequenceState],
+        scheduled: list[tuple[SequenceState, int]],
+    ) -> RunnerOutput:
+        """Sample every row of a step with speculative sequences and keep the accepted
+        tokens (:mod:`pagedserve.worker.spec_decode`). A speculative sequence advances by
+        its last known token and the accepted proposals and answers in
+        ``spec_token_ids``; the others as in a plain step."""
+        vr = expand_rows(states)
+        processed = process_logits(
+            logits, vr.params, vr.token_ids, vr.num_prompt_tokens, self.arch.eos_token_ids
+        )
+        drawn = self.sampler(processed, vr.rows)
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, SampleLogprobs] = {}
+        spec: dict[str, list[int]] = {}
+        spec_lps: dict[str, list[SampleLogprobs]] = {}
+        rejected: dict[str, int] = {}
+        for i, state in enumerate(states):
+            first, end = vr.starts[i], vr.starts[i + 1]
+            s = state.num_spec_tokens
+            known = len(state.token_ids) - s
+            tokens = accept(state.token_ids[known:], drawn[first:end])
+            del state.token_ids[known:]
+            state.token_ids.extend(tokens)
+            state.num_spec_tokens = 0
+            k = state.sampling.logprobs
+            found = []
+            if k is not None:
+                found = compute_logprobs(
+                    logits, range(first, first + len(tokens)), tokens, [k] * len(tokens)
+                )
+            if s:
+                spec[state.seq_id] = tokens
+                rejected[state.seq_id] = s + 1 - len(tokens)
+                if found:
+                    spec_lps[state.seq_id] = found
+            else:
+                sampled[state.seq_id] = tokens[0]
+                if found:
+                    logprobs[state.seq_id] = found[0]
+        for state, n in scheduled:
+            state.num_computed_tokens += n - rejected.get(state.seq_id, 0)
+        return RunnerOutput(
+            so.step_id,
+            sampled,
+            logprobs=logprobs,
+            spec_token_ids=spec,
+            spec_logprobs=spec_lps,
         )
 
     def _drop_failed_swap_ins(self, so: SchedulerOutput, swaps: dict[str, SwapResult]) -> set[str]:

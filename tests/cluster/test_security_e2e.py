@@ -41,7 +41,7 @@ def server(tiny_llama_dir, tls):
     with running_cluster(
         tiny_llama_dir,
         num_blocks=24,
-        scheduler=SchedulerConfig(preemption_mode="swap"),
+        scheduler=SchedulerConfig(preemption_mode="swap", host_prefix_cache=False),
         swap_space=64 << 20,
         http_port=0,
         api_key=KEY,

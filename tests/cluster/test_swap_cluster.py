@@ -44,7 +44,9 @@ def swap_cluster(served_model_dir: str):
     config = ClusterConfig(
         model=ModelConfig(model=served_model_dir, dtype="float32", max_model_len=512),
         cache=CacheConfig(block_size=16, num_blocks=8),
-        scheduler=SchedulerConfig(preemption_mode="swap", max_num_batched_tokens=512),
+        scheduler=SchedulerConfig(
+            preemption_mode="swap", max_num_batched_tokens=512, host_prefix_cache=False
+        ),
         server=ServerConfig(host="127.0.0.1", port=0),
         num_workers=1,
         cpus_per_worker=0,  # schedulable next to the session's test cluster in this process

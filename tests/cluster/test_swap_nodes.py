@@ -37,7 +37,7 @@ def two_workers(tiny_llama_dir):
     config = ClusterConfig(
         model=ModelConfig(model=str(tiny_llama_dir), max_model_len=256, dtype="float32"),
         cache=CacheConfig(block_size=16, num_blocks=14),
-        scheduler=SchedulerConfig(preemption_mode="swap"),
+        scheduler=SchedulerConfig(preemption_mode="swap", host_prefix_cache=False),
         swap_space=64 << 20,
         server=ServerConfig(host="127.0.0.1", port=0, http_port=None),
         num_workers=2,

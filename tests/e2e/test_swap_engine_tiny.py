@@ -74,7 +74,12 @@ def make_workers(model_dir: Path, n: int, num_blocks: int, address: str | None) 
 
 
 def make_scheduler(
-    workers: list[Worker], mode: str, host_blocks: int, budget: int = 6, **cost: float
+    workers: list[Worker],
+    mode: str,
+    host_blocks: int,
+    budget: int = 6,
+    host_prefix: bool = False,
+    **cost: float,
 ) -> Scheduler:
     info = workers[0].get_info()
     spec = SwapSpec(
@@ -89,6 +94,7 @@ def make_scheduler(
             max_num_batched_tokens=budget,
             max_model_len=info.max_model_len,
             preemption_mode=mode,
+            host_prefix_cache=host_prefix,
         ),
         [WorkerSpec(i, w.get_info().num_blocks, 4) for i, w in enumerate(workers)],
         spec,
@@ -383,3 +389,39 @@ def test_beam_requests_swap_as_groups_and_equal_hf(
     assert sched.num_preemptions > 0
     assert beam_groups and max(beam_groups) > 1  # beams left together
     assert_all_free(sched, st)
+
+
+@pytest.mark.parametrize("store_dies", [False, True], ids=["loads", "store-dead"])
+def test_host_prefix_tier_loads_a_resent_prompt_and_equals_hf(
+    tiny_llama_dir: Path, expected, store, store_dies: bool
+) -> None:
+    """Prompt 1 runs, the others evict its blocks from the 14-block pool (spilled to the
+    real store), then prompt 1 is sent again: its blocks come back from the store (the
+    host tier of the prefix cache) and greedy tokens still equal HF's; with the store's
+    blocks gone (a dead store), the load fails and the prompt is recomputed."""
+    address, st = store
+    workers = make_workers(tiny_llama_dir, 1, 14, address)
+    sched = make_scheduler(workers, "swap", 64, host_prefix=True)
+    kv = sched.workers[0].kv
+    sched.add_request(EngineRequest("p", PROMPTS[1], GREEDY, (2,)))
+    assert drive(sched, workers)[("p", 0)] == expected[1]
+    for i in (0, 2, 3, 5):
+        sched.add_request(EngineRequest(f"e{i}", PROMPTS[i], GREEDY, (2,)))
+        assert drive(sched, workers)[(f"e{i}", 0)] == expected[i]
+    device_hit = kv.get_computed_blocks(PROMPTS[1], count=False)[1]
+    assert device_hit < 16  # some of its 4 cacheable blocks left the device
+    hp = sched.swap_stats().host_prefix
+    assert hp.num_spills > 0 and hp.spill_bytes == hp.num_spills * workers[0].get_info().block_bytes
+    assert st.num_blocks_stored == hp.num_spills  # every spill landed in the real store
+    if store_dies:
+        st.free(range(64))  # the store lost every block: the load fails (NOT_FOUND)
+    sched.add_request(EngineRequest("p2", PROMPTS[1], GREEDY, (2,)))
+    assert drive(sched, workers)[("p2", 0)] == expected[1]
+    hp = sched.swap_stats().host_prefix
+    if store_dies:
+        assert hp.num_hit_tokens == 0 and hp.num_failures == 1
+    else:
+        assert hp.num_hit_tokens == 16 - device_hit and hp.num_loads == 1
+        assert hp.load_bytes == (hp.num_hit_tokens // 4) * workers[0].get_info().block_bytes
+    assert kv.num_free_blocks == 14 and sched.swap_stats().num_requests_swapped == 0
+    sched.check_integrity()

@@ -79,3 +79,17 @@ def test_streamed_text_is_the_text_up_to_the_first_stop(tok, text, stops):
     pos, first = min((seen.find(s), i) for i, s in enumerate(stops) if s in seen)
     assert stop == stops[first]
     assert "".join(deltas) == seen[:pos]
+
+
+def test_ids_after_a_stop_string_in_one_delta_are_not_kept(tok):
+    """A speculative step's delta carries several ids: a stop string completed by its
+    second id keeps two of the four (the rest are dropped with their text)."""
+    from pagedserve.scheduler.engine_messages import SequenceOutput
+
+    d = IncrementalDetokenizer(tok, stop=("cd",))
+    assert d.step(ids("ab")).num_token_ids is None
+    out = SequenceOutput("r", 0, tuple(ids("cdef")), None, 2, 6, 0)
+    text = d.step_output(out)
+    assert text.num_token_ids == 2 and text.text == "" and text.stop_reason == "cd"
+    plain = IncrementalDetokenizer(tok, stop=("zz",)).step_output(out)
+    assert plain.num_token_ids == 4 and plain.text == "cdef"

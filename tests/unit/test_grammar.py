@@ -134,3 +134,46 @@ def test_mask_error_fails_the_step_sequences_not_the_step(tiny_llama_dir, tok):
     out, _ = runner.apply(step, bad, copy=False)
     assert out is bad and grammar.matcher is None
     assert grammar.error.startswith("applying the grammar mask failed: ")
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword", "where"),
+    [
+        (
+            '{"type": "array", "items": {"type": "integer"}, "uniqueItems": true}',
+            "uniqueItems",
+            "#",
+        ),
+        (
+            '{"type": "object", "properties": {"a": {"not": {"type": "string"}}}}',
+            "not",
+            "#/properties/a",
+        ),
+        (
+            '{"anyOf": [{"type": "integer"}, {"type": "array", "contains": {"const": 5}}]}',
+            "contains",
+            "#/anyOf/1",
+        ),
+        (
+            '{"$defs": {"n": {"if": {"type": "integer"}, "then": {"minimum": 1}}}, "$ref": "#/$defs/n"}',
+            "if",
+            "#/$defs/n",
+        ),
+        ('{"type": "object", "dependentRequired": {"a": ["b"]}}', "dependentRequired", "#"),
+        ('{"$ref": "http://example.com/schema.json"}', "$ref", "#"),
+    ],
+)
+def test_schema_keywords_xgrammar_would_drop_are_refused(tok, schema, keyword, where):
+    with pytest.raises(ValueError) as err:
+        compiler(tok).compile(StructuredOutputs(json=schema))
+    message = str(err.value)
+    assert message.startswith(f"json_schema: keyword {keyword!r} (at {where}) is not supported")
+
+
+def test_keyword_names_as_data_or_property_names_still_compile(tok):
+    schema = (
+        '{"type": "object", "properties": {"not": {"enum": ["contains", "if"]},'
+        ' "uniq": {"type": "array", "items": {"type": "integer"}, "uniqueItems": false}},'
+        ' "required": ["not"]}'
+    )
+    assert compiler(tok).compile(StructuredOutputs(json=schema)) is not None

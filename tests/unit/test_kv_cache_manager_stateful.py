@@ -117,6 +117,42 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.m.cache_blocks(sid, tokens, len(tokens), self.salts[sid])
 
     @precondition(lambda self: self.tables)
+    @rule(
+        data=st.data(),
+        drafts=st.lists(st.integers(0, 3), min_size=1, max_size=2 * BS),
+        accepted=st.integers(0, 2 * BS),
+    )
+    def speculate(self, data, drafts, accepted) -> None:
+        """Speculative decoding: reserve and write the slots of ``drafts``, keep the
+        first ``accepted`` of them, roll the rest back (their blocks return to the pool,
+        no block holding a rejected token is ever hashed: a later hit would read it)."""
+        sid = data.draw(st.sampled_from(sorted(self.tables)))
+        tokens = self.tokens[sid]
+        prev = len(tokens)
+        accepted = min(accepted, len(drafts))
+        res = self.m.allocate_slots(sid, prev + len(drafts))
+        if res is None:
+            event("speculate: out of blocks -> preempt")
+            self._drop(sid)
+            return
+        for src, dst in res.blocks_to_copy:
+            self.kv[dst] = list(self.kv[src])
+        res.apply_to(self.tables[sid])
+        tokens.extend(drafts)
+        self._write(sid, prev)
+        del tokens[prev + accepted :]
+        keep = max(1, len(tokens))
+        free = self.m.num_free_blocks
+        freed = self.m.rollback(sid, keep)
+        table = self.tables[sid]
+        assert freed == table[-(-keep // BS) :]
+        del table[-(-keep // BS) :]
+        assert self.m.num_free_blocks == free + len(freed)
+        if freed:
+            event("speculate: blocks rolled back")
+        self.m.cache_blocks(sid, tokens, len(tokens), self.salts[sid])
+
+    @precondition(lambda self: self.tables)
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(sorted(self.tables)))

@@ -112,6 +112,20 @@ def _get(url: str) -> tuple[int, str, str]:
         return exc.code, exc.headers["Content-Type"], exc.read().decode()
 
 
+def test_speculative_decoding_counters_are_exported():
+    s = two_worker_scheduler()
+    s.spec_decode.on_step(4, 3)
+    s.spec_decode.on_step(2, 0)
+    s.spec_decode.on_step(0, 0)  # no proposals: not a draft
+    got = samples(MetricsExporter(None, "m").render_snapshot(s.metrics_snapshot()).decode())
+    m = (("model_name", "m"),)
+    assert got[("pagedserve:spec_decode_num_drafts_total", m)] == 2
+    assert got[("pagedserve:spec_decode_num_draft_tokens_total", m)] == 6
+    assert got[("pagedserve:spec_decode_num_accepted_tokens_total", m)] == 3
+    sd = s.stats().spec_decode
+    assert sd.acceptance_rate == 0.5 and sd.mean_accepted_length == 2.5
+
+
 def test_http_server_serves_metrics_and_health_then_stops():
     async def main():
         fake = FakeScheduler(two_worker_scheduler())

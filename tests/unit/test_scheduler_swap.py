@@ -149,6 +149,7 @@ def make(num_blocks, mode="swap", host_blocks=64, workers=1, budget=6, **kw) -> 
             preemption_mode=mode,
             max_num_seqs=8,
             enable_prefix_caching=kw.get("prefix", True),
+            host_prefix_cache=kw.get("host_prefix", False),
         ),
         [WorkerSpec(i, num_blocks, BS) for i in range(workers)],
         spec,
@@ -688,7 +689,11 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
     handle = SwapHandle(FakeKVWorker(10, host))
     spec = SwapSpec(64, 100, 1e9, 1e-3)
     config = SchedulerConfig(
-        max_num_batched_tokens=6, max_model_len=64, preemption_mode="swap", max_num_seqs=8
+        max_num_batched_tokens=6,
+        max_model_len=64,
+        preemption_mode="swap",
+        max_num_seqs=8,
+        host_prefix_cache=False,
     )
     actor = SchedulerActor(config, [handle], [WorkerSpec(0, 10, BS)], 0.05, swap=spec)
     assert actor._engine.overlapped

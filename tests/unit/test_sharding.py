@@ -69,3 +69,17 @@ def test_parallel_config_is_validated() -> None:
         ParallelConfig(2, 2, "tcp://127.0.0.1:1")
     with pytest.raises(ValueError, match="init_method is required"):
         ParallelConfig(2, 1)
+
+
+def test_cluster_config_refuses_what_does_not_shard() -> None:
+    from pagedserve.cluster.config import ClusterConfig, SchedulerConfig
+    from pagedserve.scheduler.config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        ClusterConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="swap_space needs tensor_parallel_size 1"):
+        ClusterConfig(tensor_parallel_size=2, swap_space=1 << 20)
+    spec = SchedulerConfig(speculative_config=SpeculativeConfig())
+    with pytest.raises(ValueError, match="speculative decoding needs tensor_parallel_size 1"):
+        ClusterConfig(tensor_parallel_size=2, scheduler=spec)
+    assert ClusterConfig(tensor_parallel_size=2).tensor_parallel_size == 2

@@ -16,8 +16,9 @@ from pagedserve.cluster.config import ServerConfig
 from pagedserve.cluster.frontend import GenerationServicer, start_server
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
-from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
+from pagedserve.scheduler.host_prefix import HostPrefixStats
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
 
@@ -80,7 +81,9 @@ def _with_remote_swap_ins(sched: Scheduler):
             else w
             for w in st.workers
         ]
-        return dataclasses.replace(st, workers=workers, swap=dataclasses.replace(st.swap, **pulled))
+        tier = HostPrefixStats(True, 64, 5, 3, 48, 7, 700, 0.5, 1, 300, 0.25, 0)
+        swap = dataclasses.replace(st.swap, host_prefix=tier, **pulled)
+        return dataclasses.replace(st, workers=workers, swap=swap)
 
     return stats
 
@@ -88,6 +91,7 @@ def _with_remote_swap_ins(sched: Scheduler):
 def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
     sched = _preempted_scheduler()
     sched.stats = _with_remote_swap_ins(sched)  # type: ignore[method-assign]
+    sched.spec_decode.on_step(4, 2)
     info = ModelInfo("m", 64, 1, (1,), 64)
     servicer = GenerationServicer(
         RequestPipeline(scheduler=_SchedulerHandle(sched), tokenizer=_Tok(), info=info)
@@ -112,6 +116,9 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert (w1["num_remote_swap_ins"], w1["remote_swap_in_bytes"]) == (2, 300)
         sw = st["swap"]
         assert (sw["num_remote_swap_ins"], sw["remote_swap_in_bytes"]) == (2, 300)
+        sd = st["spec_decode"]
+        assert (sd["num_drafts"], sd["num_draft_tokens"], sd["num_accepted_tokens"]) == (1, 4, 2)
+        assert sd["acceptance_rate"] == 0.5 and sd["mean_accepted_length"] == 3.0
         assert main(["stats", "--address", address, "--output", "json"]) == 0
         assert json.loads(capsys.readouterr().out) == st
         assert main(["stats", "--address", address]) == 0
@@ -119,6 +126,12 @@ def test_stats_report_per_worker_preemptions_and_recomputed_tokens(capsys):
         assert "preemptions 1" in text and "recomputed" in text and "tokens 8" in text
         assert "float32 / bfloat16" in text and "float32 / float32" in text
         assert "from another node 2, 300 B" in text
+        hp = sw["host_prefix"]
+        assert (hp["num_hit_blocks"], hp["num_hit_tokens"], hp["spill_bytes"]) == (3, 48, 700)
+        assert (hp["load_bytes"], hp["load_seconds"], hp["capacity_blocks"]) == (300, 0.25, 64)
+        assert "host prefix cache 5 of 64 blocks  hits 3 blocks (48 tokens)" in text
+        assert "spills 7 (700 B, 0.500 s)  loads 1 (300 B, 0.250 s)" in text
+        assert "acceptance rate 0.500" in text and "mean accepted length 3.00" in text
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(timeout=30)
         loop.call_soon_threadsafe(loop.stop)
@@ -143,6 +156,19 @@ def test_serve_flags_reach_the_configs():
     assert sc.async_scheduling is False
     wc = cfg.worker_config(0)
     assert (wc.num_threads, wc.adaptive_threads) == (2, False)
+    assert sc.host_prefix_cache and sc.host_prefix_cache_fraction == 0.5
+    off = serve_config(
+        build_parser().parse_args(
+            ["serve", "--no-host-prefix-cache", "--host-prefix-cache-fraction", "0.25"]
+        )
+    )
+    assert not off.scheduler.host_prefix_cache
+    assert off.scheduler.host_prefix_cache_fraction == 0.25
+    flags = ["--speculative-method", "ngram", "--num-speculative-tokens", "5"]
+    flags += ["--ngram-min", "2", "--ngram-max", "4", "--speculative-disable-by-batch-size", "8"]
+    spec = serve_config(build_parser().parse_args(["serve", *flags])).scheduler.speculative_config
+    assert spec == SpeculativeConfig("ngram", 5, 2, 4, disable_by_batch_size=8)
     default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.scheduler.speculative_config is None
     assert default.scheduler.admission == "fits-now" and default.scheduler.async_scheduling
     assert default.worker_config(0).adaptive_threads
