@@ -188,6 +188,7 @@ class ModelRunner:
             )
         self.backend = config.attention_backend
         self.group = TensorParallelGroup.join(config.parallel, self.device)
+        self.device = self.group.device if self.group.size > 1 else self.device
         # The shapes of this rank's KV heads (the whole model's when not sharded).
         self.kv_arch = self.arch
         self.packed_gemm = False

@@ -49,7 +49,8 @@ class TensorParallelGroup:
     def join(cls, config: ParallelConfig, device: torch.device) -> TensorParallelGroup:
         """Join (rendezvous at ``config.init_method``) the default process group of
         ``config.tensor_parallel_size`` ranks; returns the group of one without
-        torch.distributed when the size is 1.
+        torch.distributed when the size is 1. On CUDA the rank takes GPU ``rank % visible
+        GPUs`` as its current device (NCCL needs one GPU per rank).
 
         Raises:
             GroupBroken: the rendezvous did not complete within ``config.timeout_s``.
@@ -61,6 +62,12 @@ class TensorParallelGroup:
         if dist.is_initialized():
             raise RuntimeError("this process already belongs to a torch.distributed group")
         backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            # One GPU per rank: under Ray each rank sees only its own (index 0); local
+            # ranks (the offline API, the tests) see them all and take the rank's.
+            index = config.rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            device = torch.device("cuda", index)
         try:
             dist.init_process_group(
                 backend,

@@ -25,6 +25,10 @@ are never imported). Phases, each bounded by a timeout and recorded even when it
    wall time spent in attention kernels, GEMM kernels, other kernels, and host overhead
    (wall time with no kernel running).
 
+4. ``tensor_parallel``: with two or more GPUs, the tiny-model tensor-parallel tests at
+   T = 2 on CUDA (NCCL, one GPU per rank; :func:`tensor_parallel`); skipped otherwise. With
+   ``--cpu-smoke``, one of them on CPU over gloo.
+
 Goals from the issue: decode attention >= 85% of HBM peak at long context; host
 overhead <= 10% of a step at batch 64. Writes ``benchmarks/results/gpu_check.json`` (or
 ``gpu_check_cpu_smoke.json``).
@@ -137,6 +141,28 @@ class ForbidImports(importlib.abc.MetaPathFinder):
                 f"No module named {fullname!r} (not on the bare GPU image)", name=fullname
             )
         return None
+
+
+def tensor_parallel(env: dict[str, str], smoke: bool, timeout_s: int) -> dict[str, Any]:
+    """``pytest tests/e2e/test_tensor_parallel.py -k tiny``: T = 2 ranks (NCCL, one GPU
+    each) give HF's and T = 1's greedy tokens; skipped with fewer than 2 GPUs. With
+    ``--cpu-smoke`` the same tests on CPU over gloo (the Llama case only)."""
+    import torch
+
+    if not smoke and torch.cuda.device_count() < 2:
+        return {"skipped": f"{torch.cuda.device_count()} GPU(s): tensor parallelism needs 2"}
+    args = hooked("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                  str(REPO / "tests" / "e2e" / "test_tensor_parallel.py"),
+                  "-k", "Llama and tiny" if smoke else "tiny")  # fmt: skip
+    run_env = dict(env, PAGEDSERVE_TP_TEST_DEVICE="cpu" if smoke else "cuda")
+    proc = subprocess.run(
+        args, cwd=REPO, env=run_env, capture_output=True, text=True, timeout=timeout_s
+    )
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    print("\n".join(tail), flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"pytest exited {proc.returncode}: {tail[-1] if tail else ''}")
+    return {"returncode": proc.returncode, "summary": tail[-1] if tail else ""}
 
 
 def hooked(*argv: str) -> list[str]:
@@ -427,6 +453,8 @@ def main() -> int:
     prompt_len = args.prompt_len or (24 if smoke else 512)
     steps = args.steps or (3 if smoke else 16)
     run_phase("decode_loop", lambda: decode_loop(smoke, batches, prompt_len, steps), report)
+    if not args.skip_tests:
+        run_phase("tensor_parallel", lambda: tensor_parallel(env, smoke, 240), report)
     report["imported_forbidden"] = sorted(
         m for m in sys.modules if any(m == f or m.startswith(f + ".") for f in FORBIDDEN)
     )
@@ -440,7 +468,7 @@ def main() -> int:
     out = Path(args.out) if args.out else out_dir / name
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {out}; forbidden modules imported: {report['imported_forbidden'] or 'none'}")
-    failed = [k for k in ("kernel_tests", "kernels", "decode_loop")
+    failed = [k for k in ("kernel_tests", "kernels", "decode_loop", "tensor_parallel")
               if k in report and not report[k]["ok"]]  # fmt: skip
     return 1 if failed or report["imported_forbidden"] else 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from pathlib import Path
 
 import helpers
@@ -34,7 +35,8 @@ def config(model_dir: Path, block: int, blocks: int, max_model_len: int | None =
     return WorkerConfig(
         model=ModelConfig(model=str(model_dir), dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(block_size=block, num_blocks=blocks),
-        device="cpu",
+        # make gpu-check runs these on CUDA (NCCL) where there are 2 or more GPUs.
+        device=os.environ.get("PAGEDSERVE_TP_TEST_DEVICE", "cpu"),
         num_threads=1,
         adaptive_threads=False,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,11 @@ def test_cycle_calls_each_in_turn() -> None:
     for _ in range(5):
         run()
     assert seen == [0, 1, 0, 1, 0]
+
+
+@pytest.mark.slow  # ~30 s: two rank processes start torch
+def test_the_tensor_parallel_phase_runs_its_tests_on_cpu_in_smoke_mode() -> None:
+    shim = gpu_check.package_shim()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(shim), str(REPO / "tests")]))
+    result = gpu_check.tensor_parallel(env, smoke=True, timeout_s=300)
+    assert result["returncode"] == 0 and "1 passed" in result["summary"]
