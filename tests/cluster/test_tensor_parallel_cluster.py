@@ -133,8 +133,9 @@ def test_a_dead_rank_takes_the_logical_worker_down(tp_cluster) -> None:
     # Rank 0's next collective fails and the process exits: Ray reports the actor dead.
     with Client(tp_cluster.address, timeout_s=60) as c:
         r = c.generate(token_ids=TINY_PROMPTS[0], max_tokens=2, temperature=0.0)
-    # Requeued once (a worker death), then aborted: no live worker is left.
+    # Aborted, never hung: requeued once when rank 0 died under it, or refused at once when
+    # the group was already down on arrival (which of the two depends on timing).
     assert r.choices[0].finish_reason == "abort" and r.choices[0].token_ids == []
-    assert r.usage["num_preemptions"] == 1
+    assert r.usage["num_preemptions"] in (0, 1)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(group.driver.ping.remote(), timeout=60)
