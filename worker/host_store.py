@@ -158,11 +158,20 @@ class HostBlockStore:
 
         Raises:
             StoreError: a bad chunk (INVALID_ARGUMENT / DATA_LOSS), a chunk whose dtype
-                is not the store's ``kv_cache_dtype`` (FAILED_PRECONDITION) or not enough
-                room (RESOURCE_EXHAUSTED); nothing is stored then.
+                is not the store's ``kv_cache_dtype`` (FAILED_PRECONDITION), not enough
+                room (RESOURCE_EXHAUSTED), or a stream that ended before
+                ``num_blocks_total`` blocks (ABORTED); nothing is stored then.
         """
         staged: dict[int, StoredBlock] = {}
+        total = 0
         for chunk in chunks:
+            if chunk.num_blocks_total < 1 or (total and chunk.num_blocks_total != total):
+                raise StoreError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"transfer {chunk.transfer_id!r}: num_blocks_total must be >= 1 and the "
+                    f"same in every chunk, got {chunk.num_blocks_total} (before: {total})",
+                )
+            total = chunk.num_blocks_total
             if self.kv_cache_dtype is not None and chunk.dtype != self.kv_cache_dtype:
                 raise StoreError(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -189,6 +198,14 @@ class HostBlockStore:
                 )
         if not staged:
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "SwapOut stream had no chunks")
+        if len(staged) != total:
+            # NOTE: gRPC may end a cancelled client stream like a complete one on the server
+            # (the read returns no message before the cancellation is seen): the count, not
+            # the end of the stream, says the transfer is whole.
+            raise StoreError(
+                grpc.StatusCode.ABORTED,
+                f"transfer stream ended after {len(staged)} of {total} blocks; nothing stored",
+            )
         nbytes = sum(len(b.data) for b in staged.values())
         with self._lock:
             replaced = sum(len(self._blocks[i].data) for i in staged if i in self._blocks)

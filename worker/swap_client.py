@@ -112,6 +112,7 @@ class HostStoreClient:
                 shape=[len(ids), *packed.shape[1:]],
                 data=data,
                 checksum=zlib.crc32(data),
+                num_blocks_total=n,
             )
 
     def swap_out(

@@ -10,7 +10,7 @@ import torch
 
 from pagedserve.v1 import kv_transfer_pb2 as pb
 from pagedserve.v1 import kv_transfer_pb2_grpc as pb_grpc
-from pagedserve.worker.host_store import HostBlockStore, serve_host_store
+from pagedserve.worker.host_store import HostBlockStore, StoreError, serve_host_store
 from pagedserve.worker.swap_client import HostStoreClient, SwapError
 
 
@@ -104,6 +104,7 @@ def _chunk(**kw) -> pb.KVChunk:
         shape=[1, 1, 2, 1, 1, 8],
         data=data,
         checksum=zlib.crc32(data),
+        num_blocks_total=1,
     )
     fields.update(kw)
     return pb.KVChunk(**fields)
@@ -137,7 +138,7 @@ def test_a_stream_broken_mid_transfer_stores_nothing(served) -> None:
     address, store = served
 
     def chunks():
-        yield _chunk(host_block_ids=[1])
+        yield _chunk(host_block_ids=[1], num_blocks_total=2)
         raise RuntimeError("client died")
 
     with grpc.insecure_channel(address) as ch:
@@ -145,6 +146,23 @@ def test_a_stream_broken_mid_transfer_stores_nothing(served) -> None:
         with pytest.raises(grpc.RpcError):
             stub.SwapOut(chunks(), timeout=10)
     assert store.num_blocks_stored == 0 and store.used_bytes == 0
+
+
+def test_a_stream_that_ends_before_its_total_stores_nothing() -> None:
+    # What the server sees when gRPC ends a cancelled client stream like a complete one.
+    store = HostBlockStore(1 << 20)
+    with pytest.raises(StoreError) as err:
+        store.put(iter([_chunk(host_block_ids=[1], num_blocks_total=2)]))
+    assert err.value.code == grpc.StatusCode.ABORTED and "after 1 of 2 blocks" in str(err.value)
+    assert store.num_blocks_stored == 0 and store.used_bytes == 0
+    for bad in ([_chunk(num_blocks_total=0)],
+                [_chunk(host_block_ids=[1], num_blocks_total=2),
+                 _chunk(host_block_ids=[2], num_blocks_total=3)]):  # fmt: skip
+        with pytest.raises(StoreError) as err:
+            store.put(iter(bad))
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert store.put(iter([_chunk(host_block_ids=[3])])) == (1, 64)
+    assert store.num_blocks_stored == 1
 
 
 def test_unreachable_store_raises_swap_error() -> None:
