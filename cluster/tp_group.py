@@ -73,7 +73,10 @@ async def start_rank_group(
 
     bundle = {"CPU": float(request.get("num_cpus", 0)), "GPU": float(request.get("num_gpus", 0))}
     bundle.update(request.get("resources", {}))
-    bundle = {k: v for k, v in bundle.items() if v > 0} or {"CPU": 0.001}
+    # NOTE: a bundle may not be empty; a rank that reserves nothing (cpus_per_worker 0)
+    # holds a token byte of Ray's memory resource, which stays placeable when other
+    # actors hold every CPU.
+    bundle = {k: v for k, v in bundle.items() if v > 0} or {"memory": 1.0}
     pg = placement_group([dict(bundle) for _ in range(size)], strategy="STRICT_PACK")
     try:
         await asyncio.wait_for(pg.ready(), timeout=timeout_s)
@@ -94,7 +97,8 @@ async def start_rank_group(
                 max_restarts=0,
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                memory=bundle.get("memory"),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
                 **opts,
             ).remote(dataclasses.replace(config, parallel=parallel))
