@@ -41,10 +41,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from pagedserve import kernels
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.attention import AttentionMetadata
-from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from pagedserve.worker.model import KVCache, LayerForward, LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.worker.parallel import TensorParallelGroup
 from pagedserve.worker.weights import load_weights
 
@@ -214,18 +213,7 @@ class TensorParallelForward:
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        kernels.check_positions(positions, model.rotary_emb.max_positions, hidden.shape[0])
-        checked = None
-        if kv_caches:
-            num_blocks, block_size = kv_caches[0][0].shape[:2]
-            checked = kernels.check_indices(
-                meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                num_blocks, block_size, hidden.shape[0],
-            )  # fmt: skip
-        cos, sin = model.rotary_emb(positions, hidden.dtype)
-        for layer, kv_cache in zip(model.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, meta, checked)
-        local = model.compute_logits(hidden.index_select(0, logits_indices))
+        local = LayerForward()(model, hidden, positions, kv_caches, meta, logits_indices)
         logits = self.group.gather_last(local)
         if logits is None:
             return local[:, :0]
