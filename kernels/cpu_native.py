@@ -83,6 +83,7 @@ SOURCES = (
     CSRC / "cpu_gemm.c",
     CSRC / "cpu_gemm_bf16.c",
     CSRC / "cpu_decoder.c",
+    CSRC / "cpu_attention_amx.c",
 )
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
@@ -99,6 +100,8 @@ _SIGNATURES = {
                             _i64, _i64, _f32, _ptr, _i64],
     "paged_attention_bf16kv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
                                _i64, _i64, _i64, _f32, _ptr, _i64],
+    "paged_attention_bf16kv_rows": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64,
+                                    _i64, _i64, _i64, _i64, _f32, _ptr, _i64, _i64],
     "rope_store_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     "rope_store_bf16kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
                           _ptr],
@@ -122,12 +125,14 @@ _SIGNATURES = {
     "gemm_bf16_amx_supported": [],
     "gemm_bf16_amx_chosen": [],
     "argmax_rows_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
+    "attention_amx_min_rows": [],
     "decoder_layers_f32": [_ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _f32, _f32, _ptr,
                            _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr,
                            _ptr, _i64],
 }  # fmt: skip
 _RESTYPES = {
     "gemm_panel_width": _i64,
+    "attention_amx_min_rows": _i64,
     "linear_packed_bf16": _i64,
     "decoder_layers_f32": _i64,
     "linear_packed_bf16_avx512": _i64,
@@ -266,6 +271,7 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     out: torch.Tensor | None = None,
+    amx_min_rows: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of ragged chunks (decode = chunk of 1) on CPU.
 
@@ -281,14 +287,24 @@ def paged_attention(
         scale: softmax scale.
         k_scale, v_scale: an fp8 cache's per-tensor scales (unused for the others).
         out: optional contiguous ``[T, num_heads, head_dim]`` destination.
+        amx_min_rows: bf16 caches only: chunks of at least this many query rows run on
+            AMX tiles (``csrc/cpu_attention_amx.c``: Q and the probabilities rounded to
+            bf16, fp32 sums; where the CPU has AMX and head_dim is a multiple of 32 up to
+            256), the rest on the fp32-arithmetic kernel; ``0`` never; ``None``: the
+            process's setting, :func:`amx_attention_min_rows`.
 
     Returns:
         ``[T, num_heads, head_dim]`` fp32, contiguous.
 
     Raises:
-        ValueError: from :func:`_kv_suffix` (a cache dtype the kernels do not take).
+        ValueError: from :func:`_kv_suffix` (a cache dtype the kernels do not take), or
+            ``amx_min_rows < 0``.
     """
-    kernel = getattr(_lib(), "paged_attention_" + _kv_suffix(key_cache, value_cache))
+    suffix = _kv_suffix(key_cache, value_cache)
+    if amx_min_rows is not None and amx_min_rows < 0:
+        raise ValueError(f"amx_min_rows must be >= 0 or None, got {amx_min_rows}")
+    rows = () if amx_min_rows is None or suffix != "bf16kv" else (amx_min_rows,)
+    kernel = getattr(_lib(), "paged_attention_" + suffix + ("_rows" if rows else ""))
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -302,9 +318,17 @@ def paged_attention(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
         block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
         cu_seqlens_q.data_ptr(), seq_lens.shape[0], num_heads, num_kv_heads, head_dim,
-        block_size, scale, *scales, out.data_ptr(), torch.get_num_threads(),
+        block_size, scale, *scales, out.data_ptr(), torch.get_num_threads(), *rows,
     )  # fmt: skip
     return out
+
+
+def amx_attention_min_rows() -> int:
+    """Query rows from which a bf16-KV chunk's attention runs on AMX tiles in this
+    process (``PAGEDSERVE_CPU_AMX_ATTENTION``: ``0``/``off`` never, ``N`` from N rows,
+    default 16), or 0 where the CPU or the build has no AMX or ``PAGEDSERVE_CPU_AMX`` turns
+    AMX off. Read once per process."""
+    return int(_lib().attention_amx_min_rows())
 
 
 def rope_store(

@@ -351,7 +351,8 @@ static inline void amx_panel(const uint16_t *a, int64_t lda, const uint16_t *pan
 }
 
 /*
- * C[32, 32] (fp32, into c, row stride 32) = A @ B for two 16-row tiles of A (a0, a1; row
+ * C[32, 32] (fp32; column tile 0 at c, column tile 1 at c + c1, row stride ldc bytes: a
+ * 32 x 32 scratch, or the output itself) = A @ B for two 16-row tiles of A (a0, a1; row
  * stride lda bytes) and two 16-column tiles of B (b0, b1: a panel's pair rows, stride 192
  * bytes), the partial last group of pairs read from t0 / t1 (16 rows of 64 bytes, zero past
  * the pairs) when tails is set. Tiles: 0-3 C, 4-5 A, 6-7 B. Each C element takes the same
@@ -359,7 +360,8 @@ static inline void amx_panel(const uint16_t *a, int64_t lda, const uint16_t *pan
  */
 static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
                            const uint16_t *b0, const uint16_t *b1, int64_t full, int tails,
-                           const uint16_t *t0, const uint16_t *t1, float *c) {
+                           const uint16_t *t0, const uint16_t *t1, float *c, int64_t c1,
+                           int64_t ldc) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -384,10 +386,11 @@ static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
         _tile_dpbf16ps(2, 5, 6);
         _tile_dpbf16ps(3, 5, 7);
     }
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
+    const int64_t row16 = 16 * (ldc / 4); /* 16 rows of c, in floats */
+    _tile_stored(0, c, ldc);
+    _tile_stored(1, c + c1, ldc);
+    _tile_stored(2, c + row16, ldc);
+    _tile_stored(3, c + row16 + c1, ldc);
 }
 
 /*
@@ -411,6 +414,8 @@ static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
             const int64_t t[2] = {2 * u, 2 * u + 1 < ctiles ? 2 * u + 1 : 2 * u};
             const uint16_t *b[2];
             __mmask16 mask[2];
+            /* no bias and both column tiles whole (or one tile, written twice) */
+            const int direct = bias == NULL && n - 16 * t[0] >= 16 && (t[1] == t[0] || n - 16 * t[1] >= 16);
             __m512 bv[2];
             for (int q = 0; q < 2; ++q) {
                 b[q] = packed + (t[q] / 3) * panel_size + (t[q] % 3) * 32;
@@ -424,8 +429,14 @@ static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
             for (int64_t r0 = m0; r0 < m0 + mc; r0 += 32) {
                 const uint16_t *a0 = (const uint16_t *)(xb + r0 * ldxb);
                 const uint16_t *a1 = r0 + 16 < mpad ? a0 + 32 * ldxb : a0;
-                amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c);
                 const int64_t valid = (m - r0) < 32 ? (m - r0) : 32;
+                if (direct && valid == 32) { /* the C tiles straight into out: same values */
+                    amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1],
+                            out + r0 * ldo + 16 * t[0], 16 * (t[1] - t[0]), ldo * 4);
+                    continue;
+                }
+                amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c, 16,
+                        128);
                 for (int64_t i = 0; i < valid; ++i)
                     for (int q = 0; q < 2; ++q) {
                         __m512 acc = _mm512_load_ps(c + i * 32 + 16 * q);

@@ -369,7 +369,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads,
-    const int kvt) {
+    const int kvt, int64_t skip_rows) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim; /* elements per token slot */
     const int64_t threads = num_threads > 0 ? num_threads : 1;
@@ -377,6 +377,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     int64_t base_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        if (skip_rows > 0 && q_len >= skip_rows) continue;
         base_tasks += (q_len + QTILE - 1) / QTILE * num_kv_heads;
     }
     int64_t sub = group; /* query heads per task */
@@ -390,13 +391,15 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     task_start[0] = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
-        const int64_t tiles = (q_len + QTILE - 1) / QTILE;
+        const int64_t tiles =
+            skip_rows > 0 && q_len >= skip_rows ? 0 : (q_len + QTILE - 1) / QTILE;
         task_start[s + 1] = task_start[s] + tiles * num_kv_heads * splits;
     }
     const int64_t num_tasks = task_start[num_seqs];
     int64_t max_seq_len = 1; /* sizes the per-thread score scratch */
     for (int64_t s = 0; s < num_seqs; ++s)
-        if (seq_lens[s] > max_seq_len) max_seq_len = seq_lens[s];
+        if (task_start[s + 1] > task_start[s] && seq_lens[s] > max_seq_len)
+            max_seq_len = seq_lens[s];
     const int vec = head_dim % 16 == 0;
     const int64_t pf_blocks = (PREFETCH_KEYS + block_size - 1) / block_size;
     /* head_dim in 16-float slices for the whole-row pass-2 paths (pv_rows), else 0 */
@@ -580,19 +583,52 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                          int64_t block_size, float scale, float *out, int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, KV_F32);
+                       scale, out, num_threads, KV_F32, 0);
 }
 
-/* paged_attention_kv on bf16 caches (uint16_t bit patterns); q and out fp32. */
+int64_t attention_amx_min_rows(void); /* cpu_attention_amx.c */
+int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
+                                   const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *seq_lens, const int32_t *cu_seqlens_q,
+                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, int64_t block_size, float scale, float *out,
+                                   int64_t num_threads, int64_t min_rows);
+
+/* paged_attention_kv on bf16 caches (uint16_t bit patterns); q and out fp32. Chunks of at
+ * least min_rows query rows run on AMX tiles where the CPU has them (cpu_attention_amx.c:
+ * Q and P rounded to bf16), the rest here; min_rows 0: all here. */
+void paged_attention_bf16kv_rows(const float *q, int64_t q_token_stride, const uint16_t *k_cache,
+                                 const uint16_t *v_cache, const int32_t *block_tables,
+                                 int64_t bt_stride, const int32_t *seq_lens,
+                                 const int32_t *cu_seqlens_q, int64_t num_seqs,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 int64_t block_size, float scale, float *out,
+                                 int64_t num_threads, int64_t min_rows) {
+    const int64_t skip =
+        min_rows > 0 && paged_attention_amx_bf16kv(q, q_token_stride, k_cache, v_cache,
+                                                   block_tables, bt_stride, seq_lens,
+                                                   cu_seqlens_q, num_seqs, num_heads,
+                                                   num_kv_heads, head_dim, block_size, scale,
+                                                   out, num_threads, min_rows) == 0
+            ? min_rows
+            : 0;
+    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                       scale, out, num_threads, KV_BF16, skip);
+}
+
+/* paged_attention_bf16kv_rows with the process's min_rows (attention_amx_min_rows()). */
 void paged_attention_bf16kv(const float *q, int64_t q_token_stride, const uint16_t *k_cache,
                             const uint16_t *v_cache, const int32_t *block_tables,
                             int64_t bt_stride, const int32_t *seq_lens,
                             const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             float scale, float *out, int64_t num_threads) {
-    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
-                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, KV_BF16);
+    paged_attention_bf16kv_rows(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride,
+                                seq_lens, cu_seqlens_q, num_seqs, num_heads, num_kv_heads,
+                                head_dim, block_size, scale, out, num_threads,
+                                attention_amx_min_rows());
 }
 
 /* paged_attention_kv on fp8 e4m3fn caches (bytes) of per-tensor scales k_scale, v_scale:
@@ -606,7 +642,7 @@ void paged_attention_fp8kv(const float *q, int64_t q_token_stride, const uint8_t
                            int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale * k_scale, out, num_threads, KV_FP8);
+                       scale * k_scale, out, num_threads, KV_FP8, 0);
     if (v_scale != 1.0f) {
         const int64_t n = cu_seqlens_q[num_seqs] * num_heads * head_dim;
 #pragma omp parallel for if (n > 65536) num_threads(num_threads > 0 ? num_threads : 1)

@@ -27,9 +27,11 @@ def bf16_case(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int
 
 
 def attend(query, key_cache, value_cache, case, q_lens: list[int], scale: float):
+    # amx_min_rows=0: the fp32-arithmetic kernel for every chunk (the AMX prefill path
+    # rounds queries and probabilities to bf16: test_kernels_cpu_amx_attention.py)
     return cpu_native.paged_attention(
         query, key_cache, value_cache, case.block_tables, cu_seqlens(q_lens), case.seq_lens,
-        scale,
+        scale, amx_min_rows=0,
     )  # fmt: skip
 
 

@@ -1,0 +1,439 @@
+/*
+ * Prefill attention on bf16 KV caches with AMX tiles (TDPBF16PS): the chunks of a step that
+ * have at least min_rows query rows; decode rows and short chunks stay on
+ * paged_attention_kv (cpu_kernels.c), which calls this first.
+ *
+ * Why: a prefill chunk's attention is two matrix products per KV head (Q K^T and P V) of
+ * chunk x context, and on the AVX512 kernel they ran at ~45 GFLOP/s on the 2-core Xeon
+ * (the kernel reads each K/V row once per query row); AMX does 16 x 16 x 32 bf16 products
+ * per instruction.
+ *
+ * Method (the two passes of cpu_kernels.c, on tiles). A task is (sequence, KV head, block of
+ * QB query rows). It copies the keys its rows see out of the paged cache into two scratch
+ * layouts, so the tile loads need no block table: K^T as TDPBF16PS B tiles (pair row kk of
+ * key group g = dimensions 2kk, 2kk+1 of its 16 keys) and V as B tiles of key pairs (pair
+ * row kk = keys 2kk, 2kk+1 of a group of 32, interleaved per dimension). Then per query head
+ * of the group and 16-row tile: pass 1, S = Q K^T (Q rounded to bf16, round to nearest
+ * even; fp32 sums), 4 key groups per round in 4 C tiles; the softmax per row over the keys
+ * its position sees (the causal limit), in fp32, with exp by Cephes' polynomial, and
+ * P = bf16(exp(s - max)) (zero past the limit); pass 2, O = P V in D/16 C tiles (64
+ * dimensions per round), divided by the fp32 sum of the unrounded exps. So the products
+ * are bf16 x bf16 summed in fp32, as FlashAttention-2 does on GPUs (Dao, 2023) and as
+ * vLLM's CPU backend does through oneDNN's AMX kernels for bf16 prefill; scores, softmax
+ * and sums stay fp32. A row's result depends only on its sequence's data (not on the batch
+ * or the task split), but differs from the AVX512 kernel's (Q and P rounded to bf16), so a
+ * chunk's rows take this path by the chunk's length only.
+ *
+ * Built where the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on
+ * such a CPU); elsewhere the entry point returns -2 and paged_attention_kv does all.
+ * PAGEDSERVE_CPU_AMX_ATTENTION=0 turns the path off; N > 0 sets min_rows (default 16).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int64_t gemm_bf16_amx_chosen(void); /* cpu_gemm_bf16.c: AMX granted and not turned off */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__AVX512F__)
+#include <immintrin.h>
+#include <omp.h>
+#include <pthread.h>
+
+#define TR 16           /* rows of a tile; keys of a key group */
+#define QB 64           /* query rows per task */
+#define MAX_HEAD_DIM 256
+#define DEFAULT_MIN_ROWS 16
+
+static pthread_once_t amx_attn_once = PTHREAD_ONCE_INIT;
+static int64_t amx_attn_rows;
+
+static void amx_attn_init(void) {
+    const char *env = getenv("PAGEDSERVE_CPU_AMX_ATTENTION");
+    int64_t rows = DEFAULT_MIN_ROWS;
+    if (env != NULL && env[0] != '\0') {
+        char *end = NULL;
+        const long v = strtol(env, &end, 10);
+        if (end != env && *end == '\0') {
+            rows = v > 0 ? (int64_t)v : 0;
+        } else {
+            char low[8] = {0};
+            for (int i = 0; i < 7 && env[i] != '\0'; ++i)
+                low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
+            if (!strcmp(low, "false") || !strcmp(low, "off") || !strcmp(low, "no")) rows = 0;
+        }
+    }
+    amx_attn_rows = gemm_bf16_amx_chosen() ? rows : 0;
+}
+
+/* Chunks of at least this many query rows take the AMX path; 0: the path is off. */
+int64_t attention_amx_min_rows(void) {
+    pthread_once(&amx_attn_once, amx_attn_init);
+    return amx_attn_rows;
+}
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} attn_tile_config_t;
+
+/* exp(x) on 16 lanes for x <= 88 (clamped below at -87): Cephes' expf, x = n ln2 + r,
+ * degree-6 polynomial in r, times 2^n (scalef). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, fn);
+}
+
+/* A key row (head_dim bf16 of KV head kvh) of key j of a sequence, through its table. */
+static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *table, int64_t j,
+                                      int64_t block_size, int64_t row, int64_t off) {
+    const int64_t slot = (int64_t)table[j / block_size] * block_size + j % block_size;
+    return cache + slot * row + off;
+}
+
+/*
+ * Scratch of one thread, in uint32 words: kt (K^T tiles), vt (V pair tiles), rows (32 copied
+ * cache rows), q (the task's queries in bf16), s (16 score rows), p (16 bf16 probability
+ * rows), o (one 16 x 64 fp32 output block), inv (16 fp32).
+ */
+typedef struct {
+    uint32_t *kt, *vt, *rows, *q;
+    float *s, *o, *inv;
+    uint16_t *p;
+} scratch_t;
+
+static size_t scratch_words(int64_t keys_pad, int64_t head_dim, int64_t group) {
+    return (size_t)(keys_pad * head_dim / 2) * 2 /* kt, vt */ + 32 * head_dim / 2 +
+           (size_t)(group * QB * head_dim / 2) + 16 * keys_pad /* s */ + 8 * keys_pad /* p */ +
+           16 * 64 + 16 + 64 /* alignment slack */;
+}
+
+static scratch_t scratch_at(uint32_t *base, int64_t keys_pad, int64_t head_dim, int64_t group) {
+    scratch_t sc;
+    uint32_t *w = base;
+    sc.kt = w;
+    w += keys_pad * head_dim / 2;
+    sc.vt = w;
+    w += keys_pad * head_dim / 2;
+    sc.rows = w;
+    w += 32 * head_dim / 2;
+    sc.q = w;
+    w += group * QB * head_dim / 2;
+    sc.s = (float *)w;
+    w += 16 * keys_pad;
+    sc.p = (uint16_t *)w;
+    w += 8 * keys_pad;
+    sc.o = (float *)w;
+    w += 16 * 64;
+    sc.inv = (float *)w;
+    return sc;
+}
+
+/*
+ * Keys [0, n_keys) of one (sequence, KV head) into sc.kt and sc.vt, zero up to keys_pad
+ * (a multiple of 32). kt: for key group g (16 keys) and dimension block b (32 values), a
+ * 16 x 16-word tile whose row kk, word n = key 16g + n's dimensions 32b + 2kk, +1.
+ * vt: for key pair group g (32 keys) and dimension tile t (16 values), a 16 x 16-word tile
+ * whose row kk, word n = (V[32g + 2kk][16t + n], V[32g + 2kk + 1][16t + n]).
+ */
+static void prepare_kv(const scratch_t *sc, const uint16_t *k_cache, const uint16_t *v_cache,
+                       const int32_t *table, int64_t n_keys, int64_t keys_pad,
+                       int64_t block_size, int64_t row, int64_t off, int64_t head_dim) {
+    const int64_t hw = head_dim / 2; /* words per row */
+    const int64_t nb = head_dim / 32, nt = head_dim / 16;
+    uint16_t *rows = (uint16_t *)sc->rows;
+    __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                     _mm512_set1_epi32((int)hw));
+    for (int64_t g = 0; g < keys_pad / TR; ++g) {
+        for (int64_t n = 0; n < TR; ++n) {
+            const int64_t j = g * TR + n;
+            if (j < n_keys)
+                memcpy(rows + n * head_dim, key_row(k_cache, table, j, block_size, row, off),
+                       sizeof(uint16_t) * head_dim);
+            else
+                memset(rows + n * head_dim, 0, sizeof(uint16_t) * head_dim);
+        }
+        for (int64_t b = 0; b < nb; ++b) {
+            uint32_t *tile = sc->kt + (g * nb + b) * 256;
+            for (int64_t kk = 0; kk < 16; ++kk) {
+                const __m512i v = _mm512_i32gather_epi32(
+                    _mm512_add_epi32(idx, _mm512_set1_epi32((int)(b * 16 + kk))), rows, 4);
+                _mm512_store_si512((void *)(tile + kk * 16), v);
+            }
+        }
+    }
+    for (int64_t g = 0; g < keys_pad / 32; ++g) {
+        for (int64_t n = 0; n < 32; ++n) {
+            const int64_t j = g * 32 + n;
+            if (j < n_keys)
+                memcpy(rows + n * head_dim, key_row(v_cache, table, j, block_size, row, off),
+                       sizeof(uint16_t) * head_dim);
+            else
+                memset(rows + n * head_dim, 0, sizeof(uint16_t) * head_dim);
+        }
+        for (int64_t t = 0; t < nt; ++t) {
+            uint32_t *tile = sc->vt + (g * nt + t) * 256;
+            for (int64_t kk = 0; kk < 16; ++kk) {
+                const __m512i lo = _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(rows + (2 * kk) * head_dim + 16 * t)));
+                const __m512i hi = _mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)(rows + (2 * kk + 1) * head_dim + 16 * t)));
+                _mm512_store_si512((void *)(tile + kk * 16),
+                                   _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            }
+        }
+    }
+}
+
+/* One query head's 16-row tile: rows r < valid at positions pos + r, queries qb (bf16, row
+ * stride head_dim), output rows out + r * out_stride. */
+static void tile_attention(const scratch_t *sc, const uint16_t *qb, int64_t valid, int64_t pos,
+                           int64_t n_keys, int64_t head_dim, float scale, float *out,
+                           int64_t out_stride) {
+    const int64_t nb = head_dim / 32, nt = head_dim / 16;
+    int64_t lim = pos + TR; /* keys the tile's last row could see */
+    if (lim > n_keys) lim = n_keys;
+    if (lim < 0) lim = 0;
+    const int64_t groups = (lim + TR - 1) / TR;
+    const int64_t lim32 = (lim + 31) / 32 * 32;
+    const int64_t lds = lim32 > 0 ? lim32 : 32; /* row stride of s and p */
+    /* pass 1: S = Q K^T, 4 key groups per round in C tiles 0-3 */
+    for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+        const int64_t gn = groups - g0 < 4 ? groups - g0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < nb; ++b) {
+            _tile_loadd(4, qb + 32 * b, head_dim * 2);
+            const uint32_t *kt = sc->kt + (g0 * nb + b) * 256;
+            _tile_loadd(5, kt, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (gn > 1) {
+                _tile_loadd(6, kt + nb * 256, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (gn > 2) {
+                _tile_loadd(7, kt + 2 * nb * 256, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (gn > 3) {
+                _tile_loadd(5, kt + 3 * nb * 256, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        float *s = sc->s + g0 * TR;
+        _tile_stored(0, s, lds * 4);
+        if (gn > 1) _tile_stored(1, s + TR, lds * 4);
+        if (gn > 2) _tile_stored(2, s + 2 * TR, lds * 4);
+        if (gn > 3) _tile_stored(3, s + 3 * TR, lds * 4);
+    }
+    /* softmax per row over keys [0, pos + r], P in bf16 up to lim32 */
+    for (int64_t r = 0; r < TR; ++r) {
+        float *s = sc->s + r * lds;
+        uint16_t *p = sc->p + r * lds;
+        const int64_t len = r < valid ? (pos + r + 1 < lim ? pos + r + 1 : lim) : 0;
+        if (len <= 0) {
+            memset(p, 0, sizeof(uint16_t) * lds);
+            sc->inv[r] = 0.0f;
+            continue;
+        }
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 m = (__mmask16)(len - j >= 16 ? 0xffff : (1u << (len - j)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        const __m512 vs = _mm512_set1_ps(scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < lim32; j += 16) {
+            const int64_t left = len - j;
+            const __mmask16 m =
+                (__mmask16)(left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1));
+            __m512 e = _mm512_setzero_ps();
+            if (m) e = _mm512_maskz_mov_ps(m, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), vs)));
+            sum = _mm512_add_ps(sum, e);
+            const __m256bh h = _mm512_cvtneps_pbh(e);
+            memcpy(p + j, &h, sizeof(h));
+        }
+        sc->inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    /* pass 2: O = P V, 64 dimensions (4 C tiles) per round */
+    const int64_t pairs = lim32 / 32;
+    for (int64_t t0 = 0; t0 < nt; t0 += 4) {
+        const int64_t tn = nt - t0 < 4 ? nt - t0 : 4;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t g = 0; g < pairs; ++g) {
+            _tile_loadd(4, sc->p + 32 * g, lds * 2);
+            const uint32_t *vt = sc->vt + (g * nt + t0) * 256;
+            _tile_loadd(5, vt, 64);
+            _tile_dpbf16ps(0, 4, 5);
+            if (tn > 1) {
+                _tile_loadd(6, vt + 256, 64);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (tn > 2) {
+                _tile_loadd(7, vt + 512, 64);
+                _tile_dpbf16ps(2, 4, 7);
+            }
+            if (tn > 3) {
+                _tile_loadd(5, vt + 768, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+        }
+        _tile_stored(0, sc->o, 256);
+        if (tn > 1) _tile_stored(1, sc->o + 16, 256);
+        if (tn > 2) _tile_stored(2, sc->o + 32, 256);
+        if (tn > 3) _tile_stored(3, sc->o + 48, 256);
+        for (int64_t r = 0; r < valid; ++r) {
+            const __m512 inv = _mm512_set1_ps(sc->inv[r]);
+            for (int64_t t = 0; t < tn; ++t)
+                _mm512_storeu_ps(out + r * out_stride + 16 * (t0 + t),
+                                 _mm512_mul_ps(_mm512_load_ps(sc->o + r * 64 + 16 * t), inv));
+        }
+    }
+}
+
+/*
+ * The chunks of at least min_rows query rows, as paged_attention_bf16kv's arguments
+ * describe them (cpu_kernels.c); other chunks are not touched. Returns 0 when done, -2
+ * when the path does not apply (no AMX, head_dim not a multiple of 32 up to 256, min_rows
+ * < 1) and -1 when the scratch cannot be allocated; out is untouched unless it returns 0.
+ */
+int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
+                                   const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *seq_lens, const int32_t *cu_seqlens_q,
+                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, int64_t block_size, float scale, float *out,
+                                   int64_t num_threads, int64_t min_rows) {
+    if (min_rows < 1 || head_dim % 32 != 0 || head_dim > MAX_HEAD_DIM || !gemm_bf16_amx_chosen())
+        return -2;
+    const int64_t group = num_heads / num_kv_heads;
+    const int64_t row = num_kv_heads * head_dim;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    int64_t *task_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (task_start == NULL) return -1;
+    int64_t max_keys = 0;
+    task_start[0] = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
+        const int64_t blocks = q_len >= min_rows ? (q_len + QB - 1) / QB : 0;
+        task_start[s + 1] = task_start[s] + blocks * num_kv_heads;
+        if (blocks > 0 && seq_lens[s] > max_keys) max_keys = seq_lens[s];
+    }
+    const int64_t num_tasks = task_start[num_seqs];
+    if (num_tasks == 0) {
+        free(task_start);
+        return 0;
+    }
+    const int64_t keys_pad = (max_keys + 31) / 32 * 32;
+    const size_t words = (scratch_words(keys_pad, head_dim, group) + 15) / 16 * 16;
+    uint32_t *pool = aligned_alloc(64, words * sizeof(uint32_t) * (size_t)threads);
+    if (pool == NULL) {
+        free(task_start);
+        return -1;
+    }
+    attn_tile_config_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = TR;
+    }
+#pragma omp parallel num_threads(threads) if (num_tasks > 1)
+    {
+        const int tid = omp_get_thread_num();
+        const scratch_t sc = scratch_at(pool + words * (size_t)tid, keys_pad, head_dim, group);
+        _tile_loadconfig(&cfg);
+        int64_t s = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < num_tasks; ++task) {
+            if (task < task_start[s]) s = 0;
+            while (task_start[s + 1] <= task) ++s;
+            const int64_t local = task - task_start[s];
+            const int64_t kvh = local % num_kv_heads;
+            const int64_t q0 = cu_seqlens_q[s];
+            const int64_t q_len = cu_seqlens_q[s + 1] - q0;
+            /* a sequence's last rows (the most keys) first: the longest tasks start early */
+            const int64_t blk = (q_len + QB - 1) / QB - 1 - local / num_kv_heads;
+            const int64_t first = blk * QB;
+            const int64_t rows = q_len - first < QB ? q_len - first : QB;
+            const int64_t pos0 = seq_lens[s] - q_len + first;
+            int64_t n_keys = pos0 + rows;
+            if (n_keys < 0) n_keys = 0;
+            if (n_keys > seq_lens[s]) n_keys = seq_lens[s];
+            const int64_t pad = (n_keys + 31) / 32 * 32;
+            prepare_kv(&sc, k_cache, v_cache, block_tables + s * bt_stride, n_keys, pad,
+                       block_size, row, kvh * head_dim, head_dim);
+            /* the task's queries in bf16: head g, row r at sc.q + (g * QB + r) * head_dim */
+            uint16_t *qb = (uint16_t *)sc.q;
+            const int64_t tiles = (rows + TR - 1) / TR;
+            for (int64_t g = 0; g < group; ++g)
+                for (int64_t r = 0; r < tiles * TR; ++r) {
+                    uint16_t *dst = qb + (g * QB + r) * head_dim;
+                    if (r >= rows) {
+                        memset(dst, 0, sizeof(uint16_t) * head_dim);
+                        continue;
+                    }
+                    const float *src =
+                        q + (q0 + first + r) * q_token_stride + (kvh * group + g) * head_dim;
+                    for (int64_t d = 0; d < head_dim; d += 16) {
+                        const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + d));
+                        memcpy(dst + d, &h, sizeof(h));
+                    }
+                }
+            for (int64_t g = 0; g < group; ++g)
+                for (int64_t t = 0; t < tiles; ++t) {
+                    const int64_t r0 = t * TR;
+                    const int64_t valid = rows - r0 < TR ? rows - r0 : TR;
+                    float *o = out + ((q0 + first + r0) * num_heads + kvh * group + g) * head_dim;
+                    tile_attention(&sc, qb + (g * QB + r0) * head_dim, valid, pos0 + r0, n_keys,
+                                   head_dim, scale, o, num_heads * head_dim);
+                }
+        }
+        _tile_release();
+    }
+    free(pool);
+    free(task_start);
+    return 0;
+}
+
+#else /* no AMX attention in this build */
+
+int64_t attention_amx_min_rows(void) { return 0; }
+
+int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
+                                   const uint16_t *k_cache, const uint16_t *v_cache,
+                                   const int32_t *block_tables, int64_t bt_stride,
+                                   const int32_t *seq_lens, const int32_t *cu_seqlens_q,
+                                   int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                   int64_t head_dim, int64_t block_size, float scale, float *out,
+                                   int64_t num_threads, int64_t min_rows) {
+    (void)q, (void)q_token_stride, (void)k_cache, (void)v_cache, (void)block_tables;
+    (void)bt_stride, (void)seq_lens, (void)cu_seqlens_q, (void)num_seqs, (void)num_heads;
+    (void)num_kv_heads, (void)head_dim, (void)block_size, (void)scale, (void)out;
+    (void)num_threads, (void)min_rows;
+    return -2;
+}
+
+#endif
