@@ -24,7 +24,6 @@ from hf_compare import hf_reference, load_hf, smol_prompt_ids
 from tp_ranks import greedy_job, run_ranks, swap_job
 
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
-from pagedserve.worker.host_store import serve_host_store
 from pagedserve.worker.worker import Worker
 
 FP32_LOGPROB_TOL = 1e-4
@@ -114,6 +113,10 @@ def test_swap_preemption_at_t2_equals_hf(tiny_llama_dir: Path) -> None:
     ids): the swapped sequences resume with HF's greedy tokens, every transfer moved on
     both ranks (the store saw two calls per transfer, the scheduler the group's bytes)
     and the store is empty at the end."""
+    # The host store needs gRPC, which the bare GPU image (make gpu-check) lacks.
+    pytest.importorskip("grpc", reason="the host block store needs gRPC")
+    from pagedserve.worker.host_store import serve_host_store
+
     prompts = TINY_PROMPTS
     new = 12
     server, port, store = serve_host_store(1 << 30)
