@@ -247,11 +247,15 @@ class SwapManager:
         below the worker's prefill cost of the group's stored tokens."""
         home = self._home(g)
         bandwidth = self._pull_bandwidth.get((worker_id, home))
-        if bandwidth is None or home not in self._remote_addresses:
-            return False  # NOTE: an unmeasured pair is never pulled from (conservative)
-        spec = self.specs[worker_id]
-        if spec.block_bytes != self.specs[g.worker_id].block_bytes or not self._allowed(worker_id):
+        spec = self.specs.get(worker_id)
+        if spec is None or home not in self._remote_addresses:
             return False
+        if spec.block_bytes != self.specs[g.worker_id].block_bytes:
+            return False
+        if g.handoff:  # NOTE: disaggregation: the prefill is paid for, always pull it
+            return self._backed_off_until(worker_id) <= time.monotonic()
+        if bandwidth is None or not self._allowed(worker_id):
+            return False  # NOTE: an unmeasured pair is never pulled from (conservative)
         if self.config.preemption_mode == "swap":
             return True
         pull_s = len(g.host_ids()) * spec.block_bytes / bandwidth
@@ -279,8 +283,12 @@ class SwapManager:
         return (
             worker_id in self.costs
             and self.config.preemption_mode != "recompute"
-            and time.monotonic() >= self._backoff_until.get(worker_id, 0.0)
+            and time.monotonic() >= self._backed_off_until(worker_id)
         )
+
+    def _backed_off_until(self, worker_id: int) -> float:
+        """When ``worker_id``'s backoff after a failed transfer ends (0: none)."""
+        return self._backoff_until.get(worker_id, 0.0)
 
     def _transfer_id(self, kind: str) -> str:
         self._next_transfer += 1
@@ -288,17 +296,24 @@ class SwapManager:
 
     # ------------------------------------------------------------------ swap-out
     def plan_swap_out(
-        self, ws: WorkerState, victim: Sequence, scheduled: Container[str]
+        self, ws: WorkerState, victim: Sequence, scheduled: Container[str], handoff: bool = False
     ) -> tuple[list[Sequence], SwapTransfer] | None:
         """Swap out ``victim`` with its request's other running sequences on ``ws``.
 
-        ``scheduled``: the sequences with tokens in the step being planned. Returns the
-        group (running order) and the transfer for this step's plan, the group recorded
-        as swapped and its transfer in flight; None, with nothing changed, when the policy
-        declines. The caller takes the group off the worker and queues it at the front.
+        ``scheduled``: the sequences with tokens in the step being planned. ``handoff``:
+        a prefill worker hands the group to a decode worker
+        (:mod:`pagedserve.scheduler.disagg`): under every preemption mode and without the
+        cost test (``SwapGroup.handoff``). Returns the group (running order) and the
+        transfer for this step's plan, the group recorded as swapped and its transfer in
+        flight; None, with nothing changed, when the policy declines. The caller takes
+        the group off the worker and queues it.
         """
         wid = ws.spec.worker_id
-        if not (ws.alive and self._allowed(wid)):
+        if handoff:
+            allowed = wid in self.costs and time.monotonic() >= self._backed_off_until(wid)
+        else:
+            allowed = self._allowed(wid)
+        if not (ws.alive and allowed):
             return None
         group = [s for s in ws.running if s.request_id == victim.request_id]
         if any(s.seq_id in scheduled for s in group):
@@ -331,7 +346,7 @@ class SwapManager:
             # choices that grew apart) is recomputed one sequence at a time instead.
             return None
         spec, cost = self.specs[wid], self.costs[wid]
-        if self.config.preemption_mode == "auto":
+        if self.config.preemption_mode == "auto" and not handoff:
             nbytes = len(unique) * spec.block_bytes
             tokens = sum(tokens_of.values())
             if cost.swap_s(nbytes) >= cost.recompute_s(tokens):
@@ -351,6 +366,7 @@ class SwapManager:
             num_tokens={s.seq_id: s.num_computed_tokens if tables[s.seq_id] else 0 for s in group},
             worker_id=wid,
             late={sid: v for sid, v in late.items() if tables[sid]},
+            handoff=handoff,
         )
         self._inflight.setdefault(wid, []).append(InFlight("out", tid, g, host, ws.next_step_id))
         for s in group:
@@ -564,6 +580,13 @@ class SwapManager:
         g.host_tables.clear()
         g.num_tokens.clear()
         return SwapResolution(recompute=members)
+
+    def dissolve(self, seq: Sequence) -> SwapResolution | None:
+        """Give up the stored KV of ``seq``'s group (its members are recomputed, its host
+        blocks freed); None, with nothing changed, while its swap-out is in flight (that
+        transfer's answer frees or keeps them)."""
+        g = self.groups[seq.seq_id]
+        return None if g.pending else self._dissolve(g)
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` ends while swapped: drop it from its group, free what nobody holds."""
