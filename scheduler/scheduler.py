@@ -300,10 +300,11 @@ class Scheduler:
         # The step's transfers to and from the host store (SchedulerOutput.swap_plan).
         swap_outs: list[SwapTransfer] = []
         swap_ins: list[SwapTransfer] = []
+        handed_off = False
         if self._disagg is not None:
             self._expire_kv_waits()
             if self._disagg.is_prefill_worker(worker_id):
-                self._hand_off(ws, swap_outs)
+                handed_off = self._hand_off(ws, swap_outs)
         # The deltas of the sequences the worker holds are built as they are scheduled
         # (all of them come from the running batch); the others are sent in full by
         # _build_output once admission is done.
@@ -423,7 +424,7 @@ class Scheduler:
             swap_outs.append(spill)
         swap = SwapPlan(swap_outs, swap_ins) if swap_outs or swap_ins else None
         out = self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy, swap)
-        return StepPlan(out, wake)
+        return StepPlan(out, wake or handed_off)
 
     def _admit(
         self,
@@ -783,14 +784,15 @@ class Scheduler:
         return self._swaps.pinned(seq, thief) or self._forks.pinned(seq)
 
     # ------------------------------------------------------------------ disaggregation
-    def _hand_off(self, ws: WorkerState, swap_outs: list[SwapTransfer]) -> None:
+    def _hand_off(self, ws: WorkerState, swap_outs: list[SwapTransfer]) -> bool:
         """Swap the requests whose prefill ``ws`` (a prefill worker) finished out of it and
         queue them on a decode worker, waiting for their KV there
         (:mod:`pagedserve.scheduler.disagg`); a request whose swap-out declines keeps
-        decoding here."""
+        decoding here. Returns whether any was handed off (decode workers to wake)."""
         disagg = self._disagg
         if disagg is None:
-            return
+            return False
+        handed = False
         wid = ws.spec.worker_id
         for seq in disagg.ready(ws):
             decoders = disagg.decode_workers(self.workers)
@@ -814,6 +816,8 @@ class Scheduler:
                 s.worker_id = None  # NOTE: num_computed_tokens is kept: the KV moves
                 # NOTE: at the front: its prefill is paid for and its host blocks held.
                 self._enqueue(target, s, front=True)
+            handed = True
+        return handed
 
     def _expire_kv_waits(self) -> None:
         """Recompute the handed-off groups whose wait for remote KV passed its deadline:

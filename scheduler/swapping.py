@@ -540,6 +540,7 @@ class SwapManager:
                 counts["out_bytes"] += r.num_bytes
                 g.pending = False
                 self._queue_free(store, sorted(set(f.host_ids) - g.host_ids()))
+                res.wake = g.handoff  # its decode worker may be idle, waiting for it
                 return
             for sid in list(g.host_tables):
                 del self.groups[sid]

@@ -299,3 +299,18 @@ def test_disagg_config_validation() -> None:
     sched = make()
     sched.add_request(EngineRequest("b", [1] * 10, beam))
     assert sched.requests["b"][0].queued_on == 1  # beam search is never disaggregated
+
+
+def test_an_idle_decode_worker_is_woken_for_a_handoff() -> None:
+    """Nothing else runs on the decode worker: the handoff's plan and its swap-out's
+    answer wake it (the engine loop would stall otherwise)."""
+    sampling = dataclasses.replace(GREEDY, n=3)
+    host: dict = {}
+    sched = make((NUM_BLOCKS, 7))
+    prompts = [[40 + i for i in range(14)]]
+    add(sched, prompts, sampling)
+    fakes = [FakeKVWorker(NUM_BLOCKS, host), FakeKVWorker(7, host)]
+    tokens = drive(sched, [f.execute for f in fakes]).tokens
+    assert tokens == reference(prompts, sampling)
+    assert sched.disagg_stats().num_resumed == 1
+    assert_all_free(sched, host)
