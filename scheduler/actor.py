@@ -30,6 +30,7 @@ import ray
 
 from pagedserve.scheduler import gc_tuning
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.disagg import DisaggConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, WorkerDied
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import ClusterUnavailable
@@ -37,7 +38,6 @@ from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
-from pagedserve.scheduler.disagg import DisaggConfig
 from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
