@@ -50,6 +50,11 @@ blocks return to their store's pool only once the worker that touched them answe
 (``InFlight.store_id`` names the source store of a pull), so a host id is never reused
 while a transfer may still write or read it.
 
+Prefill/decode disaggregation (:mod:`pagedserve.scheduler.disagg`) hands a finished
+prefill to a decode worker as a swap-out with ``handoff`` (no mode or cost test; the
+group, ``SwapGroup.handoff``, is pulled from another store whenever it is reachable) and a
+swap-in there; everything else above applies to it unchanged.
+
 The host tier of the prefix cache (:mod:`pagedserve.scheduler.host_prefix`) lives in the
 same host pools: :meth:`SwapManager.plan_spills` copies the cached blocks a device pool
 evicted into its store's tier (a swap-out before anything writes them),
