@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -70,11 +71,14 @@ def workload(args: argparse.Namespace) -> list[tuple[float, bool, list[int], int
         if long:
             out.append((t, True, _tokens(i, args.long_tokens), args.long_max_tokens))
         else:
-            out.append((t, False, _tokens(i, args.short_tokens), args.short_max_tokens))
+            n = rng.randint(args.short_tokens, max(args.short_tokens, args.short_tokens_max))
+            out.append((t, False, _tokens(i, n), args.short_max_tokens))
     return out
 
 
-def run_once(args: argparse.Namespace, model_dir: str, prefill_workers: int) -> dict[str, Any]:
+def run_once(
+    args: argparse.Namespace, model_dir: str, prefill_workers: int, threshold: int
+) -> dict[str, Any]:
     """Start a cluster, play the workload, stop it; the run's figures."""
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
@@ -92,7 +96,7 @@ def run_once(args: argparse.Namespace, model_dir: str, prefill_workers: int) -> 
         device="cpu",
         swap_space=1 << 30,
         prefill_workers=prefill_workers,
-        disagg_min_prompt_tokens=args.threshold,
+        disagg_min_prompt_tokens=threshold,
     )
     loop = asyncio.new_event_loop()  # the cluster's handle lives on its own loop thread
     thread = threading.Thread(target=loop.run_forever, daemon=True)
@@ -118,7 +122,7 @@ def run_once(args: argparse.Namespace, model_dir: str, prefill_workers: int) -> 
                 if d.token_ids:
                     stamps.extend([time.perf_counter()] * len(d.token_ids))
                     toks.extend(d.token_ids)
-        itl = [b - a for a, b in zip(stamps, stamps[1:])]
+        itl = [b - a for a, b in itertools.pairwise(stamps)]
         tpot = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else 0.0
         results[i] = {"long": long, "ttft": stamps[0] - start, "itl": itl, "tpot": tpot}
         results[i]["tokens"] = toks
@@ -144,6 +148,7 @@ def run_once(args: argparse.Namespace, model_dir: str, prefill_workers: int) -> 
     sw = stats["swap"]
     return {
         "prefill_workers": prefill_workers,
+        "threshold": threshold if prefill_workers else None,
         "wall_s": wall,
         "short_ttft_p50_s": statistics.median(r["ttft"] for r in short),
         "short_ttft_p99_s": _percentile([r["ttft"] for r in short], 0.99),
@@ -261,6 +266,24 @@ def calibrate(args: argparse.Namespace, model_dir: str) -> dict[str, Any]:
     return {"rows": rows, "block_bytes": info.block_bytes, "suggested_threshold": suggested}
 
 
+KEYS = ("short_ttft_p50_s", "short_ttft_p99_s", "short_itl_p99_s", "short_tpot_p99_s",
+        "long_ttft_p50_s")  # fmt: skip
+
+
+def report(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Print one line per run; the runs and whether their greedy outputs are equal."""
+    equal = all(r["outputs"] == runs[0]["outputs"] for r in runs)
+    print("prefill_workers threshold " + " ".join(f"{k:>17}" for k in KEYS) + " handoffs MB moved")
+    for r in runs:
+        print(
+            f"{r['prefill_workers']:>15} {r['threshold'] or '-':>9} "
+            + " ".join(f"{r[k]:>17.3f}" for k in KEYS)
+            + f" {r['handoffs']:>8} {r['bytes_moved'] / 1e6:8.2f}"
+        )
+    print(f"greedy outputs equal: {equal}")
+    return {"runs": runs, "equal": equal}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
@@ -268,10 +291,20 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals, requests/s")
     p.add_argument("--long-every", type=int, default=8)
     p.add_argument("--short-tokens", type=int, default=32)
+    p.add_argument(
+        "--short-tokens-max", type=int, default=0, help="chat prompts uniform in [short, max]"
+    )
     p.add_argument("--short-max-tokens", type=int, default=24)
     p.add_argument("--long-tokens", type=int, default=768)
     p.add_argument("--long-max-tokens", type=int, default=8)
     p.add_argument("--threshold", type=int, default=256, help="disagg_min_prompt_tokens")
+    p.add_argument(
+        "--sweep",
+        type=int,
+        nargs="*",
+        default=None,
+        help="one run without disaggregation, then one per threshold given",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--cpus-per-worker", type=int, default=1)
     p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
@@ -287,29 +320,26 @@ def main() -> None:
     model_dir = str(resolve_model(args.model, progress=True))
     if args.calibrate:
         result: dict[str, Any] = {"args": vars(args), **calibrate(args, model_dir)}
+    elif args.sweep:
+        runs = [run_once(args, model_dir, 0, 0)]
+        runs += [run_once(args, model_dir, 1, t) for t in args.sweep]
+        result = report(runs)
     else:
         runs = []
         for i in range(args.repeats):  # off, on, on, off, ...: drift on a shared machine cancels
             order = (0, 1) if i % 2 == 0 else (1, 0)
-            runs += [run_once(args, model_dir, pw) for pw in order]
-        equal = all(r["outputs"] == runs[0]["outputs"] for r in runs)
-        keys = ("short_ttft_p50_s", "short_ttft_p99_s", "short_itl_p99_s", "short_tpot_p99_s",
-                "long_ttft_p50_s")  # fmt: skip
-        print("prefill_workers " + " ".join(f"{k:>17}" for k in keys) + "  handoffs  MB moved")
-        for r in runs:
-            print(
-                f"{r['prefill_workers']:>15} "
-                + " ".join(f"{r[k]:>17.3f}" for k in keys)
-                + f"  {r['handoffs']:>8}  {r['bytes_moved'] / 1e6:8.2f}"
-            )
+            runs += [run_once(args, model_dir, pw, args.threshold) for pw in order]
+        result = report(runs)
         med = {
-            pw: {k: statistics.median(r[k] for r in runs if r["prefill_workers"] == pw) for k in keys}
+            pw: {
+                k: statistics.median(r[k] for r in runs if r["prefill_workers"] == pw) for k in KEYS
+            }
             for pw in (0, 1)
         }
-        ratio = {k: med[1][k] / med[0][k] for k in keys if med[0][k]}
+        ratio = {k: med[1][k] / med[0][k] for k in KEYS if med[0][k]}
         print("median disagg / not: " + ", ".join(f"{k} {v:.2f}" for k, v in ratio.items()))
-        print(f"greedy outputs equal: {equal}")
-        result = {"args": vars(args), "runs": runs, "median": med, "ratio": ratio, "equal": equal}
+        result |= {"median": med, "ratio": ratio}
+    result["args"] = vars(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
