@@ -196,7 +196,8 @@ class DisaggManager:
 
     def ready(self, ws: WorkerState) -> list[Sequence]:
         """One sequence per marked request running on ``ws`` (a prefill worker) whose
-        prefill is done: it sampled a token and has no choices left to fork."""
+        prefill is done: its prompt is computed (again, after a recompute preemption), it
+        sampled a token, and no choice is left to fork."""
         found: dict[str, Sequence] = {}
         blocked: set[str] = set()
         for s in ws.running:
@@ -205,7 +206,11 @@ class DisaggManager:
                 continue
             if s.fork_children:
                 blocked.add(rid)
-            elif s.output_token_ids and rid not in found:
+            elif (
+                s.output_token_ids
+                and s.num_computed_tokens >= s.num_prompt_tokens
+                and rid not in found
+            ):
                 found[rid] = s
         return [s for rid, s in found.items() if rid not in blocked]
 

@@ -798,12 +798,12 @@ class Scheduler:
             decoders = disagg.decode_workers(self.workers)
             planned = None
             if decoders:
-                planned = self._swaps.plan_swap_out(ws, seq, (), handoff=True)
+                tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
+                target = self._router.route(seq, decoders, tier)
+                planned = self._swaps.plan_swap_out(ws, seq, (), handoff=target)
             if planned is None:
                 disagg.fell_back(seq.request_id)
                 continue
-            tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
-            target = self._router.route(seq, decoders, tier)
             group, transfer = planned
             swap_outs.append(transfer)
             block_bytes = self._swaps.specs[wid].block_bytes

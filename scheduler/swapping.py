@@ -301,20 +301,24 @@ class SwapManager:
 
     # ------------------------------------------------------------------ swap-out
     def plan_swap_out(
-        self, ws: WorkerState, victim: Sequence, scheduled: Container[str], handoff: bool = False
+        self,
+        ws: WorkerState,
+        victim: Sequence,
+        scheduled: Container[str],
+        handoff: WorkerState | None = None,
     ) -> tuple[list[Sequence], SwapTransfer] | None:
         """Swap out ``victim`` with its request's other running sequences on ``ws``.
 
         ``scheduled``: the sequences with tokens in the step being planned. ``handoff``:
-        a prefill worker hands the group to a decode worker
-        (:mod:`pagedserve.scheduler.disagg`): under every preemption mode and without the
-        cost test (``SwapGroup.handoff``). Returns the group (running order) and the
+        the decode worker a prefill worker hands the group to
+        (:mod:`pagedserve.scheduler.disagg`): under every preemption mode, without the
+        cost test (``SwapGroup.handoff``), and the group must fit that worker's pool. Returns the group (running order) and the
         transfer for this step's plan, the group recorded as swapped and its transfer in
         flight; None, with nothing changed, when the policy declines. The caller takes
         the group off the worker and queues it.
         """
         wid = ws.spec.worker_id
-        if handoff:
+        if handoff is not None:
             allowed = wid in self.costs and time.monotonic() >= self._backed_off_until(wid)
         else:
             allowed = self._allowed(wid)
@@ -346,12 +350,13 @@ class SwapManager:
             sid: kv.get_block_ids(sid)[: _cdiv(n, bs)] if n else [] for sid, n in tokens_of.items()
         }
         unique = list(dict.fromkeys(b for t in tables.values() for b in t))
-        if not unique or len(unique) + len(group) > ws.spec.num_blocks:
+        room = (ws if handoff is None else handoff).spec.num_blocks
+        if not unique or len(unique) + len(group) > room:
             # NOTE: a group resumes whole; one that may not fit even an empty pool (forked
             # choices that grew apart) is recomputed one sequence at a time instead.
             return None
         spec, cost = self.specs[wid], self.costs[wid]
-        if self.config.preemption_mode == "auto" and not handoff:
+        if self.config.preemption_mode == "auto" and handoff is None:
             nbytes = len(unique) * spec.block_bytes
             tokens = sum(tokens_of.values())
             if cost.swap_s(nbytes) >= cost.recompute_s(tokens):
@@ -371,7 +376,7 @@ class SwapManager:
             num_tokens={s.seq_id: s.num_computed_tokens if tables[s.seq_id] else 0 for s in group},
             worker_id=wid,
             late={sid: v for sid, v in late.items() if tables[sid]},
-            handoff=handoff,
+            handoff=handoff is not None,
         )
         self._inflight.setdefault(wid, []).append(InFlight("out", tid, g, host, ws.next_step_id))
         for s in group:

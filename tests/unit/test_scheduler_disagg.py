@@ -132,18 +132,23 @@ def test_n_choices_move_as_one_group_and_equal_the_run_without() -> None:
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_on_the_decode_worker_keeps_outputs(mode: str) -> None:
-    """A decode pool of 7 blocks cannot hold every sequence: it preempts (the moved ones
-    too) and still streams the tokens of the run without disaggregation."""
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])
+def test_preemption_on_both_workers_keeps_outputs(mode: str, overlap: bool) -> None:
+    """Pools of 4 and 7 blocks: the decode worker preempts (the moved sequences too), the
+    prefill worker too when overlapped, and the tokens equal the run without
+    disaggregation."""
     host: dict = {}
-    sched = make((NUM_BLOCKS, 7), mode=mode)
-    prompts = PROMPTS + [[60] * 9, [70] * 8]
+    sched = make((4, 7), mode=mode, overlap=overlap)
+    prompts = PROMPTS + [[60] * 9, [70] * 8, [80] * 11]
     add(sched, prompts)
-    fakes = [FakeKVWorker(NUM_BLOCKS, host), FakeKVWorker(7, host)]
+    fakes = [FakeKVWorker(4, host), FakeKVWorker(7, host)]
     tokens = drive(sched, [f.execute for f in fakes]).tokens
     assert tokens == reference(prompts)
     assert sched.workers[1].num_preemptions > 0
-    assert sched.disagg_stats().num_handoffs == 4
+    # Serially the prefill worker's admission never over-commits its pool here (each
+    # handoff frees it first); overlapped, steps planned before a handoff grow into it.
+    assert (sched.workers[0].num_preemptions > 0) is overlap
+    assert sched.disagg_stats().num_handoffs == 5
     assert_all_free(sched, host)
 
 
