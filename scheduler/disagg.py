@@ -45,10 +45,11 @@ from pagedserve.scheduler.errors import IntegrityError
 from pagedserve.scheduler.request import Sequence, SequenceStatus
 from pagedserve.scheduler.worker_state import WorkerState
 
-# NOTE: measured (benchmarks/bench_disagg.py --calibrate, benchmarks/RESULTS.md): below it a
-# prompt's prefill on a 2-core CPU worker costs about as much as the handoff's two
-# transfers, so moving it saves the decode workers nothing.
-DEFAULT_MIN_PROMPT_TOKENS = 256
+# NOTE: measured (benchmarks/serving/disagg_mixed.py --sweep, benchmarks/RESULTS.md): with
+# chat turns of up to 384 tokens among 768-token documents, moving only the documents gave
+# the chat requests' best ITL and TTFT p99; lower thresholds sent chat turns to the one
+# prefill worker, which then queued them, and each move adds a gap before the 2nd token.
+DEFAULT_MIN_PROMPT_TOKENS = 512
 DEFAULT_KV_WAIT_TIMEOUT_S = 30.0
 
 
