@@ -36,6 +36,11 @@ tokens scheduled, the swap transfers) lives in :meth:`Scheduler.schedule`'s loca
 whether idle workers should look again is returned (``StepPlan.wake_others``,
 ``StepUpdate.wake_others``), never left on the object.
 
+Prefill/decode disaggregation (``disagg``, :mod:`.disagg`): long prompts are routed to
+prefill workers; at a prefill worker's step, before its batch, the requests whose prefill
+finished are swapped out for a decode worker (:meth:`Scheduler._hand_off`), which admits
+them with a swap-in like any swapped group.
+
 Parallel sampling (n > 1) shares the prompt's KV (PagedAttention paper §4.3): a request
 enters as one sequence (choice 0) that prefills the prompt; its other choices wait as
 ``PENDING_FORK`` and, when the prefill completes, fork from it at ``prompt_len - 1``
