@@ -319,3 +319,28 @@ def test_an_idle_decode_worker_is_woken_for_a_handoff() -> None:
     assert tokens == reference(prompts, sampling)
     assert sched.disagg_stats().num_resumed == 1
     assert_all_free(sched, host)
+
+
+def test_a_deadline_passing_during_the_swap_out_waits_for_its_answer() -> None:
+    """The stored KV is given up only once the swap-out answered (its host blocks may
+    still be written before that); then the sequence is recomputed on the decoder."""
+    host: dict = {}
+    sched = make(kv_wait_timeout_s=1e-9)
+    sched.add_request(EngineRequest("r0", [9] * 10, GREEDY))
+    fakes = [FakeKVWorker(NUM_BLOCKS, host), FakeKVWorker(NUM_BLOCKS, host)]
+    so = until_handed_off(sched, fakes)
+    (seq,) = sched.requests["r0"]
+    early = sched.schedule(1).output  # past the deadline, swap-out in flight: kept
+    assert not early.num_scheduled_tokens and sched._swaps.is_swapped(seq)
+    assert sched.disagg_stats().num_timeouts == 0 and seq.num_computed_tokens == 10
+    sched.update(1, early, fakes[1].execute(early))
+    sched.update(0, so, fakes[0].execute(so))  # stored
+    late = sched.schedule(1).output
+    assert sched.disagg_stats().num_timeouts == 1 and not sched._swaps.is_swapped(seq)
+    assert late.num_scheduled_tokens == {"r0/0": 6}  # recomputed from 0 (a chunk of 6)
+    assert swaps_of(late).host_blocks_to_free  # the stored blocks are freed on the store
+    sched.update(1, late, fakes[1].execute(late))
+    sched.check_integrity()
+    tokens = drive(sched, [f.execute for f in fakes]).tokens
+    assert tokens[("r0", 0)] == reference([[9] * 10])[("r0", 0)][1:]
+    assert_all_free(sched, host)
