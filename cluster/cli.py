@@ -37,6 +37,7 @@ from pagedserve.scheduler.config import (
     SPECULATIVE_METHODS,
     SpeculativeConfig,
 )
+from pagedserve.scheduler.disagg import DEFAULT_KV_WAIT_TIMEOUT_S, DEFAULT_MIN_PROMPT_TOKENS
 from pagedserve.worker.precision import DTYPE_CHOICES, KV_DTYPE_CHOICES
 
 
@@ -78,6 +79,27 @@ def _add_serve(sub: Any) -> None:
         "template; hermes when the template names none)",
     )
     p.add_argument("--workers", type=int, default=1, help="worker actors (one per GPU)")
+    p.add_argument(
+        "--prefill-workers",
+        type=int,
+        default=0,
+        help="of --workers, how many prefill long prompts and hand their KV to the others, "
+        "which decode (prefill/decode disaggregation; needs the host block store)",
+    )
+    p.add_argument(
+        "--disagg-min-prompt-tokens",
+        type=int,
+        default=DEFAULT_MIN_PROMPT_TOKENS,
+        help="with --prefill-workers: prompts of at least this many tokens are prefilled on "
+        "a prefill worker, shorter ones stay on the decode workers",
+    )
+    p.add_argument(
+        "--kv-wait-timeout",
+        type=float,
+        default=DEFAULT_KV_WAIT_TIMEOUT_S,
+        help="with --prefill-workers: seconds a handed-off request may wait for its KV on a "
+        "decode worker before it is recomputed there",
+    )
     p.add_argument("--block-size", type=int, default=16)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks per worker")
@@ -534,6 +556,11 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         swap_space=int(args.swap_space * (1 << 30)),
         adaptive_threads=not args.no_adaptive_threads,
         cluster_name=getattr(args, "cluster_name", None),
+        prefill_workers=getattr(args, "prefill_workers", 0),
+        disagg_min_prompt_tokens=getattr(
+            args, "disagg_min_prompt_tokens", DEFAULT_MIN_PROMPT_TOKENS
+        ),
+        kv_wait_timeout_s=getattr(args, "kv_wait_timeout", DEFAULT_KV_WAIT_TIMEOUT_S),
     )
     return config
 

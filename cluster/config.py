@@ -12,6 +12,11 @@ import re
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.disagg import (
+    DEFAULT_KV_WAIT_TIMEOUT_S,
+    DEFAULT_MIN_PROMPT_TOKENS,
+    DisaggConfig,
+)
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 
 __all__ = ["CacheConfig", "ClusterConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
@@ -150,6 +155,16 @@ class ClusterConfig:
             namespace ``pagedserve``) so that more frontends can attach to this cluster
             (``pagedserve serve --attach``); None leaves it anonymous. Letters, digits,
             ``.``, ``_`` and ``-``, at most 64.
+        prefill_workers: workers ``0 .. P-1`` prefill the long prompts and hand their KV
+            to the other workers, which decode (prefill/decode disaggregation,
+            :mod:`pagedserve.scheduler.disagg`); 0: every worker does both. Needs fewer
+            than ``num_workers``, a host block store (``swap_space`` > 0) and
+            ``tensor_parallel_size`` 1.
+        disagg_min_prompt_tokens: with ``prefill_workers``, prompts of at least this
+            many tokens go to a prefill worker; shorter ones are routed among the
+            decode workers.
+        kv_wait_timeout_s: with ``prefill_workers``, how long (seconds) a handed-off
+            request may wait for its KV on a decode worker before it is recomputed there.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -171,6 +186,9 @@ class ClusterConfig:
     adaptive_threads: bool = True
     cluster_name: str | None = None
     tensor_parallel_size: int = 1
+    prefill_workers: int = 0
+    disagg_min_prompt_tokens: int = DEFAULT_MIN_PROMPT_TOKENS
+    kv_wait_timeout_s: float = DEFAULT_KV_WAIT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -197,6 +215,36 @@ class ClusterConfig:
         if not self.node_wait_s >= 0:
             raise ValueError(f"node_wait_s must be >= 0, got {self.node_wait_s}")
         self._check_worker_resources()
+        self._check_disagg()
+
+    def _check_disagg(self) -> None:
+        if self.prefill_workers < 0:
+            raise ValueError(f"prefill_workers must be >= 0, got {self.prefill_workers}")
+        if self.prefill_workers and self.prefill_workers >= self.num_workers:
+            raise ValueError(
+                f"prefill_workers ({self.prefill_workers}) must be < num_workers "
+                f"({self.num_workers}): at least one worker decodes"
+            )
+        if self.prefill_workers and self.swap_space == 0:
+            raise ValueError(
+                "prefill_workers move the KV through the host block store: swap_space must be > 0"
+            )
+        self.disagg_config()  # validates the threshold and the timeout
+
+    def disagg_config(self) -> DisaggConfig | None:
+        """The scheduler's disaggregation (prefill workers ``0 .. P-1``); None without
+        ``prefill_workers``.
+
+        Raises:
+            ValueError: see :class:`DisaggConfig`.
+        """
+        if not self.prefill_workers:
+            return None
+        return DisaggConfig(
+            frozenset(range(self.prefill_workers)),
+            self.disagg_min_prompt_tokens,
+            self.kv_wait_timeout_s,
+        )
 
     def _check_worker_resources(self) -> None:
         res = self.worker_resources

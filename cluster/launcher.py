@@ -221,6 +221,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
                 names,
                 specs,
                 swap=swap,
+                disagg=config.disagg_config(),
                 tune_gc=True,
                 namespace=ray.get_runtime_context().namespace,
                 frontend_info=frontend_info(info, tokenizer),
@@ -568,12 +569,15 @@ async def start_host_store(
     start-up goes on.
 
     Returns ``(node id -> store actor, worker id -> SwapSpec)``, or ``({}, None)`` when
-    swapping is off (``preemption_mode`` recompute or ``swap_space`` 0).
+    swapping is off (``preemption_mode`` recompute without ``prefill_workers``, or
+    ``swap_space`` 0).
 
     Raises:
         ValueError: ``swap_space`` holds no KV block.
     """
-    if config.scheduler.preemption_mode == "recompute" or config.swap_space == 0:
+    # NOTE: disaggregation moves KV through the stores under every preemption mode.
+    recompute = config.scheduler.preemption_mode == "recompute" and not config.prefill_workers
+    if recompute or config.swap_space == 0:
         return {}, None
     num_host_blocks = config.swap_space // block_bytes
     if num_host_blocks < 1:

@@ -30,6 +30,7 @@ import ray
 
 from pagedserve.scheduler import gc_tuning
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.disagg import DisaggConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, WorkerDied
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import ClusterUnavailable
@@ -111,6 +112,7 @@ class SchedulerActor:
         frontend_info: what an attached frontend needs to serve this cluster (the
             launcher's model description and tokenizer files), returned as given by
             :meth:`get_frontend_info`; opaque to the scheduler.
+        disagg: prefill/decode disaggregation (see :class:`Scheduler`); None: off.
     """
 
     def __init__(
@@ -124,12 +126,13 @@ class SchedulerActor:
         reset_timeout_s: float = 10.0,
         namespace: str | None = None,
         frontend_info: dict[str, Any] | None = None,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         if tune_gc:
             log.info("gc thresholds %s", gc_tuning.tune_gc(config.max_num_seqs, len(specs)))
         self._probe_interval_s = probe_interval_s
         self._frontend_info = frontend_info
-        self._scheduler = Scheduler(config, specs, swap)
+        self._scheduler = Scheduler(config, specs, swap, disagg)
         self._reset_timeout_s = reset_timeout_s
         self._names = [w if isinstance(w, str) else None for w in workers]
         self._namespace = namespace

@@ -36,6 +36,11 @@ tokens scheduled, the swap transfers) lives in :meth:`Scheduler.schedule`'s loca
 whether idle workers should look again is returned (``StepPlan.wake_others``,
 ``StepUpdate.wake_others``), never left on the object.
 
+Prefill/decode disaggregation (``disagg``, :mod:`.disagg`): long prompts are routed to
+prefill workers; at a prefill worker's step, before its batch, the requests whose prefill
+finished are swapped out for a decode worker (:meth:`Scheduler._hand_off`), which admits
+them with a swap-in like any swapped group.
+
 Parallel sampling (n > 1) shares the prompt's KV (PagedAttention paper §4.3): a request
 enters as one sequence (choice 0) that prefills the prompt; its other choices wait as
 ``PENDING_FORK`` and, when the prefill completes, fork from it at ``prompt_len - 1``
@@ -79,6 +84,7 @@ from typing import Any
 from pagedserve.scheduler.admission import Footprint, GrowthProjection
 from pagedserve.scheduler.admission_policy import AdmissionPolicy
 from pagedserve.scheduler.config import SchedulerConfig
+from pagedserve.scheduler.disagg import DisaggConfig, DisaggManager, DisaggStats
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import DuplicateRequest, IntegrityError
 from pagedserve.scheduler.forking import BeamStep, ForkManager
@@ -150,10 +156,14 @@ class Scheduler:
             or auto: one :class:`SwapSpec` shared by every worker, or one per worker that
             may swap (:func:`~pagedserve.scheduler.swap.swap_specs`; workers left out
             preempt by recompute); None preempts by recompute only.
+        disagg: prefill/decode disaggregation (:mod:`pagedserve.scheduler.disagg`): the
+            prefill workers and the long-prompt threshold; None: every worker prefills
+            and decodes what it is routed.
 
     Raises:
-        ValueError: when no workers are given, ``config.max_model_len`` is unset, or the
-            swap specs are inconsistent.
+        ValueError: when no workers are given, ``config.max_model_len`` is unset, the
+            swap specs are inconsistent, or ``disagg`` names no decode worker or an
+            unknown one.
     """
 
     def __init__(
@@ -161,6 +171,7 @@ class Scheduler:
         config: SchedulerConfig,
         workers: Iterable[WorkerSpec],
         swap: SwapSpec | Mapping[int, SwapSpec] | None = None,
+        disagg: DisaggConfig | None = None,
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be set for a Scheduler")
@@ -185,6 +196,7 @@ class Scheduler:
         self._admission = AdmissionPolicy(config, self.max_model_len)
         self._swaps = SwapManager(config, swap, self.workers)
         self._forks = ForkManager()
+        self._disagg = None if disagg is None else DisaggManager(disagg, self.workers)
         self.sequences: dict[str, Sequence] = {}
         self.requests: dict[str, list[Sequence]] = {}
         self.num_preemptions = 0
@@ -241,6 +253,8 @@ class Scheduler:
         self.requests[request_id] = seqs
         for seq in seqs:
             self.sequences[seq.seq_id] = seq
+        if self._disagg is not None:
+            self._disagg.on_add(seqs[0])
         self._enqueue(self._route(seqs[0]), seqs[0])
         return seqs
 
@@ -291,6 +305,11 @@ class Scheduler:
         # The step's transfers to and from the host store (SchedulerOutput.swap_plan).
         swap_outs: list[SwapTransfer] = []
         swap_ins: list[SwapTransfer] = []
+        handed_off = False
+        if self._disagg is not None:
+            self._expire_kv_waits()
+            if self._disagg.is_prefill_worker(worker_id):
+                handed_off = self._hand_off(ws, swap_outs)
         # The deltas of the sequences the worker holds are built as they are scheduled
         # (all of them come from the running batch); the others are sent in full by
         # _build_output once admission is done.
@@ -410,7 +429,7 @@ class Scheduler:
             swap_outs.append(spill)
         swap = SwapPlan(swap_outs, swap_ins) if swap_outs or swap_ins else None
         out = self._build_output(ws, num_scheduled, not_resident, cached, blocks_to_copy, swap)
-        return StepPlan(out, wake)
+        return StepPlan(out, wake or handed_off)
 
     def _admit(
         self,
@@ -745,9 +764,11 @@ class Scheduler:
 
     def _route(self, seq: Sequence) -> WorkerState:
         """The worker whose queue ``seq`` joins (:meth:`Router.route`, scoring host-tier
-        hits when the tier runs)."""
+        hits when the tier runs; with disaggregation among the workers of its kind,
+        :meth:`DisaggManager.routes`)."""
         tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
-        return self._router.route(seq, self.workers, tier)
+        workers = self.workers if self._disagg is None else self._disagg.routes(seq, self.workers)
+        return self._router.route(seq, workers, tier)
 
     def _enqueue(self, ws: WorkerState, seq: Sequence, front: bool = False) -> None:
         """Put a waiting sequence on ``ws``'s queue (see :meth:`WorkerState.enqueue`)."""
@@ -763,7 +784,67 @@ class Scheduler:
         """A queued sequence ``thief`` may not steal: its swap-out is in flight, its KV is
         in a store ``thief`` does not use, or it is a beam whose request has a beam
         running."""
+        if self._disagg is not None and not self._disagg.may_steal(seq, thief):
+            return True
         return self._swaps.pinned(seq, thief) or self._forks.pinned(seq)
+
+    # ------------------------------------------------------------------ disaggregation
+    def _hand_off(self, ws: WorkerState, swap_outs: list[SwapTransfer]) -> bool:
+        """Swap the requests whose prefill ``ws`` (a prefill worker) finished out of it and
+        queue them on a decode worker, waiting for their KV there
+        (:mod:`pagedserve.scheduler.disagg`); a request whose swap-out declines keeps
+        decoding here. Returns whether any was handed off (decode workers to wake)."""
+        disagg = self._disagg
+        if disagg is None:
+            return False
+        handed = False
+        wid = ws.spec.worker_id
+        for seq in disagg.ready(ws):
+            decoders = disagg.decode_workers(self.workers)
+            planned = None
+            if decoders:
+                tier = self._swaps.host_prefix_tokens if self._swaps.tier.caches else None
+                target = self._router.route(seq, decoders, tier)
+                planned = self._swaps.plan_swap_out(ws, seq, (), handoff=target)
+            if planned is None:
+                disagg.fell_back(seq.request_id)
+                continue
+            group, transfer = planned
+            swap_outs.append(transfer)
+            block_bytes = self._swaps.specs[wid].block_bytes
+            disagg.handed_off(
+                group, wid, target.spec.worker_id, len(transfer.block_ids), block_bytes
+            )
+            for s in reversed(group):  # front-inserted: the group keeps its order
+                ws.release(s)
+                s.status = SequenceStatus.WAITING
+                s.worker_id = None  # NOTE: num_computed_tokens is kept: the KV moves
+                # NOTE: at the front: its prefill is paid for and its host blocks held.
+                self._enqueue(target, s, front=True)
+            handed = True
+        return handed
+
+    def _expire_kv_waits(self) -> None:
+        """Recompute the handed-off groups whose wait for remote KV passed its deadline:
+        their stored KV is given up (host blocks freed)."""
+        disagg = self._disagg
+        if disagg is None or not disagg.waits:
+            return
+        for sid in disagg.expired(time.monotonic()):
+            seq = self.sequences.get(sid)
+            if seq is None or not self._swaps.is_swapped(seq):
+                disagg.forget(sid)
+                continue
+            res = self._swaps.dissolve(seq)
+            if res is None:
+                continue  # its swap-out is in flight: its answer decides
+            disagg.timed_out()
+            ws = self._queue_of(seq)
+            self._apply_resolution(ws.spec.worker_id, res)
+
+    def disagg_stats(self) -> DisaggStats | None:
+        """Disaggregation counters (None: not disaggregated)."""
+        return None if self._disagg is None else self._disagg.stats()
 
     def _preempt(
         self,
@@ -848,6 +929,8 @@ class Scheduler:
                 num_scheduled[m.seq_id] = n
             budget -= n
         swap_ins.append(self._swaps.commit_swap_in(ws, plan, dev, host))
+        if self._disagg is not None:
+            self._disagg.resumed(r.seq.seq_id for r in plan.members)
         return budget, seats + plan.width
 
     def _apply_resolution(self, worker_id: int, res: SwapResolution) -> bool:
@@ -857,6 +940,8 @@ class Scheduler:
             seq = self.sequences.get(sid)
             if seq is not None:
                 seq.num_computed_tokens = 0
+            if self._disagg is not None:
+                self._disagg.forget(sid)
         ws = self.workers[worker_id]
         for sid in res.requeue:
             seq = self.sequences.get(sid)
@@ -973,6 +1058,8 @@ class Scheduler:
         """End ``seq`` and free what it holds; ``record``: count it as a finished sequence
         in the metrics (False for beams, which their request records as its choices)."""
         self._swaps.forget(seq)
+        if self._disagg is not None:
+            self._disagg.forget(seq.seq_id)
         if seq.fork_children:
             # Ends before its prompt was computed (abort): the next choice takes over as
             # the one that prefills, in this sequence's place in the queue.
@@ -1008,6 +1095,8 @@ class Scheduler:
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self.requests.get(request_id)
         if seqs and all(s.status is SequenceStatus.FINISHED for s in seqs):
+            if self._disagg is not None:
+                self._disagg.forget_request(request_id)
             del self.requests[request_id]
             for s in seqs:
                 self.sequences.pop(s.seq_id, None)
@@ -1200,5 +1289,7 @@ class Scheduler:
             IntegrityError: on the first violation.
         """
         self._swaps.check_integrity(self.sequences)
+        if self._disagg is not None:
+            self._disagg.check_integrity(self.sequences, set(self._swaps.groups))
         for ws in self.workers.values():
             ws.check_integrity()

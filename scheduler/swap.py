@@ -187,6 +187,9 @@ class SwapGroup:
             was in flight for that member when it was swapped out. The swap-out runs after
             that step on the worker, so its table covers those slots too; when that step's
             answer arrives it is applied to the waiting member (tokens kept, not redone).
+        handoff: swapped out by a prefill worker for a decode worker
+            (:mod:`pagedserve.scheduler.disagg`): another store's worker pulls it
+            whenever it can reach the store, whatever the costs.
     """
 
     transfer_id: str
@@ -196,6 +199,7 @@ class SwapGroup:
     worker_id: int
     pending: bool = True
     late: dict[str, tuple[int, int]] = field(default_factory=dict)
+    handoff: bool = False
 
     def host_ids(self) -> set[int]:
         """Every host block some member's table holds."""

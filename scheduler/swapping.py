@@ -50,6 +50,11 @@ blocks return to their store's pool only once the worker that touched them answe
 (``InFlight.store_id`` names the source store of a pull), so a host id is never reused
 while a transfer may still write or read it.
 
+Prefill/decode disaggregation (:mod:`pagedserve.scheduler.disagg`) hands a finished
+prefill to a decode worker as a swap-out with ``handoff`` (no mode or cost test; the
+group, ``SwapGroup.handoff``, is pulled from another store whenever it is reachable) and a
+swap-in there; everything else above applies to it unchanged.
+
 The host tier of the prefix cache (:mod:`pagedserve.scheduler.host_prefix`) lives in the
 same host pools: :meth:`SwapManager.plan_spills` copies the cached blocks a device pool
 evicted into its store's tier (a swap-out before anything writes them),
@@ -247,11 +252,15 @@ class SwapManager:
         below the worker's prefill cost of the group's stored tokens."""
         home = self._home(g)
         bandwidth = self._pull_bandwidth.get((worker_id, home))
-        if bandwidth is None or home not in self._remote_addresses:
-            return False  # NOTE: an unmeasured pair is never pulled from (conservative)
-        spec = self.specs[worker_id]
-        if spec.block_bytes != self.specs[g.worker_id].block_bytes or not self._allowed(worker_id):
+        spec = self.specs.get(worker_id)
+        if spec is None or home not in self._remote_addresses:
             return False
+        if spec.block_bytes != self.specs[g.worker_id].block_bytes:
+            return False
+        if g.handoff:  # NOTE: disaggregation: the prefill is paid for, always pull it
+            return self._backed_off_until(worker_id) <= time.monotonic()
+        if bandwidth is None or not self._allowed(worker_id):
+            return False  # NOTE: an unmeasured pair is never pulled from (conservative)
         if self.config.preemption_mode == "swap":
             return True
         pull_s = len(g.host_ids()) * spec.block_bytes / bandwidth
@@ -279,8 +288,12 @@ class SwapManager:
         return (
             worker_id in self.costs
             and self.config.preemption_mode != "recompute"
-            and time.monotonic() >= self._backoff_until.get(worker_id, 0.0)
+            and time.monotonic() >= self._backed_off_until(worker_id)
         )
+
+    def _backed_off_until(self, worker_id: int) -> float:
+        """When ``worker_id``'s backoff after a failed transfer ends (0: none)."""
+        return self._backoff_until.get(worker_id, 0.0)
 
     def _transfer_id(self, kind: str) -> str:
         self._next_transfer += 1
@@ -288,17 +301,28 @@ class SwapManager:
 
     # ------------------------------------------------------------------ swap-out
     def plan_swap_out(
-        self, ws: WorkerState, victim: Sequence, scheduled: Container[str]
+        self,
+        ws: WorkerState,
+        victim: Sequence,
+        scheduled: Container[str],
+        handoff: WorkerState | None = None,
     ) -> tuple[list[Sequence], SwapTransfer] | None:
         """Swap out ``victim`` with its request's other running sequences on ``ws``.
 
-        ``scheduled``: the sequences with tokens in the step being planned. Returns the
-        group (running order) and the transfer for this step's plan, the group recorded
-        as swapped and its transfer in flight; None, with nothing changed, when the policy
-        declines. The caller takes the group off the worker and queues it at the front.
+        ``scheduled``: the sequences with tokens in the step being planned. ``handoff``:
+        the decode worker a prefill worker hands the group to
+        (:mod:`pagedserve.scheduler.disagg`): under every preemption mode, without the
+        cost test (``SwapGroup.handoff``), and the group must fit that worker's pool. Returns the group (running order) and the
+        transfer for this step's plan, the group recorded as swapped and its transfer in
+        flight; None, with nothing changed, when the policy declines. The caller takes
+        the group off the worker and queues it.
         """
         wid = ws.spec.worker_id
-        if not (ws.alive and self._allowed(wid)):
+        if handoff is not None:
+            allowed = wid in self.costs and time.monotonic() >= self._backed_off_until(wid)
+        else:
+            allowed = self._allowed(wid)
+        if not (ws.alive and allowed):
             return None
         group = [s for s in ws.running if s.request_id == victim.request_id]
         if any(s.seq_id in scheduled for s in group):
@@ -326,12 +350,13 @@ class SwapManager:
             sid: kv.get_block_ids(sid)[: _cdiv(n, bs)] if n else [] for sid, n in tokens_of.items()
         }
         unique = list(dict.fromkeys(b for t in tables.values() for b in t))
-        if not unique or len(unique) + len(group) > ws.spec.num_blocks:
+        room = (ws if handoff is None else handoff).spec.num_blocks
+        if not unique or len(unique) + len(group) > room:
             # NOTE: a group resumes whole; one that may not fit even an empty pool (forked
             # choices that grew apart) is recomputed one sequence at a time instead.
             return None
         spec, cost = self.specs[wid], self.costs[wid]
-        if self.config.preemption_mode == "auto":
+        if self.config.preemption_mode == "auto" and handoff is None:
             nbytes = len(unique) * spec.block_bytes
             tokens = sum(tokens_of.values())
             if cost.swap_s(nbytes) >= cost.recompute_s(tokens):
@@ -351,6 +376,7 @@ class SwapManager:
             num_tokens={s.seq_id: s.num_computed_tokens if tables[s.seq_id] else 0 for s in group},
             worker_id=wid,
             late={sid: v for sid, v in late.items() if tables[sid]},
+            handoff=handoff is not None,
         )
         self._inflight.setdefault(wid, []).append(InFlight("out", tid, g, host, ws.next_step_id))
         for s in group:
@@ -524,6 +550,7 @@ class SwapManager:
                 counts["out_bytes"] += r.num_bytes
                 g.pending = False
                 self._queue_free(store, sorted(set(f.host_ids) - g.host_ids()))
+                res.wake = g.handoff  # its decode worker may be idle, waiting for it
                 return
             for sid in list(g.host_tables):
                 del self.groups[sid]
@@ -564,6 +591,13 @@ class SwapManager:
         g.host_tables.clear()
         g.num_tokens.clear()
         return SwapResolution(recompute=members)
+
+    def dissolve(self, seq: Sequence) -> SwapResolution | None:
+        """Give up the stored KV of ``seq``'s group (its members are recomputed, its host
+        blocks freed); None, with nothing changed, while its swap-out is in flight (that
+        transfer's answer frees or keeps them)."""
+        g = self.groups[seq.seq_id]
+        return None if g.pending else self._dissolve(g)
 
     def forget(self, seq: Sequence) -> None:
         """``seq`` ends while swapped: drop it from its group, free what nobody holds."""

@@ -278,6 +278,26 @@ def test_swapped_group_on_node_b_pulled_by_a_when_b_worker_dies(
     assert stats["swap"]["num_requests_swapped"] == 0, stats["swap"]
 
 
+def test_prefill_on_node_b_decode_on_node_a_pulls_the_kv(
+    two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
+) -> None:
+    """``--prefill-workers 1``: worker 0 on B prefills every prompt, worker 1 on A pulls
+    each request's KV from B's store over the veth link (a remote swap-in) and decodes it
+    without recomputing; the tokens equal HF's."""
+    disagg = ("--preemption-mode", "recompute", "--device", "cpu", "--swap-space", "0.25",
+              "--prefill-workers", "1", "--disagg-min-prompt-tokens", "4")  # fmt: skip
+    with serving(two_nodes, tiny_model, *disagg) as served:
+        assert _greedy(served.address) == hf_reference
+        with Client(served.address, timeout_s=30) as client:
+            stats = client.stats()
+    on_b, on_a = stats["workers"]
+    n = len(PROMPTS)
+    assert (on_b["num_swap_outs"], on_b["num_swap_ins"]) == (n, 0), on_b
+    assert (on_a["num_swap_ins"], on_a["num_remote_swap_ins"]) == (n, n), on_a
+    assert on_a["remote_swap_in_bytes"] == stats["swap"]["swap_out_bytes"] > 0
+    assert stats["swap"]["num_swap_failures"] == 0 and stats["num_recomputed_tokens"] == 0
+
+
 def test_scheduler_on_node_b_killed_comes_back_and_serves(
     two_nodes: TwoNodes, tiny_model: Path, hf_reference: list[list[int]]
 ) -> None:

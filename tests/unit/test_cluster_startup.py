@@ -250,3 +250,25 @@ def test_swap_space_defaults_to_4_gib_under_tensor_parallelism_too() -> None:
     assert config("--swap-space", "1").swap_space == 1 << 30
     assert config("--tensor-parallel-size", "2", "--swap-space", "1").swap_space == 1 << 30
     assert config("--tensor-parallel-size", "2", "--swap-space", "0").swap_space == 0
+
+
+def test_prefill_workers_reach_the_scheduler_config_and_are_validated() -> None:
+    from pagedserve.cluster.cli import build_parser, serve_config
+    from pagedserve.scheduler.disagg import DEFAULT_MIN_PROMPT_TOKENS, DisaggConfig
+
+    def config(*argv: str) -> ClusterConfig:
+        return serve_config(build_parser().parse_args(["serve", *argv]))
+
+    assert config().disagg_config() is None
+    cfg = config("--workers", "3", "--prefill-workers", "2", "--kv-wait-timeout", "5")
+    assert cfg.disagg_config() == DisaggConfig(frozenset({0, 1}), DEFAULT_MIN_PROMPT_TOKENS, 5.0)
+    cfg = config("--workers", "2", "--prefill-workers", "1", "--disagg-min-prompt-tokens", "64")
+    assert cfg.disagg_config() == DisaggConfig(frozenset({0}), 64)
+    with pytest.raises(ValueError, match="at least one worker decodes"):
+        config("--workers", "2", "--prefill-workers", "2")
+    with pytest.raises(ValueError, match="swap_space must be > 0"):
+        config("--workers", "2", "--prefill-workers", "1", "--swap-space", "0")
+    with pytest.raises(ValueError, match="min_prompt_tokens"):
+        ClusterConfig(num_workers=2, prefill_workers=1, swap_space=1, disagg_min_prompt_tokens=0)
+    with pytest.raises(ValueError, match="prefill_workers must be >= 0"):
+        ClusterConfig(prefill_workers=-1)
