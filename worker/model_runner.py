@@ -48,6 +48,12 @@ from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.cpu_forward import bf16_cpu_path_available, cpu_kernels_apply
 from pagedserve.worker.cpu_threads import ThreadGovernor
+from pagedserve.worker.draft_model import (
+    DraftModel,
+    check_same_vocabulary,
+    resolve_draft,
+    shared_cache,
+)
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block, num_blocks_for
@@ -192,6 +198,7 @@ class ModelRunner:
         # The shapes of this rank's KV heads (the whole model's when not sharded).
         self.kv_arch = self.arch
         self.packed_gemm = False
+        self.draft: DraftModel | None = None
         if self.group.size > 1:
             self._load_shard()
         else:
@@ -203,11 +210,19 @@ class ModelRunner:
                 self._make_batch_invariant()
             else:
                 self._pack_weights()
-            self.kv_pool = KVPool.allocate(
-                config.cache, self.arch, self.kv_cache_dtype, self.device
-            )
+            cache = config.cache
+            if config.draft_model is not None:
+                draft_path, draft_arch = resolve_draft(config.draft_model, self.max_model_len)
+                check_same_vocabulary(self.model_path, self.arch, draft_path, draft_arch)
+                cache = shared_cache(cache, self.arch, draft_arch, self.kv_cache_dtype)
+            self.kv_pool = KVPool.allocate(cache, self.arch, self.kv_cache_dtype, self.device)
             # The forward every step runs, chosen once for these weights and this pool.
             self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
+            if config.draft_model is not None:
+                self.draft = DraftModel.load(
+                    draft_path, draft_arch, cache, self.max_model_len, self.dtype,
+                    self.kv_cache_dtype, self.device, self.backend,
+                )  # fmt: skip
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(self.kv_pool, self.backend, connect=self._connect_remote_store)
@@ -300,9 +315,14 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Steps 1-3 of the module docstring. Raises ValueError for unknown sequences."""
+        draft = self.draft
         for seq_id in so.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            if draft is not None:
+                draft.forget(seq_id)
         for new in so.new_seqs:
+            if draft is not None:
+                draft.forget(new.seq_id)  # no draft KV: swap, fork and recompute skip it
             seed = new.sampling.seed
             self.seqs[new.seq_id] = SequenceState(
                 seq_id=new.seq_id,
@@ -366,6 +386,8 @@ class ModelRunner:
             kernels.copy_blocks(
                 self.kv_pool.key_caches, self.kv_pool.value_caches, mapping, self.backend
             )
+            if self.draft is not None:
+                self.draft.copy_blocks(mapping, self.backend)
         if not so.num_scheduled_tokens.keys() - dropped:
             return RunnerOutput(
                 so.step_id,
@@ -384,6 +406,10 @@ class ModelRunner:
                     f"sequence {state.seq_id} reaches {state.num_computed_tokens + n} tokens, "
                     f"beyond max_model_len {self.max_model_len}"
                 )
+        if self.draft is not None:
+            num_drafts = {c.seq_id: c.num_draft_tokens for c in so.cached_seqs}
+            if any(num_drafts.values()):
+                self.draft.propose(scheduled, {r: k for r, k in num_drafts.items() if k})
         inputs = prepare_inputs(
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
@@ -409,6 +435,9 @@ class ModelRunner:
             return self._follow_step(so, scheduled, states, start, started_s, swaps)
         if speculative:
             out = self._verify(so, logits, states, scheduled)
+            if self.draft is not None:
+                for state, _ in scheduled:
+                    self.draft.verified(state.seq_id, state.num_computed_tokens)
             return dataclasses.replace(
                 out,
                 execute_time_s=time.perf_counter() - start,
