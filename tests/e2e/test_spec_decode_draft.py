@@ -220,3 +220,36 @@ def test_tensor_parallel_refused(tiny_llama_dir):
             tensor_parallel_size=2,
             speculative_config=spec(tiny_llama_dir),
         )
+
+
+CHATS = [
+    [{"role": "user", "content": "Repeat this code exactly:\ndef add(a, b):\n    return a + b\n"}],
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "Name three colours."}],
+]
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_smollm2_as_its_own_draft(smollm2_dir: Path):
+    """SmolLM2 drafting for itself (fp32, the fused CPU path): greedy and n = 2 outputs
+    equal the plain run's, under recompute preemption (3 chats in 10 blocks of 16 slots,
+    ~15 needed at their longest), and every proposal is accepted."""
+    opts = dict(max_model_len=256, num_gpu_blocks=10, device="cpu", dtype="float32")
+    params = [
+        SamplingParams(max_tokens=32, temperature=0.0),
+        SamplingParams(max_tokens=32, temperature=0.0, n=2),
+        SamplingParams(max_tokens=32, temperature=0.0),
+    ]
+    draft = spec(smollm2_dir, k=4)
+    results = []
+    for speculative in (None, draft):
+        kw = {} if speculative is None else {"speculative_config": speculative}
+        with LLM(str(smollm2_dir), **opts, **kw) as llm:
+            results.append([[c.token_ids for c in o.outputs] for o in llm.chat(CHATS, params)])
+            st = llm.scheduler.stats()
+        assert st.num_preemptions > 0
+    assert results[1] == results[0]
+    sd = st.spec_decode
+    assert sd.num_drafts > 10
+    assert sd.num_accepted_tokens == sd.num_draft_tokens
