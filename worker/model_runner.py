@@ -6,6 +6,8 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 2. add ``new_seqs`` with their full token lists and block tables;
 3. apply ``cached_seqs`` deltas (appended block ids, num_computed_tokens);
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
+   with speculative decoding by a draft model, the draft proposes the
+   ``num_draft_tokens`` of each sequence (:mod:`pagedserve.worker.draft_model`);
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
 6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), then the
@@ -406,10 +408,14 @@ class ModelRunner:
                     f"sequence {state.seq_id} reaches {state.num_computed_tokens + n} tokens, "
                     f"beyond max_model_len {self.max_model_len}"
                 )
-        if self.draft is not None:
-            num_drafts = {c.seq_id: c.num_draft_tokens for c in so.cached_seqs}
-            if any(num_drafts.values()):
-                self.draft.propose(scheduled, {r: k for r, k in num_drafts.items() if k})
+        num_drafts = {c.seq_id: c.num_draft_tokens for c in so.cached_seqs if c.num_draft_tokens}
+        if num_drafts:
+            if self.draft is None:
+                raise ValueError(
+                    f"{len(num_drafts)} sequences to draft for, but this worker has no draft "
+                    "model (WorkerConfig.draft_model)"
+                )
+            self.draft.propose(scheduled, num_drafts)
         inputs = prepare_inputs(
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
