@@ -13,7 +13,8 @@ indexed by the target's block tables, so the scheduler's one
 rollback, freeing) serves both pools: a block id names the same tokens in each. The worker
 applies ``blocks_to_copy`` to both. Swap moves the target's blocks only: a sequence that
 arrives in ``new_seqs`` (admission, recompute, swap-in, fork, migration) starts with no
-draft KV, and the draft recomputes its tokens the first time it proposes for it.
+draft KV, and the draft recomputes its tokens the first time it proposes for it (prefix
+cache hits included: the draft's cost of a prompt is not cut by the cache).
 
 Per sequence the draft remembers how many of its tokens have draft KV (``computed``). A
 step that drafts runs (vLLM's ``EagleProposer.propose`` runs the same loop on the GPU):
