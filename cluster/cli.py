@@ -30,6 +30,7 @@ from pagedserve.cluster.config import (
 from pagedserve.scheduler.config import (
     ADMISSION_POLICIES,
     ADMISSION_RESERVES,
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
     PREEMPTION_MODES,
     PREEMPTION_VICTIMS,
     ROUTING_POLICIES,
@@ -274,8 +275,16 @@ def _add_serve(sub: Any) -> None:
         choices=SPECULATIVE_METHODS,
         default=None,
         help="speculative decoding: ngram proposes the continuation of the last earlier "
-        "occurrence of the sequence's trailing n-gram (prompt lookup), verified in one "
-        "step; greedy and seeded outputs are unchanged (default: off)",
+        "occurrence of the sequence's trailing n-gram (prompt lookup), draft has "
+        "--draft-model propose by greedy decoding; verified in one step, greedy and "
+        "seeded outputs are unchanged (default: off)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="with --speculative-method draft: the draft model (a Hugging Face folder or "
+        "'default'), with the model's tokenizer; its KV pool shares the model's blocks "
+        "and --kv-cache-memory",
     )
     p.add_argument(
         "--num-speculative-tokens",
@@ -300,9 +309,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--speculative-disable-by-batch-size",
         type=int,
-        default=None,
+        default=DEFAULT_DISABLE_BY_BATCH_SIZE,
         help="with --speculative-method: a step whose running batch holds at least this "
-        "many sequences proposes nothing (default: always propose)",
+        "many sequences proposes nothing; 0: always propose (default: %(default)s, where "
+        "n-gram speculation stopped paying on ShareGPT prompts on CPU)",
     )
     p.add_argument(
         "--cpus-per-worker",
@@ -484,7 +494,8 @@ def _speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         num_speculative_tokens=args.num_speculative_tokens,
         ngram_min=args.ngram_min,
         ngram_max=args.ngram_max,
-        disable_by_batch_size=args.speculative_disable_by_batch_size,
+        disable_by_batch_size=args.speculative_disable_by_batch_size or None,
+        draft_model=getattr(args, "draft_model", None),
     )
 
 

@@ -8,6 +8,7 @@ with the launcher's own settings. Frozen dataclasses validated in ``__post_init_
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -265,7 +266,12 @@ class ClusterConfig:
             )
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
-        """The :class:`WorkerConfig` of worker ``worker_id``."""
+        """The :class:`WorkerConfig` of worker ``worker_id`` (with the draft model of
+        ``--speculative-method draft``, in the model's settings)."""
+        spec = self.scheduler.speculative_config
+        draft = None
+        if spec is not None and spec.draft_model is not None:
+            draft = dataclasses.replace(self.model, model=spec.draft_model)
         return WorkerConfig(
             worker_id=worker_id,
             model=self.model,
@@ -274,4 +280,5 @@ class ClusterConfig:
             num_threads=self.cpus_per_worker or 0,
             attention_backend=self.attention_backend,
             adaptive_threads=self.adaptive_threads,
+            draft_model=draft,
         )

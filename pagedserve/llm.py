@@ -123,6 +123,15 @@ class LLM:
 
         tp = int(engine_options.pop("tensor_parallel_size", 1))
         worker_config, sched_options = split_engine_options(model, engine_options)
+        spec = sched_options.get("speculative_config")
+        if isinstance(spec, dict):  # vLLM's form: {"method": "ngram", ...}
+            try:
+                spec = sched_options["speculative_config"] = SpeculativeConfig(**spec)
+            except TypeError as exc:
+                raise ValueError(f"speculative_config: {exc}") from None
+        if isinstance(spec, SpeculativeConfig) and spec.draft_model is not None:
+            draft = dataclasses.replace(worker_config.model, model=spec.draft_model)
+            worker_config = dataclasses.replace(worker_config, draft_model=draft)
         self._ranks: LocalRanks | None = None
         if tp > 1 and sched_options.get("speculative_config") is not None:
             raise ValueError("speculative decoding needs tensor_parallel_size 1")
@@ -142,12 +151,6 @@ class LLM:
             # (benchmarks/RESULTS.md, "Engine core"). On a GPU the overlap hides the
             # scheduler behind the device, as in serving.
             sched_options["async_scheduling"] = info.device != "cpu"
-        spec = sched_options.get("speculative_config")
-        if isinstance(spec, dict):  # vLLM's form: {"method": "ngram", ...}
-            try:
-                sched_options["speculative_config"] = SpeculativeConfig(**spec)
-            except TypeError as exc:
-                raise ValueError(f"speculative_config: {exc}") from None
         config = SchedulerConfig(max_model_len=info.max_model_len, **sched_options)
         spec = WorkerSpec(0, info.num_blocks, info.block_size, info.dtype, info.kv_cache_dtype)
         self.scheduler = Scheduler(config, [spec])

@@ -14,7 +14,12 @@ ADMISSION_RESERVES = ("none", "max_tokens", "max_model_len")
 PREEMPTION_MODES = ("recompute", "swap", "auto")
 ADMISSION_POLICIES = ("projected", "fits-now")
 PREEMPTION_VICTIMS = ("least-waste", "latest")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
+# NOTE: measured on ShareGPT prompts with n-gram proposals (benchmarks/RESULTS.md,
+# "Speculative decoding"): TPOT 1.19x / 1.13x / 1.07x at batch 1 / 4 / 16, 0.71x at 64.
+# Proposals stop at 32, the doubling between the last batch that did not lose and the
+# first that clearly did.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,9 @@ class SpeculativeConfig:
     Attributes:
         method: ``"ngram"``: prompt lookup, the continuation of the last earlier
             occurrence of the sequence's trailing n-gram in its prompt and outputs.
+            ``"draft"``: a small model with the target's vocabulary proposes, on the
+            worker, by K greedy decode steps in its own KV pool
+            (:mod:`pagedserve.worker.draft_model`).
         num_speculative_tokens: K, the most tokens proposed per decode (>= 1); each
             decode reserves K lookahead slots and counts K + 1 tokens of the budget.
         ngram_min: shortest n-gram matched (>= 1).
@@ -36,14 +44,19 @@ class SpeculativeConfig:
         disable_by_batch_size: a worker step whose running batch holds at least this many
             sequences proposes nothing (and may be overlapped): verification costs more
             than it saves in a large batch (vLLM's ``speculative_disable_by_batch_size``).
-            None: always propose.
+            Default :data:`DEFAULT_DISABLE_BY_BATCH_SIZE` (32, from the batch sweep in
+            benchmarks/RESULTS.md); None: always propose.
+        draft_model: with ``method="draft"`` (and only then): the draft model, a
+            Hugging Face folder or ``"default"``, resolved as the target is
+            (:class:`~pagedserve.worker.config.ModelConfig`).
     """
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     ngram_min: int = 1
     ngram_max: int = 3
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
+    draft_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -63,6 +76,12 @@ class SpeculativeConfig:
         if not isinstance(self.ngram_max, int) or self.ngram_max < self.ngram_min:
             raise ValueError(
                 f"ngram_max must be an int >= ngram_min ({self.ngram_min}), got {self.ngram_max!r}"
+            )
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("speculative method 'draft' needs draft_model (--draft-model)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(
+                f"draft_model is only used by speculative method 'draft', not {self.method!r}"
             )
 
 

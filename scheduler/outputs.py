@@ -82,6 +82,10 @@ class CachedSequenceData:
             sequence's last known token (the step schedules ``1 + len(spec_token_ids)``
             tokens for it and reserves their slots); the worker keeps those it accepts
             and answers in ``RunnerOutput.spec_token_ids``. Empty for a plain step.
+        num_draft_tokens: speculative decoding with a draft model: the worker's draft
+            proposes this many tokens after the last known token (``spec_token_ids`` is
+            then empty) and verifies them as it verifies ``spec_token_ids``; the step
+            schedules ``1 + num_draft_tokens`` tokens. 0 otherwise.
     """
 
     seq_id: str
@@ -90,6 +94,7 @@ class CachedSequenceData:
     num_computed_tokens: int
     new_token_ids: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ rejected and the output is the same as without speculation.
 vLLM's ``NgramProposer``): find the last earlier occurrence of the sequence's trailing
 n-gram, longest ``n`` first, and propose the tokens that followed it. It pays off where the
 output copies its input (editing, summarising, code), and proposes nothing elsewhere.
-A draft model fits the same :class:`Proposer` protocol.
+A draft model proposes on the worker instead (:mod:`pagedserve.worker.draft_model`): the
+scheduler only counts its proposals (``CachedSequenceData.num_draft_tokens``).
 """
 
 from __future__ import annotations
@@ -74,12 +75,15 @@ class NgramProposer:
         return []
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of ``config.method``.
+def make_proposer(config: SpeculativeConfig) -> Proposer | None:
+    """The scheduler's proposer of ``config.method``; None for ``"draft"``, whose
+    proposals the worker makes.
 
     Raises:
         ValueError: an unknown method (the config refuses it first).
     """
     if config.method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
+    if config.method == "draft":
+        return None
     raise ValueError(f"unknown speculative method {config.method!r}")

@@ -54,8 +54,9 @@ prompt blocks are usually still cached and held by its siblings) on its own.
 
 Speculative decoding (``SchedulerConfig.speculative_config``): a decode of a sequence the
 worker holds also carries up to K proposed tokens (:mod:`pagedserve.scheduler.proposer`,
-``CachedSequenceData.spec_token_ids``), counted in the budget and given slots like the
-sequence's own token; the answer (``RunnerOutput.spec_token_ids``) moves the computed length
+``CachedSequenceData.spec_token_ids``; with a draft model, their number,
+``num_draft_tokens``, and the worker proposes), counted in the budget and given slots like
+the sequence's own token; the answer (``RunnerOutput.spec_token_ids``) moves the computed length
 to the accepted tokens, rolls the rest back (:meth:`KVCacheManager.rollback`) and appends the
 tokens one at a time with the stop checks. Such steps are not planned past
 (:meth:`Scheduler.can_plan_past`).
@@ -210,6 +211,8 @@ class Scheduler:
         )
         self._queue_rank = None if fcfs else self._rank  # queues in rank order (priority)
         spec = config.speculative_config
+        self._speculative = spec is not None
+        # None with a draft model: its worker proposes (CachedSequenceData.num_draft_tokens)
         self._proposer: Proposer | None = None if spec is None else make_proposer(spec)
         self._num_spec_tokens = 0 if spec is None else spec.num_speculative_tokens
         limit = None if spec is None else spec.disable_by_batch_size
@@ -234,7 +237,7 @@ class Scheduler:
         sampling = request.sampling
         if request_id in self.requests:
             raise DuplicateRequest(f"request_id {request_id!r} is already in flight")
-        if self._proposer is not None:
+        if self._speculative:
             check_speculative(sampling)
         max_total = check_request(
             prompt_token_ids, sampling, self.workers.values(), self.max_model_len
@@ -329,7 +332,8 @@ class Scheduler:
         # message is read, never written, so they may share it (fewer objects per step).
         empty: list[int] = []
 
-        proposer = self._proposer if len(running) < self._spec_max_batch else None
+        speculate = self._speculative and len(running) < self._spec_max_batch
+        proposer = self._proposer
         # NOTE: the hot path of a step (one pass per running sequence): a decode step with
         # room in its last block takes kv.grow_in_place and builds nothing but its delta.
         idx = 0
@@ -359,9 +363,14 @@ class Scheduler:
                     f"({seq.num_computed_tokens} of {seq.num_tokens} tokens computed)"
                 )
             drafts = empty
-            if proposer is not None and num_new == 1 and not inflight and seq_id in resident:
-                drafts = self._propose(proposer, seq, budget - 1)
-                num_new += len(drafts)
+            num_draft = 0
+            if speculate and num_new == 1 and not inflight and seq_id in resident:
+                room = self._spec_room(seq, budget - 1)
+                if proposer is None:
+                    num_draft = room  # the worker's draft model proposes
+                elif room > 0:
+                    drafts = proposer.propose(seq.all_token_ids, room)
+                num_new += len(drafts) + num_draft
             total = computed + num_new
             start = grow_in_place(seq_id, total)
             if start >= 0:
@@ -397,7 +406,9 @@ class Scheduler:
             else:
                 unsent = empty
             cached.append(
-                CachedSequenceData(seq_id, start, new_block_ids, computed, unsent, drafts)
+                CachedSequenceData(
+                    seq_id, start, new_block_ids, computed, unsent, drafts, num_draft
+                )
             )
         num_from_running = len(num_scheduled)
 
@@ -675,19 +686,20 @@ class Scheduler:
             ws.last_step_end_s = None  # the worker may idle for want of work: no gap
         return StepUpdate(outputs, wake or bool(finished_requests))
 
-    def _propose(self, proposer: Proposer, seq: Sequence, room: int) -> list[int]:
-        """Speculative tokens for ``seq``'s decode: at most K, ``room`` (the budget left
-        after its own token) and what its ``max_tokens`` and ``max_total_tokens`` leave
-        after the token sampled behind them, so an accepted run never overshoots."""
+    def _spec_room(self, seq: Sequence, room: int) -> int:
+        """How many tokens ``seq``'s decode may propose (>= 0): at most K, ``room`` (the
+        budget left after its own token) and what its ``max_tokens`` and
+        ``max_total_tokens`` leave after the token sampled behind them, so an accepted
+        run never overshoots."""
         if not seq.output_token_ids or seq.sampling.beam_width > 1:
-            return []  # n > 1 choices fork at the first output token: none before it
+            return 0  # n > 1 choices fork at the first output token: none before it
         k = min(
             self._num_spec_tokens,
             room,
             seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
             seq.max_total_tokens - len(seq.all_token_ids) - 1,
         )
-        return proposer.propose(seq.all_token_ids, k) if k > 0 else []
+        return max(k, 0)
 
     def _apply_spec(
         self,
@@ -1260,7 +1272,7 @@ class Scheduler:
         step of resident sequences (unless its batch switches proposals off)."""
         swap = sched_out.swap_plan
         if (
-            self._proposer is not None
+            self._speculative
             and sched_out.cached_seqs
             and len(sched_out.num_scheduled_tokens) < self._spec_max_batch
         ):

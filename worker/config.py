@@ -176,6 +176,10 @@ class WorkerConfig:
             through (:meth:`ModelRunner.connect_host_store`).
         parallel: this process's rank in its tensor-parallel group (default: no
             sharding).
+        draft_model: speculative decoding's draft model (``--draft-model``): loaded next
+            to the model in its dtype, with a KV pool of the same blocks
+            (:mod:`pagedserve.worker.draft_model`); ``kv_cache_memory`` then holds both
+            pools. None: no draft.
     """
 
     worker_id: int = 0
@@ -187,8 +191,11 @@ class WorkerConfig:
     adaptive_threads: bool = True
     host_store_access: HostStoreAccess = field(default_factory=HostStoreAccess)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    draft_model: ModelConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_model is not None and self.parallel.tensor_parallel_size > 1:
+            raise ValueError("a draft model (speculative decoding) needs tensor_parallel_size 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.attention_backend not in ("auto", "torch", "triton", "cpu"):

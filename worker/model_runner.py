@@ -6,6 +6,8 @@ Each step (vLLM v1's ``GPUModelRunner.execute_model`` follows the same order):
 2. add ``new_seqs`` with their full token lists and block tables;
 3. apply ``cached_seqs`` deltas (appended block ids, num_computed_tokens);
 4. run ``blocks_to_copy`` (copy-on-write) before anything reads or writes the cache;
+   with speculative decoding by a draft model, the draft proposes the
+   ``num_draft_tokens`` of each sequence (:mod:`pagedserve.worker.draft_model`);
 5. flatten the chunks ``[num_computed, num_computed + n)`` of the sequences in
    ``num_scheduled_tokens`` order into model inputs and run the model;
 6. apply penalties and ``min_tokens`` masks (:mod:`pagedserve.worker.logits`), then the
@@ -48,6 +50,12 @@ from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.cpu_forward import bf16_cpu_path_available, cpu_kernels_apply
 from pagedserve.worker.cpu_threads import ThreadGovernor
+from pagedserve.worker.draft_model import (
+    DraftModel,
+    check_same_vocabulary,
+    resolve_draft,
+    shared_cache,
+)
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import BlockTableRow, SequenceState, prepare_inputs
 from pagedserve.worker.kv_pool import KVPool, bytes_per_block, num_blocks_for
@@ -192,6 +200,7 @@ class ModelRunner:
         # The shapes of this rank's KV heads (the whole model's when not sharded).
         self.kv_arch = self.arch
         self.packed_gemm = False
+        self.draft: DraftModel | None = None
         if self.group.size > 1:
             self._load_shard()
         else:
@@ -203,11 +212,19 @@ class ModelRunner:
                 self._make_batch_invariant()
             else:
                 self._pack_weights()
-            self.kv_pool = KVPool.allocate(
-                config.cache, self.arch, self.kv_cache_dtype, self.device
-            )
+            cache = config.cache
+            if config.draft_model is not None:
+                draft_path, draft_arch = resolve_draft(config.draft_model, self.max_model_len)
+                check_same_vocabulary(self.model_path, self.arch, draft_path, draft_arch)
+                cache = shared_cache(cache, self.arch, draft_arch, self.kv_cache_dtype)
+            self.kv_pool = KVPool.allocate(cache, self.arch, self.kv_cache_dtype, self.device)
             # The forward every step runs, chosen once for these weights and this pool.
             self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
+            if config.draft_model is not None:
+                self.draft = DraftModel.load(
+                    draft_path, draft_arch, cache, self.max_model_len, self.dtype,
+                    self.kv_cache_dtype, self.device, self.backend,
+                )  # fmt: skip
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
         self.swapper = KVSwapper(
@@ -302,9 +319,14 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """Steps 1-3 of the module docstring. Raises ValueError for unknown sequences."""
+        draft = self.draft
         for seq_id in so.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+            if draft is not None:
+                draft.forget(seq_id)
         for new in so.new_seqs:
+            if draft is not None:
+                draft.forget(new.seq_id)  # no draft KV: swap, fork and recompute skip it
             seed = new.sampling.seed
             self.seqs[new.seq_id] = SequenceState(
                 seq_id=new.seq_id,
@@ -368,6 +390,8 @@ class ModelRunner:
             kernels.copy_blocks(
                 self.kv_pool.key_caches, self.kv_pool.value_caches, mapping, self.backend
             )
+            if self.draft is not None:
+                self.draft.copy_blocks(mapping, self.backend)
         if not so.num_scheduled_tokens.keys() - dropped:
             return RunnerOutput(
                 so.step_id,
@@ -386,6 +410,14 @@ class ModelRunner:
                     f"sequence {state.seq_id} reaches {state.num_computed_tokens + n} tokens, "
                     f"beyond max_model_len {self.max_model_len}"
                 )
+        num_drafts = {c.seq_id: c.num_draft_tokens for c in so.cached_seqs if c.num_draft_tokens}
+        if num_drafts:
+            if self.draft is None:
+                raise ValueError(
+                    f"{len(num_drafts)} sequences to draft for, but this worker has no draft "
+                    "model (WorkerConfig.draft_model)"
+                )
+            self.draft.propose(scheduled, num_drafts)
         inputs = prepare_inputs(
             scheduled, self.kv_pool.block_size, self.kv_pool.num_blocks, self.device
         )
@@ -411,6 +443,9 @@ class ModelRunner:
             return self._follow_step(so, scheduled, states, start, started_s, swaps)
         if speculative:
             out = self._verify(so, logits, states, scheduled)
+            if self.draft is not None:
+                for state, _ in scheduled:
+                    self.draft.verified(state.seq_id, state.num_computed_tokens)
             return dataclasses.replace(
                 out,
                 execute_time_s=time.perf_counter() - start,

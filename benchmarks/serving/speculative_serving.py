@@ -1,7 +1,8 @@
-"""TPOT through the server, with and without n-gram speculative decoding, batch 1.
+"""TPOT through the server, with and without speculative decoding (n-gram, draft models), batch 1.
 
 Starts the real cluster in this process (embedded Ray, one CPU worker, the gRPC frontend)
-once plain and once with ``--speculative-method ngram``, in alternation (``--rounds``
+once plain, once with ``--speculative-method ngram`` and once per ``--draft NAME=PATH``
+with ``--speculative-method draft --draft-model PATH``, in alternation (``--rounds``
 times), and streams the repetitive prompts of ``engine/speculative.py`` one at a time
 through the gRPC client, greedy. Per request: TPOT = (last token's arrival - first
 token's) / (tokens - 1), on the client's clock; the fastest round of each configuration
@@ -11,6 +12,10 @@ is kept per prompt (this machine's load only adds time). Prints a table and writ
 Usage::
 
     .venv/bin/python benchmarks/serving/speculative_serving.py --rounds 3
+    .venv/bin/python benchmarks/common/layer_draft.py --layers 4 --out /tmp/smollm2-4l
+    .venv/bin/python benchmarks/serving/speculative_serving.py --max-tokens 64 \
+        --draft self=default --draft cut4=/tmp/smollm2-4l \
+        --out benchmarks/results/speculative_serving_draft.json
 """
 
 from __future__ import annotations
@@ -94,11 +99,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument(
+        "--draft",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="also measure --speculative-method draft with this draft model (repeatable)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "speculative_serving.json")
     args = ap.parse_args()
     for k, v in RAY_ENV.items():
         os.environ.setdefault(k, v)
-    configs = {"plain": None, "ngram": SpeculativeConfig("ngram", args.k, 1, 3)}
+    configs: dict[str, SpeculativeConfig | None] = {
+        "plain": None,
+        "ngram": SpeculativeConfig("ngram", args.k, 1, 3),
+    }
+    for item in args.draft:
+        name, _, path = item.partition("=")
+        configs[f"draft:{name}"] = SpeculativeConfig("draft", args.k, draft_model=path)
     best: dict[str, list[dict[str, Any]]] = {}
     stats: dict[str, Any] = {}
     for _ in range(args.rounds):
@@ -112,30 +130,29 @@ def main() -> None:
                     min(a, b, key=lambda r: r["tpot_ms"]) for a, b in zip(best[name], rows)
                 ]
     out = []
-    for i, (p, s) in enumerate(zip(best["plain"], best["ngram"])):
-        row = {
-            "prompt": i,
-            "tokens": p["tokens"],
-            "tpot_ms_plain": p["tpot_ms"],
-            "tpot_ms_ngram": s["tpot_ms"],
-            "tpot_speedup": p["tpot_ms"] / s["tpot_ms"],
-            "same_tokens": p["token_ids"] == s["token_ids"],
-        }
+    for i, p in enumerate(best["plain"]):
+        row: dict[str, Any] = {"prompt": i, "tokens": p["tokens"], "tpot_ms_plain": p["tpot_ms"]}
+        line = f"prompt {i}: {p['tokens']} tokens, TPOT plain {p['tpot_ms']:.1f} ms"
+        for name in list(configs)[1:]:
+            s = best[name][i]
+            row[f"tpot_ms_{name}"] = s["tpot_ms"]
+            row[f"tpot_speedup_{name}"] = p["tpot_ms"] / s["tpot_ms"]
+            row[f"same_tokens_{name}"] = p["token_ids"] == s["token_ids"]
+            line += (
+                f", {name} {s['tpot_ms']:.1f} ms ({p['tpot_ms'] / s['tpot_ms']:.2f}x, "
+                f"same tokens {p['token_ids'] == s['token_ids']})"
+            )
         out.append(row)
-        print(
-            f"prompt {i}: {row['tokens']} tokens, TPOT {row['tpot_ms_plain']:.1f} -> "
-            f"{row['tpot_ms_ngram']:.1f} ms ({row['tpot_speedup']:.2f}x), "
-            f"same tokens {row['same_tokens']}",
-            flush=True,
-        )
-    print(f"n-gram counters (last round): {stats['ngram']}")
+        print(line, flush=True)
+    for name in list(configs)[1:]:
+        print(f"{name} counters (last round): {stats[name]}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
             {
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "rows": out,
-                "spec_decode": stats["ngram"],
+                "spec_decode": {name: stats[name] for name in list(configs)[1:]},
             },
             indent=1,
         )

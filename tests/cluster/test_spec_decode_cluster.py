@@ -21,7 +21,8 @@ PROMPTS = [
 ]
 
 
-def test_greedy_through_the_server_equals_plain(tiny_llama_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_through_the_server_equals_plain(tiny_llama_dir, method):
     with LLM(
         str(tiny_llama_dir), block_size=16, num_gpu_blocks=64, device="cpu", dtype="float32"
     ) as llm:
@@ -31,7 +32,10 @@ def test_greedy_through_the_server_equals_plain(tiny_llama_dir):
                 PROMPTS, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
             )
         ]
-    config = SchedulerConfig(speculative_config=SpeculativeConfig("ngram", 3, 1, 3))
+    draft = str(tiny_llama_dir) if method == "draft" else None  # the target as its draft
+    config = SchedulerConfig(
+        speculative_config=SpeculativeConfig(method, 3, 1, 3, draft_model=draft)
+    )
     with running_cluster(tiny_llama_dir, scheduler=config) as (handle, _):
         c = Client(handle.address, timeout_s=120)
         with c:
@@ -40,6 +44,8 @@ def test_greedy_through_the_server_equals_plain(tiny_llama_dir):
             assert got == want
             sd = c.stats()["spec_decode"]
             assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] >= sd["num_accepted_tokens"]
+            if method == "draft":
+                assert sd["num_accepted_tokens"] == sd["num_draft_tokens"]
             with pytest.raises(grpc.RpcError) as err:
                 c.generate(token_ids=PROMPTS[0], max_tokens=4, beam_width=2)
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT

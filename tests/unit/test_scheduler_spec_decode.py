@@ -273,3 +273,31 @@ def test_no_proposals_in_a_batch_of_disable_by_batch_size():
     assert not s.can_plan_past(so)
     with pytest.raises(ValueError, match="disable_by_batch_size"):
         SpeculativeConfig(disable_by_batch_size=1)
+
+
+def test_draft_method_sends_the_number_of_proposals_and_reserves_their_slots():
+    """With a draft model the scheduler sends how many tokens to propose (K, cut by
+    max_tokens) and no ids; the step counts 1 + K tokens and reserves their slots."""
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=64,
+        max_model_len=256,
+        async_scheduling=False,
+        speculative_config=SpeculativeConfig("draft", 3, draft_model="/models/small"),
+    )
+    sched = Scheduler(cfg, [WorkerSpec(0, 16, 4)])
+    sched.add_request(EngineRequest("r", [5, 6, 7], greedy(6), (EOS,)))
+    so = sched.schedule(0).output  # prefill: no proposals
+    assert so.num_scheduled_tokens == {"r/0": 3}
+    sched.update(0, so, RunnerOutput(so.step_id, {"r/0": 10}))
+    so = sched.schedule(0).output
+    (cached,) = so.cached_seqs
+    assert (cached.num_draft_tokens, cached.spec_token_ids) == (3, [])
+    assert so.num_scheduled_tokens == {"r/0": 4}
+    assert sched.workers[0].kv.num_free_blocks == 16 - 2  # 3 + 1 + 3 slots in 4-slot blocks
+    # 2 of 3 accepted, then one more: 4 known + 3 = 7 tokens, 6 computed
+    sched.update(0, so, RunnerOutput(so.step_id, {}, spec_token_ids={"r/0": [11, 12, 13]}))
+    assert sched.spec_decode.snapshot().num_accepted_tokens == 2
+    so = sched.schedule(0).output
+    (cached,) = so.cached_seqs
+    # max_tokens 6, 4 outputs: one sampled, at most one proposed before it
+    assert (cached.num_draft_tokens, cached.num_computed_tokens) == (1, 6)

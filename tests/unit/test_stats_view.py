@@ -168,7 +168,20 @@ def test_serve_flags_reach_the_configs():
     flags += ["--ngram-min", "2", "--ngram-max", "4", "--speculative-disable-by-batch-size", "8"]
     spec = serve_config(build_parser().parse_args(["serve", *flags])).scheduler.speculative_config
     assert spec == SpeculativeConfig("ngram", 5, 2, 4, disable_by_batch_size=8)
+    flags = ["--speculative-method", "draft", "--draft-model", "/models/small"]
+    flags += ["--speculative-disable-by-batch-size", "0"]
+    drafted = serve_config(build_parser().parse_args(["serve", "--dtype", "float32", *flags]))
+    spec = drafted.scheduler.speculative_config
+    assert spec == SpeculativeConfig(
+        "draft", 4, disable_by_batch_size=None, draft_model="/models/small"
+    )
+    draft = drafted.worker_config(0).draft_model
+    assert draft is not None and (draft.model, draft.dtype) == ("/models/small", "float32")
+    flags = ["--speculative-method", "ngram"]
+    spec = serve_config(build_parser().parse_args(["serve", *flags])).scheduler.speculative_config
+    assert spec is not None and spec.disable_by_batch_size == 32
     default = serve_config(build_parser().parse_args(["serve"]))
     assert default.scheduler.speculative_config is None
+    assert default.worker_config(0).draft_model is None
     assert default.scheduler.admission == "fits-now" and default.scheduler.async_scheduling
     assert default.worker_config(0).adaptive_threads
