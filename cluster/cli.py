@@ -164,9 +164,10 @@ def _add_serve(sub: Any) -> None:
     p.add_argument(
         "--swap-space",
         type=float,
-        default=None,
+        default=4.0,
         help="GiB of CPU memory in the host block store (0 = no store: recompute only; "
-        "default 4, and 0 with --tensor-parallel-size > 1, where swap is not sharded yet)",
+        "with --tensor-parallel-size T a host block holds every rank's KV heads; "
+        "default: %(default)s)",
     )
     p.add_argument(
         "--no-host-prefix-cache",
@@ -530,19 +531,11 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         attention_backend=args.attention_backend,
         worker_max_restarts=args.worker_max_restarts,
         scheduler_max_restarts=args.scheduler_max_restarts,
-        swap_space=int(_swap_space_gib(args) * (1 << 30)),
+        swap_space=int(args.swap_space * (1 << 30)),
         adaptive_threads=not args.no_adaptive_threads,
         cluster_name=getattr(args, "cluster_name", None),
     )
     return config
-
-
-def _swap_space_gib(args: argparse.Namespace) -> float:
-    """``--swap-space``, or its default: 4 GiB, none with tensor parallelism (a sharded
-    worker preempts by recompute; an explicit ``--swap-space`` there is refused)."""
-    if args.swap_space is not None:
-        return float(args.swap_space)
-    return 0.0 if getattr(args, "tensor_parallel_size", 1) > 1 else 4.0
 
 
 def _read_text(path: str | None, flag: str) -> str | None:

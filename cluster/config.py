@@ -144,7 +144,8 @@ class ClusterConfig:
             :mod:`pagedserve.worker.sharding`): a worker is then that many rank actors on
             one node (:mod:`pagedserve.cluster.tp_group`), each with ``cpus_per_worker``
             CPUs or one GPU; ``num_workers`` counts such groups. 1: no sharding. Swap
-            (``swap_space``) needs 1.
+            shards too: each rank swaps its own KV heads, so a host block holds T chunks
+            (``swap_space`` then holds 1/T as many host blocks).
         cluster_name: names the scheduler actor (``pagedserve-scheduler-NAME`` in the Ray
             namespace ``pagedserve``) so that more frontends can attach to this cluster
             (``pagedserve serve --attach``); None leaves it anonymous. Letters, digits,
@@ -174,8 +175,6 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.swap_space:
-            raise ValueError("swap_space needs tensor_parallel_size 1 (swap does not shard yet)")
         if self.tensor_parallel_size > 1 and self.scheduler.speculative_config is not None:
             raise ValueError("speculative decoding needs tensor_parallel_size 1")
         if self.worker_max_restarts < -1 or self.scheduler_max_restarts < -1:

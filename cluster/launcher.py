@@ -193,8 +193,11 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             for i in infos
         ]
         sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        # NOTE: a host block of a tensor-parallel worker holds every rank's chunk (each
+        # rank's KV heads), so it costs T times a rank's block bytes.
+        host_block_bytes = infos[0].block_bytes * infos[0].tensor_parallel_size
         host_store, swap = await start_host_store(
-            config, workers, infos[0].block_bytes, store_keys, infos[0].kv_cache_dtype
+            config, workers, host_block_bytes, store_keys, infos[0].kv_cache_dtype
         )
         info = ModelInfo(
             name=str(model_dir),

@@ -128,3 +128,54 @@ def greedy_job(
         for i in range(len(prompts))
     ]
     return tokens, lps
+
+
+def swap_job(
+    address: str,
+    prompts: list[list[int]],
+    max_new: int,
+    host_blocks: int,
+    budget: int,
+    worker: Any,
+) -> tuple[dict[str, list[int]], Any, int]:
+    """Greedy outputs of ``prompts`` through ``worker`` (connected to the host block store
+    at ``address``) driven by the real Scheduler with ``preemption_mode="swap"`` and the
+    integrity of every step checked, the scheduler's ``SwapStats`` and a rank's block
+    bytes: a job for
+    :func:`run_ranks` (bind the leading arguments with ``functools.partial``)."""
+    import helpers
+
+    from pagedserve.scheduler.config import SchedulerConfig
+    from pagedserve.scheduler.engine_messages import EngineRequest
+    from pagedserve.scheduler.sampling_params import SamplingParams
+    from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
+    from pagedserve.scheduler.swap import SwapSpec
+
+    worker.connect_host_store(address)
+    bandwidth, prefill = worker.measure_swap_costs()
+    info = worker.get_info()
+    spec = SwapSpec(
+        num_host_blocks=host_blocks,
+        block_bytes=info.block_bytes * info.tensor_parallel_size,
+        bandwidth_bytes_per_s=bandwidth,
+        prefill_s_per_token=prefill,
+    )
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=budget,
+            max_model_len=info.max_model_len,
+            preemption_mode="swap",
+            host_prefix_cache=False,
+        ),
+        [WorkerSpec(0, info.num_blocks, info.block_size)],
+        spec,
+    )
+    sampling = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, (2,)))
+    seen = helpers.drive(sched, [worker.execute_model])
+    tokens = {rid: toks for (rid, _), toks in seen.tokens.items()}
+    for ws in sched.workers.values():
+        assert ws.kv.num_free_blocks == ws.spec.num_blocks
+    return tokens, sched.swap_stats(), info.block_bytes

@@ -6,6 +6,11 @@ The workers of the node stream packed blocks to it on a swap-out and read them b
 swap-in (:mod:`pagedserve.worker.swap_client`). The scheduler owns the host block ids; the
 store keeps the bytes under them, up to ``capacity_bytes``.
 
+Under tensor parallelism each rank of a logical worker streams its own KV heads under the
+same host block ids: a block is keyed by ``(rank, host block id)`` and remembers the
+writer's group size, so one host block of a group of T holds T chunks, each read back (and
+freed) by its own rank only.
+
 No torch here: a block is opaque bytes with its dtype name and shape. SwapOut is all or
 nothing (staged per call, committed when the client's stream ends cleanly), so a transfer
 broken mid-way leaves nothing behind.
@@ -46,6 +51,7 @@ class StoredBlock:
         shape: the block's payload shape, ``[num_layers, 2, block_size, num_kv_heads,
             head_dim]``.
         layer_start, layer_end: the layer range it holds.
+        tensor_parallel_size: ranks in the group of the rank that wrote it (1: unsharded).
     """
 
     data: memoryview
@@ -53,6 +59,7 @@ class StoredBlock:
     shape: tuple[int, ...]
     layer_start: int
     layer_end: int
+    tensor_parallel_size: int = 1
 
 
 class StoreError(Exception):
@@ -131,7 +138,7 @@ class HostBlockStore:
             raise ValueError(f"capacity_bytes must be >= 1, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.kv_cache_dtype = kv_cache_dtype
-        self._blocks: dict[int, StoredBlock] = {}
+        self._blocks: dict[tuple[int, int], StoredBlock] = {}  # key: (rank, host block id)
         self._used = 0
         self._lock = threading.Lock()
         self.swap_out_bytes = 0
@@ -147,7 +154,7 @@ class HostBlockStore:
 
     @property
     def num_blocks_stored(self) -> int:
-        """Host blocks holding data now."""
+        """Host block chunks holding data now (one per rank and host block)."""
         return len(self._blocks)
 
     def put(self, chunks: Iterable[Any]) -> tuple[int, int]:
@@ -162,9 +169,15 @@ class HostBlockStore:
                 room (RESOURCE_EXHAUSTED), or a stream that ended before
                 ``num_blocks_total`` blocks (ABORTED); nothing is stored then.
         """
-        staged: dict[int, StoredBlock] = {}
+        staged: dict[tuple[int, int], StoredBlock] = {}
         total = 0
         for chunk in chunks:
+            size = max(1, chunk.tensor_parallel_size)
+            if chunk.rank >= size:
+                raise StoreError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"transfer {chunk.transfer_id!r}: rank {chunk.rank} of a group of {size}",
+                )
             if chunk.num_blocks_total < 1 or (total and chunk.num_blocks_total != total):
                 raise StoreError(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -188,13 +201,14 @@ class HostBlockStore:
                 raise
             shape = tuple(int(s) for s in chunk.shape[1:])
             for block_id, view in zip(chunk.host_block_ids, views):
-                if block_id in staged:
+                key = (chunk.rank, block_id)
+                if key in staged:
                     raise StoreError(
                         grpc.StatusCode.INVALID_ARGUMENT,
                         f"host block {block_id} appears twice in transfer {chunk.transfer_id!r}",
                     )
-                staged[block_id] = StoredBlock(
-                    view, chunk.dtype, shape, chunk.layer_start, chunk.layer_end
+                staged[key] = StoredBlock(
+                    view, chunk.dtype, shape, chunk.layer_start, chunk.layer_end, size
                 )
         if not staged:
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "SwapOut stream had no chunks")
@@ -221,23 +235,41 @@ class HostBlockStore:
             self.num_swap_outs += 1
         return len(staged), nbytes
 
-    def get(self, transfer_id: str, block_ids: list[int], max_chunk_bytes: int) -> Iterator[Any]:
-        """Yield KVChunks holding ``block_ids`` in order, each at most ``max_chunk_bytes``
-        of payload (at least one block).
+    def get(
+        self,
+        transfer_id: str,
+        block_ids: list[int],
+        max_chunk_bytes: int,
+        rank: int = 0,
+        tensor_parallel_size: int = 1,
+    ) -> Iterator[Any]:
+        """Yield KVChunks holding rank ``rank``'s chunks of ``block_ids`` in order, each at
+        most ``max_chunk_bytes`` of payload (at least one block).
 
         Raises:
             StoreError: INVALID_ARGUMENT (no ids, repeated ids, mixed dtypes or shapes),
-                NOT_FOUND (an id holding nothing). Raised before the first chunk.
+                NOT_FOUND (an id holding nothing for ``rank``), FAILED_PRECONDITION (a block
+                written by a group of another ``tensor_parallel_size``: its heads are split
+                otherwise). Raised before the first chunk.
         """
         if not block_ids:
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, "no host_block_ids to read")
         if len(set(block_ids)) != len(block_ids):
             raise StoreError(grpc.StatusCode.INVALID_ARGUMENT, f"repeated ids {block_ids}")
         with self._lock:
-            missing = [i for i in block_ids if i not in self._blocks]
+            missing = [i for i in block_ids if (rank, i) not in self._blocks]
             if missing:
-                raise StoreError(grpc.StatusCode.NOT_FOUND, f"host blocks {missing} hold nothing")
-            blocks = [self._blocks[i] for i in block_ids]
+                raise StoreError(
+                    grpc.StatusCode.NOT_FOUND, f"host blocks {missing} hold nothing for rank {rank}"
+                )
+            blocks = [self._blocks[(rank, i)] for i in block_ids]
+        sizes = {b.tensor_parallel_size for b in blocks}
+        if sizes != {tensor_parallel_size}:
+            raise StoreError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"host blocks {block_ids} were written by a group of tensor_parallel_size "
+                f"{sorted(sizes)}, read by one of {tensor_parallel_size}",
+            )
         first = blocks[0]
         key = (first.dtype, first.shape, first.layer_start, first.layer_end)
         if any((b.dtype, b.shape, b.layer_start, b.layer_end) != key for b in blocks):
@@ -259,17 +291,20 @@ class HostBlockStore:
                 shape=[len(part), *first.shape],
                 data=data,
                 checksum=zlib.crc32(data),
+                rank=rank,
+                tensor_parallel_size=tensor_parallel_size,
             )
         with self._lock:
             self.swap_in_bytes += sent
             self.num_swap_ins += 1
 
-    def free(self, block_ids: Iterable[int]) -> int:
-        """Drop the blocks; returns how many held data (unknown ids are ignored)."""
+    def free(self, block_ids: Iterable[int], rank: int = 0) -> int:
+        """Drop rank ``rank``'s chunks of the blocks; returns how many held data (unknown
+        ids are ignored)."""
         n = 0
         with self._lock:
             for i in block_ids:
-                block = self._blocks.pop(i, None)
+                block = self._blocks.pop((rank, i), None)
                 if block is not None:
                     self._used -= len(block.data)
                     n += 1
@@ -313,7 +348,13 @@ class HostBlockStoreServicer(pb_grpc.HostBlockStoreServicer):
 
     def SwapIn(self, request: Any, context: Any) -> Iterator[Any]:
         limit = request.max_chunk_bytes or DEFAULT_CHUNK_BYTES
-        stream = self.store.get(request.transfer_id, list(request.host_block_ids), limit)
+        stream = self.store.get(
+            request.transfer_id,
+            list(request.host_block_ids),
+            limit,
+            request.rank,
+            max(1, request.tensor_parallel_size),
+        )
         try:
             first = next(stream, None)
         except StoreError as exc:
@@ -323,7 +364,7 @@ class HostBlockStoreServicer(pb_grpc.HostBlockStoreServicer):
             yield from stream
 
     def Free(self, request: Any, context: Any) -> Any:
-        return pb.FreeResponse(num_freed=self.store.free(request.host_block_ids))
+        return pb.FreeResponse(num_freed=self.store.free(request.host_block_ids, request.rank))
 
     def GetStats(self, request: Any, context: Any) -> Any:
         return self.store.stats()

@@ -10,6 +10,13 @@ another node) pulls from that node's store over gRPC (the same checked protobuf 
 a chunk of another dtype or block layout is refused) and frees the blocks there.
 Failures never raise: each transfer gets a :class:`SwapResult` and the scheduler recomputes
 what did not move.
+
+Under tensor parallelism every rank runs the same plan on its own pool (its KV heads, the
+same block ids) through its own client, under the same host block ids (the store keys a
+chunk by rank). The ranks then agree on every transfer (one all-reduce): a transfer moved
+only where it moved on every rank, its bytes are the group's, and a swap-out that failed on
+another rank is freed here too; so every rank drops the same failed swap-ins and the
+scheduler sees one result per transfer for the logical worker.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 from pagedserve import kernels
 from pagedserve.scheduler.outputs import SwapPlan, SwapResult, SwapTransfer
 from pagedserve.worker.kv_pool import KVPool
+from pagedserve.worker.parallel import TensorParallelGroup
 
 if TYPE_CHECKING:  # grpc only where a store is connected: the model path runs without it
     from pagedserve.worker.swap_client import HostStoreClient
@@ -45,6 +53,8 @@ class KVSwapper:
         client: the host store's client; None until connected (every transfer then fails).
         connect: makes the client of another node's store from its ``host:port`` (for
             remote swap-ins; each address connected once); None: remote swap-ins fail.
+        group: the worker's tensor-parallel group, whose ranks agree on every result;
+            None: a group of one.
     """
 
     def __init__(
@@ -53,8 +63,10 @@ class KVSwapper:
         backend: str,
         client: HostStoreClient | None = None,
         connect: Callable[[str], HostStoreClient] | None = None,
+        group: TensorParallelGroup | None = None,
     ) -> None:
         self.kv_pool = kv_pool
+        self.group = group
         self.backend = backend
         self.client = client
         self.connect = connect
@@ -84,7 +96,12 @@ class KVSwapper:
         kernels.scatter_blocks(pool.key_caches, pool.value_caches, ids, packed, self.backend)
 
     def run(self, plan: SwapPlan) -> dict[str, SwapResult]:
-        """Swap-outs, then swap-ins, then the free of ``host_blocks_to_free``."""
+        """Swap-outs, then swap-ins, then the free of ``host_blocks_to_free``; under tensor
+        parallelism, the results agreed by every rank (:meth:`agree`).
+
+        Raises:
+            GroupBroken: the ranks' agreement failed (a rank is gone).
+        """
         results: dict[str, SwapResult] = {}
         for t in plan.blocks_to_swap_out:
             results[t.transfer_id] = self._timed(self._swap_out, t)
@@ -98,7 +115,38 @@ class KVSwapper:
             except SwapError as exc:
                 res = SwapResult(False, 0, time.perf_counter() - start, str(exc))
             results[plan.free_transfer_id] = res
-        return results
+        return self.agree(plan, results)
+
+    def agree(self, plan: SwapPlan, results: dict[str, SwapResult]) -> dict[str, SwapResult]:
+        """Every rank's view of ``results`` (this rank's, in the plan's order on every
+        rank): ok where every rank's transfer was, with the bytes summed over the ranks.
+        A swap-out this rank stored but another failed is freed here (the scheduler
+        recomputes its sequences; nothing may stay behind under its host ids).
+
+        Raises:
+            GroupBroken: the all-reduce failed.
+        """
+        group = self.group
+        if group is None or group.size == 1 or not results:
+            return results
+        ids = list(results)
+        flags = torch.tensor(
+            [[int(results[i].ok), results[i].num_bytes] for i in ids],
+            dtype=torch.int64,
+            device=group.device,
+        )
+        summed = group.all_reduce(flags).tolist()
+        agreed: dict[str, SwapResult] = {}
+        for tid, (ok_ranks, nbytes) in zip(ids, summed):
+            mine = results[tid]
+            ok = ok_ranks == group.size
+            error = mine.error if not mine.ok else "" if ok else "failed on another rank"
+            agreed[tid] = SwapResult(ok, int(nbytes) if ok else 0, mine.seconds, error)
+        for t in plan.blocks_to_swap_out:
+            if results[t.transfer_id].ok and not agreed[t.transfer_id].ok and self.client:
+                with contextlib.suppress(SwapError):
+                    self.client.free(t.host_block_ids)
+        return agreed
 
     def _client(self) -> HostStoreClient:
         if self.client is None:

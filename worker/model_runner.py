@@ -210,7 +210,9 @@ class ModelRunner:
             self.model.use_forward(select_forward(self.model, self.kv_pool.layer_caches()))
         self.sampler = Sampler()
         self.seqs: dict[str, SequenceState] = {}
-        self.swapper = KVSwapper(self.kv_pool, self.backend, connect=self._connect_remote_store)
+        self.swapper = KVSwapper(
+            self.kv_pool, self.backend, connect=self._connect_remote_store, group=self.group
+        )
         self.structured = StructuredOutputsRunner(
             str(self.model_path), self.arch.vocab_size, self.arch.eos_token_ids
         )
@@ -565,7 +567,12 @@ class ModelRunner:
 
         if self.swapper.client is not None:
             self.swapper.client.close()
-        self.swapper.client = HostStoreClient(address, access=self.config.host_store_access)
+        self.swapper.client = HostStoreClient(
+            address,
+            access=self.config.host_store_access,
+            rank=self.group.rank,
+            tensor_parallel_size=self.group.size,
+        )
 
     def _connect_remote_store(self, address: str) -> HostStoreClient:
         """The client of another node's store at ``address``: the cluster's store key and
@@ -574,7 +581,11 @@ class ModelRunner:
         from pagedserve.worker.swap_client import HostStoreClient
 
         return HostStoreClient(
-            address, timeout_s=REMOTE_STORE_TIMEOUT_S, access=self.config.host_store_access
+            address,
+            timeout_s=REMOTE_STORE_TIMEOUT_S,
+            access=self.config.host_store_access,
+            rank=self.group.rank,
+            tensor_parallel_size=self.group.size,
         )
 
     def measure_prefill_s_per_token(self, num_tokens: int = 256) -> float:
@@ -634,7 +645,28 @@ class ModelRunner:
         return self._round_trip(self.swapper.remote_client(address), num_bytes)
 
     def _round_trip(self, client: HostStoreClient | None, num_bytes: int) -> float:
-        """One-way bytes/s of a round trip of about ``num_bytes`` through ``client``."""
+        """One-way bytes/s of a round trip of about ``num_bytes`` through ``client``.
+
+        Under tensor parallelism every rank runs it at once (each with its own chunks) and
+        the result is the group's: ``T`` times the slowest rank's rate, the same on every
+        rank; a failure on any rank fails it on all.
+        """
+        try:
+            rate = self._round_trip_rank(client, num_bytes)
+            error = ""
+        except SwapError as exc:
+            if self.group.size == 1:
+                raise
+            rate, error = 0.0, str(exc)
+        if self.group.size == 1:
+            return rate
+        slowest = self.group.min_int(int(rate))
+        if slowest < 1:
+            raise SwapError(error or "the swap probe failed on another rank of the group")
+        return float(slowest * self.group.size)
+
+    def _round_trip_rank(self, client: HostStoreClient | None, num_bytes: int) -> float:
+        """This rank's one-way bytes/s of a round trip of about ``num_bytes``."""
         if client is None:
             raise SwapError("no host block store is connected")
         per_block = bytes_per_block(self.kv_arch, self.kv_pool.block_size, self.kv_cache_dtype)

@@ -6,6 +6,10 @@ several whole blocks, each under ``max_chunk_bytes``; swap-in receives the chunk
 such a buffer, checking every chunk's CRC-32. Any failure (store unreachable, refused,
 checksum) raises :class:`SwapError`; the caller falls back to recompute.
 
+A client belongs to one tensor-parallel rank (``rank`` of ``tensor_parallel_size``): every
+chunk it sends carries its rank, and it reads and frees that rank's chunks only (the store
+keys a block by rank and host block id; the packed buffer holds the rank's KV heads).
+
 With :class:`~pagedserve.worker.config.HostStoreAccess` set, every call carries
 ``authorization: Bearer <key>`` metadata and the channel is TLS (a store started with a key
 refuses calls without it: ``UNAUTHENTICATED``, raised as :class:`SwapError`).
@@ -44,9 +48,12 @@ class HostStoreClient:
         max_chunk_bytes: payload bytes per chunk at most (at least one block per chunk).
         access: the API key to send and the TLS trust (and client certificate) of the
             channel; ``None``: no key, plaintext.
+        rank: the tensor-parallel rank whose blocks this client moves.
+        tensor_parallel_size: ranks in that rank's group (1: unsharded).
 
     Raises:
-        ValueError: ``max_chunk_bytes`` < 1.
+        ValueError: ``max_chunk_bytes`` < 1, or ``rank`` outside ``[0,
+            tensor_parallel_size)``.
     """
 
     def __init__(
@@ -55,9 +62,15 @@ class HostStoreClient:
         timeout_s: float = 60.0,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         access: HostStoreAccess | None = None,
+        rank: int = 0,
+        tensor_parallel_size: int = 1,
     ) -> None:
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be >= 1, got {max_chunk_bytes}")
+        if not 0 <= rank < tensor_parallel_size:
+            raise ValueError(f"rank must be in [0, {tensor_parallel_size}), got {rank}")
+        self.rank = rank
+        self.tensor_parallel_size = tensor_parallel_size
         self.address = address
         self.timeout_s = timeout_s
         self.max_chunk_bytes = max_chunk_bytes
@@ -113,6 +126,8 @@ class HostStoreClient:
                 data=data,
                 checksum=zlib.crc32(data),
                 num_blocks_total=n,
+                rank=self.rank,
+                tensor_parallel_size=self.tensor_parallel_size,
             )
 
     def swap_out(
@@ -161,8 +176,9 @@ class HostStoreClient:
 
         Raises:
             ValueError: ``out`` is not a contiguous 6-D CPU tensor matching the ids.
-            SwapError: unreachable store, unknown blocks, a dtype/shape other than ``out``'s,
-                a checksum mismatch, or missing blocks.
+            SwapError: unreachable store, unknown blocks, a dtype/shape other than ``out``'s
+                (this rank's KV heads, block size, layers), another rank's or group size's
+                chunk, a checksum mismatch, or missing blocks.
         """
         if out.dim() != 6 or out.device.type != "cpu" or not out.is_contiguous():
             raise ValueError("out must be a contiguous 6-D CPU tensor")
@@ -179,6 +195,8 @@ class HostStoreClient:
                     transfer_id=transfer_id,
                     host_block_ids=want_ids,
                     max_chunk_bytes=self.max_chunk_bytes,
+                    rank=self.rank,
+                    tensor_parallel_size=self.tensor_parallel_size,
                 ),
                 timeout=self.timeout_s,
                 metadata=self._metadata,
@@ -189,10 +207,13 @@ class HostStoreClient:
                     or chunk.dtype != dtype
                     or list(chunk.shape) != [k, *out.shape[1:]]
                     or len(chunk.data) != k * raw.shape[1]
+                    or chunk.rank != self.rank
+                    or max(1, chunk.tensor_parallel_size) != self.tensor_parallel_size
                 ):
                     raise SwapError(
                         f"swap-in {transfer_id}: chunk of blocks {list(chunk.host_block_ids)} "
-                        f"({chunk.dtype}, shape {list(chunk.shape)}) does not match the request"
+                        f"({chunk.dtype}, shape {list(chunk.shape)}, rank {chunk.rank} of "
+                        f"{max(1, chunk.tensor_parallel_size)}) does not match the request"
                     )
                 if zlib.crc32(chunk.data) != chunk.checksum:
                     raise SwapError(
@@ -208,14 +229,14 @@ class HostStoreClient:
         return n * raw.shape[1]
 
     def free(self, host_block_ids: Sequence[int]) -> int:
-        """Drop blocks from the store; returns how many held data.
+        """Drop this rank's blocks from the store; returns how many held data.
 
         Raises:
             SwapError: the store could not be reached.
         """
         try:
             resp = self._stub.Free(
-                pb.FreeRequest(host_block_ids=list(host_block_ids)),
+                pb.FreeRequest(host_block_ids=list(host_block_ids), rank=self.rank),
                 timeout=self.timeout_s,
                 metadata=self._metadata,
             )

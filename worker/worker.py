@@ -8,7 +8,9 @@ Under tensor parallelism (``config.parallel``) a logical worker is ``T`` of thes
 rank: rank 0 is the one the scheduler talks to, and it broadcasts each call that touches
 the model or the sequences (:meth:`Worker.execute_model`, :meth:`Worker.reset`) over the
 group before running it; the other ranks sit in :meth:`Worker.follow`, running what rank 0
-broadcasts, until :meth:`Worker.leave`.
+broadcasts, until :meth:`Worker.leave`. The swap set-up is broadcast too: every rank connects
+its own client to the host block store (:meth:`Worker.connect_host_store`) and takes part in
+the probes (:meth:`Worker.measure_swap_costs`, :meth:`Worker.measure_pull_bandwidth`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.worker.config import WorkerConfig
+from pagedserve.worker.kv_swap import SwapError
 from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,8 @@ class Worker:
     def follow(self) -> None:
         """On a rank other than 0: run the calls rank 0 broadcasts, in order, until it
         leaves. A step refused with ``ValueError`` is refused on rank 0 too (the same
-        checks on the same state), so the loop goes on.
+        checks on the same state), and a swap probe's ``SwapError`` fails rank 0's too (the
+        ranks agree on it), so the loop goes on.
 
         Raises:
             RuntimeError: called on rank 0.
@@ -79,8 +83,14 @@ class Worker:
                     self.runner.execute_model(*args)
                 elif method == "reset":
                     self.runner.seqs.clear()
-            except ValueError as exc:
-                log.warning("rank %d refused a step: %s", group.rank, exc)
+                elif method == "connect":
+                    self.runner.connect_host_store(*args)
+                elif method == "measure_swap":
+                    self._measure_swap_costs(*args)
+                elif method == "measure_pull":
+                    self.runner.measure_pull_bandwidth(*args)
+            except (ValueError, SwapError) as exc:
+                log.warning("rank %d: %s failed: %s", group.rank, method, exc)
 
     def leave(self) -> None:
         """On rank 0: release the other ranks from :meth:`follow` and leave the group
@@ -104,28 +114,39 @@ class Worker:
         self.runner.seqs.clear()
 
     def connect_host_store(self, address: str) -> None:
-        """Swap to and from the host block store at ``address`` (``host:port``)."""
+        """Swap to and from the host block store at ``address`` (``host:port``); under
+        tensor parallelism every rank connects (the ranks of a group share one node)."""
+        self._tell_followers("connect", address)
         self.runner.connect_host_store(address)
 
     def measure_swap_costs(self, prefill_tokens: int = 128) -> tuple[float, float]:
         """``(swap bandwidth in bytes/s, prefill seconds per token)`` measured on this
         worker's model and hardware (before serving; see
         :meth:`ModelRunner.measure_swap_bandwidth` and
-        :meth:`ModelRunner.measure_prefill_s_per_token`).
+        :meth:`ModelRunner.measure_prefill_s_per_token`); under tensor parallelism the
+        group's, every rank taking part.
 
         Raises:
-            SwapError: the host store is not connected or fails.
+            SwapError: the host store is not connected or fails (on any rank).
+            GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
+        self._tell_followers("measure_swap", prefill_tokens)
+        return self._measure_swap_costs(prefill_tokens)
+
+    def _measure_swap_costs(self, prefill_tokens: int) -> tuple[float, float]:
         bandwidth = self.runner.measure_swap_bandwidth()
         return bandwidth, self.runner.measure_prefill_s_per_token(prefill_tokens)
 
     def measure_pull_bandwidth(self, address: str) -> float:
         """Bytes/s of this worker's transfers through another node's store at ``address``
-        (before serving; :meth:`ModelRunner.measure_pull_bandwidth`).
+        (before serving; :meth:`ModelRunner.measure_pull_bandwidth`; the group's under
+        tensor parallelism).
 
         Raises:
-            SwapError: that store cannot be reached, or it fails.
+            SwapError: that store cannot be reached, or it fails (on any rank).
+            GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
+        self._tell_followers("measure_pull", address)
         return self.runner.measure_pull_bandwidth(address)
 
     def ping(self) -> str:

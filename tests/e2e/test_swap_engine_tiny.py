@@ -320,8 +320,8 @@ def test_corrupted_blocks_fail_the_checksum_and_recompute(
     from pagedserve.worker import host_store as hs
 
     class CorruptingStore(hs.HostBlockStore):
-        def get(self, transfer_id, block_ids, max_chunk_bytes):
-            for chunk in super().get(transfer_id, block_ids, max_chunk_bytes):
+        def get(self, transfer_id, block_ids, max_chunk_bytes, *rank_and_size):
+            for chunk in super().get(transfer_id, block_ids, max_chunk_bytes, *rank_and_size):
                 data = bytearray(chunk.data)
                 data[0] ^= 0xFF  # the checksum still covers the original bytes
                 yield pb.KVChunk(

@@ -21,7 +21,7 @@ import helpers
 import pytest
 import torch
 from hf_compare import hf_reference, load_hf, smol_prompt_ids
-from tp_ranks import greedy_job, run_ranks
+from tp_ranks import greedy_job, run_ranks, swap_job
 
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 from pagedserve.worker.worker import Worker
@@ -105,6 +105,41 @@ def test_tiny_models_at_t2_equal_t1_and_hf(
     whole = checkpoint_bytes(model_dir)
     for nbytes in sharded.weight_bytes:
         assert 0.5 * whole <= nbytes < 0.53 * whole
+
+
+@pytest.mark.slow
+def test_swap_preemption_at_t2_equals_hf(tiny_llama_dir: Path) -> None:
+    """Forced swap preemption at T = 2 (each rank swaps its KV head under the same host
+    ids): the swapped sequences resume with HF's greedy tokens, every transfer moved on
+    both ranks (the store saw two calls per transfer, the scheduler the group's bytes)
+    and the store is empty at the end."""
+    # The host store needs gRPC, which the bare GPU image (make gpu-check) lacks.
+    pytest.importorskip("grpc", reason="the host block store needs gRPC")
+    from pagedserve.worker.host_store import serve_host_store
+
+    prompts = TINY_PROMPTS
+    new = 12
+    server, port, store = serve_host_store(1 << 30)
+    try:
+        # 14 blocks of 4 tokens for five prompts (~76 tokens + outputs): swapping is forced.
+        job = functools.partial(swap_job, f"127.0.0.1:{port}", prompts, new, 64, 6)
+        sharded = run_ranks(config(tiny_llama_dir, 4, 14), 2, job)
+    finally:
+        server.stop(0)
+    tokens, sw, rank_block_bytes = sharded.result
+    hf_tokens, _ = hf_expected(tiny_llama_dir, prompts, new)
+    for i, ref in enumerate(hf_tokens):
+        assert tokens[f"r{i}"] == ref, i
+    assert sw.preemptions_by_mode["swap"] > 0 and sw.num_swap_failures == 0
+    assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
+    assert sw.swap_out_bytes == sw.swap_in_bytes > 0
+    assert sw.swap_out_bytes % (2 * rank_block_bytes) == 0  # both ranks' chunks of a block
+    # The bandwidth probe: one more swap-out and swap-in of the 14 pool blocks per rank.
+    probe = 2 * 14 * rank_block_bytes
+    assert store.swap_out_bytes == store.swap_in_bytes == sw.swap_out_bytes + probe
+    assert store.num_swap_outs == store.num_swap_ins == 2 * (sw.num_swap_outs + 1)
+    assert store.num_blocks_stored == 0 and store.used_bytes == 0
+    assert sw.host_blocks_free == sw.host_blocks_total
 
 
 @pytest.mark.slow

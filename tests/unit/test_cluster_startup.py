@@ -237,14 +237,16 @@ def test_config_and_cli_validate_scheduler_resources() -> None:
         build_parser().parse_args(["serve", "--scheduler-resources", '[{"a": 1}]'])
 
 
-def test_swap_space_defaults_to_none_under_tensor_parallelism() -> None:
+def test_swap_space_defaults_to_4_gib_under_tensor_parallelism_too() -> None:
     from pagedserve.cluster.cli import build_parser, serve_config
 
     def config(*argv: str) -> ClusterConfig:
         return serve_config(build_parser().parse_args(["serve", *argv]))
 
     assert config().swap_space == 4 << 30
-    assert config("--tensor-parallel-size", "2").swap_space == 0
+    tp = config("--tensor-parallel-size", "2")
+    assert tp.swap_space == 4 << 30 and tp.tensor_parallel_size == 2
+    assert tp.scheduler.preemption_mode == "auto"
     assert config("--swap-space", "1").swap_space == 1 << 30
-    with pytest.raises(ValueError, match="swap_space needs tensor_parallel_size 1"):
-        config("--tensor-parallel-size", "2", "--swap-space", "1")
+    assert config("--tensor-parallel-size", "2", "--swap-space", "1").swap_space == 1 << 30
+    assert config("--tensor-parallel-size", "2", "--swap-space", "0").swap_space == 0

@@ -113,6 +113,21 @@ def test_cycle_calls_each_in_turn() -> None:
     assert seen == [0, 1, 0, 1, 0]
 
 
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_the_tensor_parallel_phase_skips_below_two_gpus(monkeypatch, gpus: int) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    ran: list[object] = []
+    monkeypatch.setattr(gpu_check.subprocess, "run", lambda *a, **k: ran.append(a))
+    report: dict = {}
+    gpu_check.run_phase("tensor_parallel", lambda: gpu_check.tensor_parallel({}, False, 1), report)
+    assert report["tensor_parallel"]["ok"] and not ran
+    assert report["tensor_parallel"]["result"] == {
+        "skipped": f"{gpus} GPU(s): tensor parallelism needs 2"
+    }
+
+
 @pytest.mark.slow  # ~30 s: two rank processes start torch
 def test_the_tensor_parallel_phase_runs_its_tests_on_cpu_in_smoke_mode() -> None:
     shim = gpu_check.package_shim()

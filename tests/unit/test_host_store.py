@@ -67,6 +67,55 @@ def test_swap_out_then_swap_in_is_bit_exact(served, dtype, shape, chunk) -> None
     assert store.num_blocks_stored == 0 and store.used_bytes == 0
 
 
+def test_the_ranks_of_a_group_keep_their_own_chunks_of_a_host_block(served) -> None:
+    """Two ranks swap their own heads under the same host ids: each reads back and frees
+    its own chunk only; a reader of another rank or group size is refused."""
+    address, store = served
+    shape = (2, 2, 4, 1, 8)  # one KV head per rank
+    host_ids = [5, 1, 9]
+    packed = [random_blocks(3, shape, torch.float32, seed=r) for r in range(2)]
+    clients = [HostStoreClient(address, rank=r, tensor_parallel_size=2) for r in range(2)]
+    try:
+        for r, client in enumerate(clients):
+            client.swap_out(f"t-rank{r}", packed[r], host_ids)
+        per_rank = packed[0].numel() * 4
+        assert store.num_blocks_stored == 6 and store.used_bytes == 2 * per_rank
+        for r, client in enumerate(clients):
+            back = torch.empty_like(packed[r])
+            assert client.swap_in("in", host_ids, back) == per_rank
+            assert torch.equal(back.view(torch.uint8), packed[r].view(torch.uint8)), r
+        with (
+            HostStoreClient(address) as unsharded,
+            pytest.raises(SwapError, match="FAILED_PRECONDITION"),
+        ):
+            unsharded.swap_in("in", host_ids, torch.empty_like(packed[0]))
+        with (
+            HostStoreClient(address, rank=2, tensor_parallel_size=4) as other,
+            pytest.raises(SwapError, match="NOT_FOUND"),
+        ):
+            other.swap_in("in", host_ids, torch.empty_like(packed[0]))
+        assert clients[1].free(host_ids) == 3
+        assert store.num_blocks_stored == 3 and store.used_bytes == per_rank
+        with pytest.raises(SwapError, match="NOT_FOUND"):
+            clients[1].swap_in("in", host_ids, torch.empty_like(packed[1]))
+        back = torch.empty_like(packed[0])
+        clients[0].swap_in("in", host_ids, back)  # rank 0's chunks untouched
+        assert torch.equal(back.view(torch.uint8), packed[0].view(torch.uint8))
+        assert clients[0].free(host_ids) == 3
+        assert store.num_blocks_stored == 0 and store.used_bytes == 0
+    finally:
+        for client in clients:
+            client.close()
+    with pytest.raises(ValueError, match="rank must be in"):
+        HostStoreClient(address, rank=2, tensor_parallel_size=2)
+
+
+def test_a_chunk_of_a_rank_outside_its_group_is_refused() -> None:
+    with pytest.raises(StoreError, match="rank 2 of a group of 2") as err:
+        HostBlockStore(1 << 20).put([_chunk(rank=2, tensor_parallel_size=2)])
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_overwrite_replaces_a_block(served) -> None:
     address, store = served
     a = random_blocks(2, (1, 2, 2, 1, 8), torch.float32, 1)

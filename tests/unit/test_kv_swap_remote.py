@@ -131,8 +131,8 @@ def test_a_remote_pull_without_the_key_is_refused(second_store) -> None:
 class CorruptingStore(HostBlockStore):
     """Serves chunks whose payload no longer matches their checksum."""
 
-    def get(self, transfer_id, block_ids, max_chunk_bytes):
-        for chunk in super().get(transfer_id, block_ids, max_chunk_bytes):
+    def get(self, transfer_id, block_ids, max_chunk_bytes, *rank_and_size):
+        for chunk in super().get(transfer_id, block_ids, max_chunk_bytes, *rank_and_size):
             data = bytearray(chunk.data)
             data[0] ^= 0xFF
             yield pb.KVChunk(
