@@ -18,7 +18,7 @@ and writes JSON.
 
     .venv/bin/python benchmarks/quality/bf16_agreement.py
     .venv/bin/python benchmarks/quality/bf16_agreement.py --systems pagedserve-auto,\
-pagedserve-float32 --previous benchmarks/results/bf16_agreement.json   # rerun only ours
+pagedserve-float32 --previous benchmarks/results/bf16_agreement.json   # rerun ours only
 """
 
 from __future__ import annotations
@@ -314,10 +314,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--systems", default=",".join(SYSTEMS[2:]),
                     help="pagedserve-/vllm- auto|float32, comma-separated")  # fmt: skip
-    ap.add_argument("--previous", help="JSON of an earlier run: systems not run now come from it")
+    ap.add_argument("--previous", nargs="*", default=[],
+                    help="JSON of earlier runs: systems not run now come from them")  # fmt: skip
     ap.add_argument("--vllm-python", help="vLLM's interpreter (default: benchmarks/.venv-vllm)")
     ap.add_argument("--vllm-eager", action="store_true",
                     help="vLLM with enforce_eager (default: compiled, as vLLM runs by default)")  # fmt: skip
+    ap.add_argument("--systems-only", action="store_true",
+                    help="write the systems' tokens without comparing (for --previous)")  # fmt: skip
     ap.add_argument("--hf-cache", help="path prefix: keep HF's references (and logits) there")
     ap.add_argument("--kv-cache-memory", type=int, default=256 << 20)
     ap.add_argument("--out", default=str(RESULTS / "bf16_agreement.json"))
@@ -332,13 +335,13 @@ def main() -> None:
     labels, prompts = prompt_ids(model_dir)
     runs: dict[str, Any] = {}
     logits: dict[str, Any] = {}
-    if args.previous:
-        prev = json.loads(Path(args.previous).read_text())
+    for previous in args.previous:
+        prev = json.loads(Path(previous).read_text())
         if prev["prompt_ids"] != prompts or prev["max_tokens"] != n:
-            raise ValueError(f"{args.previous} ran other prompts or --max-tokens")
+            raise ValueError(f"{previous} ran other prompts or --max-tokens")
         for name, run in prev["runs"].items():
             if name not in REFERENCES and name not in wanted:
-                runs[name] = {**run, "from": prev.get("commit", "previous run")}
+                runs[name] = {**run, "from": run.get("from", prev["commit"])}
     vllm_py = None
     for name in wanted:
         t0 = time.perf_counter()
@@ -354,7 +357,7 @@ def main() -> None:
         info["seconds"] = round(time.perf_counter() - t0, 1)
         runs[name] = {"tokens": tokens, "info": info}
         print(f"{name}: ran in {info['dtype']}, {info['seconds']} s", flush=True)
-    for ref in REFERENCES:
+    for ref in () if args.systems_only else REFERENCES:
         runs[ref], logits[ref] = references(model_dir, ref, prompts, n, args.hf_cache)
         print(f"{ref}: {runs[ref]['info']['seconds']} s", flush=True)
     order = [s for s in SYSTEMS if s in runs]
@@ -363,12 +366,12 @@ def main() -> None:
     for name, run in runs.items():
         summary[name] = {}
         for ref in REFERENCES:
-            if ref != name:
+            if ref != name and ref in runs:
                 pairs = zip(run["tokens"], runs[ref]["tokens"], logits[ref])
                 summary[name][ref] = summarize([compare(t, r, lg) for t, r, lg in pairs], n)
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()  # fmt: skip
-    lines = table(runs, summary, n)
+    lines = [] if args.systems_only else table(runs, summary, n)
     print("\n".join(lines))
     payload = {
         "date": time.strftime("%Y-%m-%d"), "commit": commit,
