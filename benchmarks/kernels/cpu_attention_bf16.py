@@ -76,9 +76,7 @@ def build(chunks: int, rows: int, context: int) -> dict[str, Callable[[], object
         )  # fmt: skip
 
     def sdpa() -> object:
-        return F.scaled_dot_product_attention(
-            q16, k16, v16, attn_mask=mask, is_causal=mask is None
-        )
+        return F.scaled_dot_product_attention(q16, k16, v16, attn_mask=mask, is_causal=mask is None)
 
     return {"amx": paged(16), "exact": paged(0), "sdpa bf16": sdpa}
 
@@ -137,8 +135,12 @@ def main() -> None:
                 "commit": commit,
                 "threads": args.threads,
                 "repeats": args.repeats,
-                "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
-                          "block_size": BLOCK},  # fmt: skip
+                "shape": {
+                    "heads": HEADS,
+                    "kv_heads": KV_HEADS,
+                    "head_dim": HEAD_DIM,
+                    "block_size": BLOCK,
+                },
                 "rows": rows_out,
             },
             indent=2,
