@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels import cpu_native, fp8, reference
+from pagedserve.kernels import cpu_native, fp8, int8, reference
 from pagedserve.kernels._checks import (
     CheckedIndices,
     check_copy,
@@ -50,15 +50,28 @@ _TRUTHY = ("1", "true", "on", "yes")
 def uses_cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     """True when ``backend`` on ``device``/``dtype`` runs the fused C kernels (:mod:`cpu_native`).
 
-    ``"auto"`` and ``"cpu"`` do for fp32 and fp8 CPU caches when the library builds; otherwise
+    ``"auto"`` and ``"cpu"`` do for fp32, fp8 and int8 CPU caches when the library builds; otherwise
     (another dtype, no compiler) ``"cpu"`` falls back to the torch reference like ``"auto"``.
     """
     return (
         backend in ("auto", "cpu")
         and device.type == "cpu"
-        and dtype in (torch.float32, fp8.FP8_DTYPE)
+        and dtype in (torch.float32, fp8.FP8_DTYPE, int8.INT8_DTYPE)
         and cpu_native.available()
     )
+
+
+def _refuse_triton_int8(key_cache: torch.Tensor) -> None:
+    """The Triton kernels have no int8 caches (the torch reference and the C kernels do).
+
+    Raises:
+        ValueError: ``key_cache`` is int8.
+    """
+    if int8.is_int8(key_cache.dtype):
+        raise ValueError(
+            "int8 KV caches run on the CPU kernels and the torch reference only; the Triton "
+            "kernels take fp32/fp16/bf16/float8_e4m3fn caches"
+        )
 
 
 def _cpu_attention(backend: str, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -144,6 +157,7 @@ def store_kv_cache(
     if resolve_backend(backend, key_cache.device) == "torch":
         reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
+    _refuse_triton_int8(key_cache)
     from pagedserve.kernels import store_triton
 
     store_triton.store_kv_cache(
@@ -230,6 +244,7 @@ def paged_decode_attention(
         return reference.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, float(scale), k_scale, v_scale
         )
+    _refuse_triton_int8(key_cache)
     from pagedserve.kernels import decode_triton
 
     return decode_triton.paged_decode_attention(
@@ -315,6 +330,7 @@ def paged_prefill_attention(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale),
             k_scale, v_scale,
         )  # fmt: skip
+    _refuse_triton_int8(key_cache)
     from pagedserve.kernels import prefill_triton
 
     return prefill_triton.paged_prefill_attention(

@@ -74,6 +74,7 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
 }
 
 
@@ -149,6 +150,7 @@ def resolve_dtypes(
         config.model.dtype, precision.checkpoint_dtype(model_path), native
     )
     kv = precision.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, model)
+    precision.check_kv_cache_device(kv, device.type)
     return _DTYPES[model], _DTYPES[kv]
 
 
