@@ -263,6 +263,20 @@ def test_llm_runs_other_precisions_on_cpu(
     assert out.token_ids[0] == fp32_tokens[0]
 
 
+def test_int8_kv_generic_layers_match_the_c_kernels(tiny_llama_dir: Path) -> None:
+    """The torch reference (the generic layers) and the C kernels read the same dequantised
+    int8 values: the same greedy tokens."""
+    runs = []
+    for backend in ("torch", "auto"):
+        with LLM(
+            str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, device="cpu", dtype="float32",
+            kv_cache_dtype="int8", attention_backend=backend,
+        ) as engine:  # fmt: skip
+            out = engine.generate([PROMPT, "abc " * 9], greedy(8))
+            runs.append([list(o.outputs[0].token_ids) for o in out])
+    assert runs[0] == runs[1]
+
+
 def test_batch_invariance_needs_an_fp32_kv_cache(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype float32.*kv_cache_dtype bfloat16,"):
         Worker(
