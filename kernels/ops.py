@@ -61,19 +61,6 @@ def uses_cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> 
     )
 
 
-def _refuse_triton_int8(key_cache: torch.Tensor) -> None:
-    """The Triton kernels have no int8 caches (the torch reference and the C kernels do).
-
-    Raises:
-        ValueError: ``key_cache`` is int8.
-    """
-    if int8.is_int8(key_cache.dtype):
-        raise ValueError(
-            "int8 KV caches run on the CPU kernels and the torch reference only; the Triton "
-            "kernels take fp32/fp16/bf16/float8_e4m3fn caches"
-        )
-
-
 def _cpu_attention(backend: str, query: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """Whether the attention runs the C kernel: :func:`uses_cpu_kernels` for the cache,
     and an fp32 query (what the C kernel reads; an fp8 cache may come with any query)."""
@@ -157,7 +144,6 @@ def store_kv_cache(
     if resolve_backend(backend, key_cache.device) == "torch":
         reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
         return
-    _refuse_triton_int8(key_cache)
     from pagedserve.kernels import store_triton
 
     store_triton.store_kv_cache(
@@ -244,7 +230,6 @@ def paged_decode_attention(
         return reference.paged_decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens, float(scale), k_scale, v_scale
         )
-    _refuse_triton_int8(key_cache)
     from pagedserve.kernels import decode_triton
 
     return decode_triton.paged_decode_attention(
@@ -330,7 +315,6 @@ def paged_prefill_attention(
             query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, float(scale),
             k_scale, v_scale,
         )  # fmt: skip
-    _refuse_triton_int8(key_cache)
     from pagedserve.kernels import prefill_triton
 
     return prefill_triton.paged_prefill_attention(

@@ -63,8 +63,8 @@ class CacheConfig:
             not given. Default 1 GiB (a bf16 cache holds twice the blocks of an fp32 one).
         kv_cache_dtype: ``"auto"`` (the model's dtype), ``"float32"``, ``"float16"``,
             ``"bfloat16"``, ``"fp8"`` (``"fp8_e4m3"``: 8-bit e4m3fn, per-tensor scales of
-            1.0; a quarter of fp32's bytes) or ``"int8"`` (CPU only: one fp32 scale per
-            token and KV head stored in the block, 4 bytes per head_dim int8 elements). It enters every prefix-cache block hash and
+            1.0; a quarter of fp32's bytes) or ``"int8"`` (one fp32 scale per token and
+            KV head stored in the block, 4 bytes per head_dim int8 elements). It enters every prefix-cache block hash and
             every swap transfer.
     """
 

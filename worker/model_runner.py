@@ -150,7 +150,6 @@ def resolve_dtypes(
         config.model.dtype, precision.checkpoint_dtype(model_path), native
     )
     kv = precision.resolve_kv_cache_dtype(config.cache.kv_cache_dtype, model)
-    precision.check_kv_cache_device(kv, device.type)
     return _DTYPES[model], _DTYPES[kv]
 
 

@@ -18,7 +18,7 @@ runner says whether its bf16 GEMM is built
 names) is an 8-bit e4m3fn cache, named ``"float8_e4m3fn"`` (torch's name) once resolved,
 which is the name GetStats, the block hash and every swap transfer carry; ``"int8"`` is an
 8-bit integer cache with one fp32 scale per (slot, KV head) stored in the block
-(:mod:`pagedserve.kernels.int8`), on CPU only (:func:`check_kv_cache_device`). Everything here
+(:mod:`pagedserve.kernels.int8`). Everything here
 works on dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``): no
 torch, so it is a pure table.
 """
@@ -171,20 +171,6 @@ def resolve_kv_cache_dtype(requested: str, model_dtype: str) -> str:
     return model_dtype if requested == "auto" else requested
 
 
-def check_kv_cache_device(kv_cache_dtype: str, device_type: str) -> None:
-    """Refuse a KV cache dtype the device's kernels do not run.
-
-    Raises:
-        ValueError: ``kv_cache_dtype`` is :data:`INT8_KV_NAME` on a device other than the
-            CPU (the Triton kernels, which CUDA runs, have no int8 caches).
-    """
-    if kv_cache_dtype == INT8_KV_NAME and device_type != "cpu":
-        raise ValueError(
-            f"kv_cache_dtype int8 runs on the CPU kernels only, not on {device_type} (the "
-            "Triton kernels take float32, float16, bfloat16 and fp8 caches)"
-        )
-
-
 __all__ = [
     "DTYPE_CHOICES",
     "DTYPE_NAMES",
@@ -192,7 +178,6 @@ __all__ = [
     "INT8_KV_NAME",
     "KV_DTYPE_CHOICES",
     "KV_DTYPE_NAMES",
-    "check_kv_cache_device",
     "checkpoint_dtype",
     "cpu_has_native_bf16",
     "native_dtypes",

@@ -1,7 +1,8 @@
 """int8 KV caches with their per-(slot, KV head) scales stored in the block
 (:mod:`pagedserve.kernels.int8`): the quantiser, the torch reference store and attention,
-the C store and attention against them, and the block moves (copy-on-write, the swap unit)
-carrying the scales. The Triton kernels refuse int8 caches.
+the C and Triton stores and attention against them, and the block moves (copy-on-write,
+the swap unit) carrying the scales. The Triton kernels run under TRITON_INTERPRET=1 without a
+GPU (tests/kernels/conftest.py), so shapes are small.
 """
 
 from __future__ import annotations
@@ -163,12 +164,15 @@ def test_c_rope_store_gives_the_reference_bytes(dim):
     assert int8.scales(kc).view(-1, heads)[slots[3], 0].item() == 0.0
 
 
-def test_copy_blocks_carries_the_scales():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_copy_blocks_carries_the_scales(device, backend):
     heads, dim = 2, 8
     kc, vc, _, _, tables, _ = _int8_case([16], heads, heads, dim)
     src = int(tables[0, 1])
     dst = next(b for b in range(kc.shape[0]) if b not in tables[0].tolist())
-    kernels.copy_blocks([kc], [vc], torch.tensor([[src, dst]]), backend="torch")
+    kd, vd = kc.to(device), vc.to(device)
+    kernels.copy_blocks([kd], [vd], torch.tensor([[src, dst]], device=device), backend=backend)
+    kc, vc = kd.cpu(), vd.cpu()
     assert torch.equal(kc[dst], kc[src]) and torch.equal(vc[dst], vc[src])
     assert torch.equal(int8.scales(kc)[dst], int8.scales(kc)[src])
     assert bool((int8.scales(kc)[dst] > 0).all())
@@ -203,11 +207,6 @@ def test_int8_checks_name_the_problem():
             torch.zeros(1, 2, 8, dtype=I8), torch.zeros(1, 2, 8, dtype=I8), kc, kc.clone(),
             torch.tensor([0]),
         )  # fmt: skip
-    with pytest.raises(ValueError, match="int8 KV caches run on the CPU"):
-        kernels.store_kv_cache(
-            torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), kc, kc.clone(), torch.tensor([0]),
-            backend="triton",
-        )  # fmt: skip
 
 
 def test_stored_head_dim():
@@ -215,3 +214,50 @@ def test_stored_head_dim():
     assert int8.stored_head_dim(64, torch.float32) == 64
     with pytest.raises(ValueError, match="multiple of 4"):
         int8.stored_head_dim(6, I8)
+
+
+@pytest.mark.parametrize("dim", [16, 20])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_triton_store_gives_the_reference_bytes(device, dim, src_dtype):
+    heads = 2
+    gen = torch.Generator().manual_seed(4)
+    key = (torch.randn(24, heads, dim, generator=gen) * 3).to(src_dtype)
+    key[2, 1] = 0.0  # scale 0
+    key[3, 0, :4] = torch.tensor([127.0, 0.5, 1.5, -2.5]).to(src_dtype)  # exact ties
+    key[3, 0, 4:] = 0.0
+    value = torch.randn(24, heads, dim, generator=gen).to(src_dtype)
+    slots = torch.randperm(32, generator=gen)[:24]
+    slots[5] = -1
+    kc, vc = _cache(4, 8, heads, dim).to(device), _cache(4, 8, heads, dim).to(device)
+    kr, vr = kc.clone(), vc.clone()
+    kernels.store_kv_cache(
+        key.to(device), value.to(device), kc, vc, slots.to(device), backend="triton"
+    )
+    kr, vr = kr.cpu(), vr.cpu()
+    kernels.store_kv_cache(key, value, kr, vr, slots, backend="torch")
+    kc, vc = kc.cpu(), vc.cpu()
+    assert torch.equal(kc, kr) and torch.equal(vc, vr)
+    assert kc.view(-1, heads, dim + 4)[slots[3], 0, :4].tolist() == [127, 0, 2, -2]
+    assert int8.scales(kc).view(-1, heads)[slots[2], 1].item() == 0.0
+
+
+@pytest.mark.parametrize("q_dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_triton_attention_int8_matches_reference(device, q_dtype, atol):
+    heads, q_heads, dim = 2, 4, 16
+    kc, vc, _, _, tables, lens = _int8_case([13, 4, 22], heads, q_heads, dim)
+    q = torch.randn(3, q_heads, dim, generator=torch.Generator().manual_seed(8))
+    ref = kernels.paged_decode_attention(q, kc, vc, tables, lens, 0.25, backend="torch")
+    on = {"device": device}
+    got = kernels.paged_decode_attention(
+        q.to(q_dtype).to(**on), kc.to(**on), vc.to(**on), tables.to(**on), lens.to(**on), 0.25,
+        backend="triton",
+    )  # fmt: skip
+    torch.testing.assert_close(got.float().cpu(), ref, atol=atol, rtol=atol)
+    qp = torch.randn(9, q_heads, dim, generator=torch.Generator().manual_seed(9))
+    cu = torch.tensor([0, 5, 6, 9], dtype=torch.int32)
+    ref = kernels.paged_prefill_attention(qp, kc, vc, tables, cu, lens, 0.25, backend="torch")
+    got = kernels.paged_prefill_attention(
+        qp.to(q_dtype).to(**on), kc.to(**on), vc.to(**on), tables.to(**on), cu.to(**on),
+        lens.to(**on), 0.25, backend="triton",
+    )  # fmt: skip
+    torch.testing.assert_close(got.float().cpu(), ref, atol=atol, rtol=atol)
