@@ -42,6 +42,8 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef int8_t v16sb __attribute__((vector_size(16)));
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef uint16_t v16us __attribute__((vector_size(32)));
 
 static inline v16 splat16(float a) {
     return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
@@ -80,7 +82,9 @@ static inline const void *kv_elem(const void *base, int64_t i, const int kvt) {
 /* 16 e4m3fn bytes as fp32, exactly: exponent >= 1 rebased from bias 7 to 127 in the
  * integer bits, exponent 0 as mantissa * 2^-9 (no float op on a denormal), NaN kept. */
 static inline v16 fp8_widen16(v16b b) {
-    const v16i x = __builtin_convertvector(b, v16i);
+    /* bytes -> 16 bits -> 32 bits: gcc 12 turns a direct 8 -> 32-bit vector conversion
+     * into 16 scalar ones, the two steps into vpmovzxbw + vpmovzxwd (the same values) */
+    const v16i x = __builtin_convertvector(__builtin_convertvector(b, v16us), v16i);
     const v16i em = x & 0x7f;
     const v16 normal = (v16)((em << 20) + (120 << 23));
     const v16 sub = __builtin_convertvector(em, v16) * splat16(0x1p-9f);
@@ -142,7 +146,9 @@ static inline v16 kv_load16(const void *p, int64_t i, const int kvt) {
     if (kvt == KV_INT8) { /* unscaled: the caller multiplies by kv_scale_at */
         v16sb b;
         memcpy(&b, kv_elem(p, i, kvt), sizeof(b));
-        return __builtin_convertvector(b, v16);
+        /* via 16 and 32 bits, as fp8_widen16 (a direct conversion is scalar in gcc 12) */
+        const v16i x = __builtin_convertvector(__builtin_convertvector(b, v16s), v16i);
+        return __builtin_convertvector(x, v16);
     }
     return load16((const float *)p + i);
 }
