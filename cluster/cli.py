@@ -121,7 +121,9 @@ def _add_serve(sub: Any) -> None:
         choices=KV_DTYPE_CHOICES,
         default="auto",
         help="KV cache dtype; auto: the model's (bf16 holds twice the blocks of float32); "
-        "fp8 (fp8_e4m3): 8-bit e4m3fn, scales 1.0, four times the blocks of float32",
+        "fp8 (fp8_e4m3): 8-bit e4m3fn, scales 1.0, four times the blocks of float32; int8: "
+        "one fp32 scale per token and KV head stored in the block, ~3.8x the "
+        "blocks of float32 at head_dim 64",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

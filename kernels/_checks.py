@@ -23,10 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from pagedserve.kernels.fp8 import FP8_DTYPE
+from pagedserve.kernels.int8 import INT8_DTYPE, SCALE_BYTES, cache_head_dim
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE)
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8_DTYPE, INT8_DTYPE)
+QUANTIZED_DTYPES = (FP8_DTYPE, INT8_DTYPE)
 
 
 # ------------------------------------------------------------------------- building blocks
@@ -53,7 +55,13 @@ def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, prefix: str
     check_rank(f"{prefix}value_cache", value_cache, 4)
     if key_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
-            f"{prefix}key_cache must be fp32/fp16/bf16/float8_e4m3fn, got {key_cache.dtype}"
+            f"{prefix}key_cache must be fp32/fp16/bf16/float8_e4m3fn/int8, got {key_cache.dtype}"
+        )
+    last = key_cache.shape[3]
+    if key_cache.dtype == INT8_DTYPE and (last <= SCALE_BYTES or last % SCALE_BYTES):
+        raise ValueError(
+            f"{prefix}an int8 key_cache's last dim (head_dim + 4 scale bytes) must be a "
+            f"multiple of 4 above 4, got {last}"
         )
     if value_cache.shape != key_cache.shape:
         raise ValueError(
@@ -71,11 +79,11 @@ def check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, prefix: str
 
 def check_activation_dtype(name: str, t: torch.Tensor, key_cache: torch.Tensor) -> None:
     """``t`` (a query, key or value) in the cache's dtype, or in fp32/fp16/bf16 for an
-    fp8 cache (quantised on store, dequantised on read)."""
-    if key_cache.dtype == FP8_DTYPE:
+    fp8 or int8 cache (quantised on store, dequantised on read)."""
+    if key_cache.dtype in QUANTIZED_DTYPES:
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
-                f"{name} dtype {t.dtype} must be fp32/fp16/bf16 for a float8_e4m3fn cache"
+                f"{name} dtype {t.dtype} must be fp32/fp16/bf16 for a {key_cache.dtype} cache"
             )
     elif t.dtype != key_cache.dtype:
         raise ValueError(f"{name} dtype {t.dtype} != key_cache dtype {key_cache.dtype}")
@@ -85,7 +93,7 @@ def check_query(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     check_rank("query", query, 3)
     check_device("query", query, key_cache.device)
     check_activation_dtype("query", query, key_cache)
-    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    num_kv_heads, head_dim = key_cache.shape[2], cache_head_dim(key_cache)
     if query.shape[2] != head_dim:
         raise ValueError(f"query head_dim {query.shape[2]} != key_cache head_dim {head_dim}")
     if query.shape[1] % num_kv_heads != 0:
@@ -450,10 +458,11 @@ def check_store(
     check_caches(key_cache, value_cache)
     check_rank("key", key, 3)
     check_rank("value", value, 3)
-    if key.shape[1:] != key_cache.shape[2:]:
+    heads = (key_cache.shape[2], cache_head_dim(key_cache))
+    if tuple(key.shape[1:]) != heads:
         raise ValueError(
             f"key shape {tuple(key.shape)} does not match key_cache "
-            f"(num_kv_heads, head_dim) = {tuple(key_cache.shape[2:])}"
+            f"(num_kv_heads, head_dim) = {heads}"
         )
     if value.shape != key.shape:
         raise ValueError(f"value shape {tuple(value.shape)} != key shape {tuple(key.shape)}")

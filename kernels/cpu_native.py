@@ -87,9 +87,15 @@ SOURCES = (
 )
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
-# KV cache element types of the C kernels (fp8: e4m3fn with per-tensor scales)
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
-_KV_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16kv", torch.float8_e4m3fn: "fp8kv"}
+# KV cache element types of the C kernels (fp8: e4m3fn with per-tensor scales; int8: each
+# head vector followed by its fp32 scale, pagedserve.kernels.int8)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8)
+_KV_SUFFIX = {
+    torch.float32: "f32",
+    torch.bfloat16: "bf16kv",
+    torch.float8_e4m3fn: "fp8kv",
+    torch.int8: "int8kv",
+}
 _FALSY = ("0", "false", "off", "no")
 
 _i64 = ctypes.c_int64
@@ -109,6 +115,10 @@ _SIGNATURES = {
                               _i64, _i64, _i64, _f32, _f32, _f32, _ptr, _i64],
     "rope_store_fp8kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
                          _ptr, _f32, _f32],
+    "paged_attention_int8kv": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64,
+                               _i64, _i64, _i64, _f32, _ptr, _i64],
+    "rope_store_int8kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
+                          _ptr],
     "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
     "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
@@ -246,15 +256,15 @@ def _lib() -> ctypes.CDLL:
 
 
 def _kv_suffix(key_cache: torch.Tensor, value_cache: torch.Tensor) -> str:
-    """The C entry points' suffix for the caches' element type: ``f32``, ``bf16kv`` or
-    ``fp8kv``.
+    """The C entry points' suffix for the caches' element type: ``f32``, ``bf16kv``,
+    ``fp8kv`` or ``int8kv``.
 
     Raises:
         ValueError: a dtype not in :data:`KV_DTYPES`, or K and V of different dtypes.
     """
     if key_cache.dtype not in KV_DTYPES or value_cache.dtype != key_cache.dtype:
         raise ValueError(
-            f"the CPU kernels take fp32, bf16 or fp8 KV caches of one dtype, got key_cache "
+            f"the CPU kernels take fp32, bf16, fp8 or int8 KV caches of one dtype, got key_cache "
             f"{key_cache.dtype} and value_cache {value_cache.dtype}"
         )
     return _KV_SUFFIX[key_cache.dtype]
@@ -280,7 +290,9 @@ def paged_attention(
             the fused qkv output); other layouts are copied to contiguous first.
         key_cache, value_cache: contiguous fp32, bf16 or fp8 e4m3fn ``[num_blocks,
             block_size, num_kv_heads, head_dim]`` (bf16, fp8: widened to fp32 per element;
-            scores, softmax and the weighted sum in fp32).
+            scores, softmax and the weighted sum in fp32), or int8 ``[num_blocks,
+            block_size, num_kv_heads, head_dim + 4]`` (:mod:`pagedserve.kernels.int8`: each
+            element read as ``float(q) * scale`` of its head's stored scale).
         block_tables: contiguous int32 ``[num_seqs, max_blocks]``.
         cu_seqlens_q: contiguous int32 ``[num_seqs + 1]``.
         seq_lens: contiguous int32 ``[num_seqs]`` (context + chunk, >= chunk length).
@@ -348,7 +360,8 @@ def rope_store(
     """Rotate the q and k heads of ``qkv`` in place, then store its K/V rows in the cache
     (into a bf16 cache rounded to nearest even: the bits of ``.to(torch.bfloat16)``; into
     an fp8 cache the bytes of :func:`pagedserve.kernels.fp8.quantize` of ``K / k_scale``
-    and ``V / v_scale``).
+    and ``V / v_scale``; into an int8 cache those of :func:`pagedserve.kernels.int8.quantize`,
+    each head vector with its scale).
 
     Args:
         qkv: contiguous fp32 ``[T, (num_heads + 2 * num_kv_heads) * head_dim]``.
@@ -356,7 +369,7 @@ def rope_store(
         positions: contiguous int64 ``[T]`` (``< max_positions``).
         slot_mapping: contiguous int64 ``[T]``; negative slots are not stored.
         key_cache, value_cache: contiguous fp32, bf16 or fp8 e4m3fn ``[num_blocks,
-            block_size, num_kv_heads, head_dim]``.
+            block_size, num_kv_heads, head_dim]``, or int8 with ``head_dim + 4``.
         k_scale, v_scale: an fp8 cache's per-tensor scales (unused for the others).
 
     Raises:
@@ -645,7 +658,7 @@ class DecoderLayerPtrs(ctypes.Structure):
     """One layer's tensors for :func:`decoder_layers` (``decoder_layer_f32_t`` of
     ``csrc/cpu_decoder.c``): data pointers, ``None`` for a missing bias; ``kv_type`` is 0
     when the layer's KV caches are fp32, 1 when bf16, 2 when fp8 e4m3fn (read and written
-    with ``k_scale`` and ``v_scale``); ``w_bf16`` is 1 when its four
+    with ``k_scale`` and ``v_scale``), 3 when int8 (scales in the cache); ``w_bf16`` is 1 when its four
     weights are packed bf16 (:func:`pack_bf16_linear_weight`), 0 when packed fp32
     (:func:`pack_linear_weight`)."""
 
@@ -672,7 +685,7 @@ def decoder_layer_array(
 ) -> ctypes.Array[Any]:
     """A ctypes array of :class:`DecoderLayerPtrs`, one per dict of its pointer names to
     contiguous CPU tensors (or ``None`` for a bias): fp32, but the ``k_cache`` / ``v_cache``
-    fp32, bf16 or fp8 (``kv_type`` set from their dtype; fp8 read and written with
+    fp32, bf16, fp8 or int8 (``kv_type`` set from their dtype; fp8 read and written with
     ``kv_scale = (k_scale, v_scale)``) and the four packed weights fp32 or
     bf16 (``w_bf16`` set from their dtype). The caller keeps the tensors alive for as long
     as the array is used.
@@ -688,7 +701,7 @@ def decoder_layer_array(
         k_cache, v_cache = tensors["k_cache"], tensors["v_cache"]
         if k_cache is None or v_cache is None:
             raise ValueError("a decoder layer needs its k_cache and v_cache")
-        entry.kv_type = ("f32", "bf16kv", "fp8kv").index(_kv_suffix(k_cache, v_cache))
+        entry.kv_type = ("f32", "bf16kv", "fp8kv", "int8kv").index(_kv_suffix(k_cache, v_cache))
         entry.k_scale, entry.v_scale = kv_scale
         weights = [tensors.get(name) for name in _WEIGHTS]
         dtypes = {None if w is None else w.dtype for w in weights}

@@ -48,6 +48,8 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -78,6 +80,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,
     FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_INT8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -112,7 +115,10 @@ def _decode_split_kernel(
         row = block * stride_cb + (pos % block_size).to(tl.int64) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32:
+        if KV_INT8:  # each row times its scale (the fp32 after the row's elements)
+            ks = tl.load(k_scale_ptr + (row + HEAD_DIM) // 4, mask=valid, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+        elif FP32:
             k = k.to(tl.float32)
         elif KV_FP8:  # e4m3 widens exactly to fp16/bf16
             k = k.to(q.dtype)
@@ -124,7 +130,10 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32:
+        if KV_INT8:
+            vs = tl.load(v_scale_ptr + (row + HEAD_DIM) // 4, mask=valid, other=0.0)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        elif FP32:
             v = v.to(tl.float32)
         elif KV_FP8:
             v = v.to(q.dtype)
@@ -236,7 +245,9 @@ def paged_decode_attention(
     preallocated stage-1 scratch; ``num_splits`` and ``block_n`` override the heuristics
     (tests use them to force the multi-split path on tiny grids). An fp8 cache's tiles
     are widened in registers to the query's compute dtype; ``k_scale`` is folded into the
-    score scale and ``v_scale`` multiplies each split's normalised output.
+    score scale and ``v_scale`` multiplies each split's normalised output. An int8 cache's
+    rows (:mod:`pagedserve.kernels.int8`) are multiplied by their stored scales in fp32 after
+    the load (through an fp32 view of the same cache), then taken to the compute dtype.
     """
     check_triton_device(query.device, _decode_split_kernel)
     check_head_dim(query.shape[2])
@@ -278,11 +289,14 @@ def paged_decode_attention(
         part_lse = torch.empty(
             num_seqs, num_heads, splits, dtype=torch.float32, device=query.device
         )
+    int8 = key_cache.dtype == torch.int8
     fp32 = compute_in_fp32(query.dtype)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         query,
         key_cache,
         value_cache,
+        key_cache.view(torch.float32) if int8 else key_cache,  # the int8 rows' scales
+        value_cache.view(torch.float32) if int8 else value_cache,
         block_tables,
         seq_lens,
         out,
@@ -313,6 +327,7 @@ def paged_decode_attention(
         DIRECT=splits == 1,
         FP32=fp32,
         KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
+        KV_INT8=int8,
         PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
     )

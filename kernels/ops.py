@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.kernels import cpu_native, fp8, reference
+from pagedserve.kernels import cpu_native, fp8, int8, reference
 from pagedserve.kernels._checks import (
     CheckedIndices,
     check_copy,
@@ -50,13 +50,13 @@ _TRUTHY = ("1", "true", "on", "yes")
 def uses_cpu_kernels(backend: str, device: torch.device, dtype: torch.dtype) -> bool:
     """True when ``backend`` on ``device``/``dtype`` runs the fused C kernels (:mod:`cpu_native`).
 
-    ``"auto"`` and ``"cpu"`` do for fp32 and fp8 CPU caches when the library builds; otherwise
+    ``"auto"`` and ``"cpu"`` do for fp32, fp8 and int8 CPU caches when the library builds; otherwise
     (another dtype, no compiler) ``"cpu"`` falls back to the torch reference like ``"auto"``.
     """
     return (
         backend in ("auto", "cpu")
         and device.type == "cpu"
-        and dtype in (torch.float32, fp8.FP8_DTYPE)
+        and dtype in (torch.float32, fp8.FP8_DTYPE, int8.INT8_DTYPE)
         and cpu_native.available()
     )
 

@@ -49,6 +49,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
@@ -72,6 +74,7 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     FP32: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_INT8: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -115,7 +118,10 @@ def _prefill_kernel(
         row = block * stride_cb + (pos % block_size).to(tl.int64) * stride_ct + head_off
         kv_mask = valid[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32:
+        if KV_INT8:  # each row times its scale (the fp32 after the row's elements)
+            ks = tl.load(k_scale_ptr + (row + HEAD_DIM) // 4, mask=valid, other=0.0)
+            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
+        elif FP32:
             k = k.to(tl.float32)
         elif KV_FP8:  # e4m3 widens exactly to fp16/bf16
             k = k.to(q.dtype)
@@ -130,7 +136,10 @@ def _prefill_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if FP32:
+        if KV_INT8:
+            vs = tl.load(v_scale_ptr + (row + HEAD_DIM) // 4, mask=valid, other=0.0)
+            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        elif FP32:
             v = v.to(tl.float32)
         elif KV_FP8:
             v = v.to(q.dtype)
@@ -170,7 +179,8 @@ def paged_prefill_attention(
     grid; when omitted it is read from ``cu_seqlens_q`` (one device-to-host sync).
     ``block_m`` / ``block_n`` override the tile table (powers of two, ``>= 16``). An fp8
     cache is widened in registers as in the decode kernel (``k_scale`` folded into the
-    score scale, ``v_scale`` on the normalised output).
+    score scale, ``v_scale`` on the normalised output); an int8 cache is dequantised by
+    each row's stored scale after the load, as in the decode kernel.
     """
     check_triton_device(query.device, _prefill_kernel)
     check_head_dim(query.shape[2])
@@ -197,10 +207,13 @@ def paged_prefill_attention(
     block_n = block_n or cfg_n
     tokens_m = block_m // group
     grid = (num_seqs, num_kv_heads, cdiv(max_query_len, tokens_m))
+    int8 = key_cache.dtype == torch.int8
     _prefill_kernel[grid](
         query,
         key_cache,
         value_cache,
+        key_cache.view(torch.float32) if int8 else key_cache,  # the int8 rows' scales
+        value_cache.view(torch.float32) if int8 else value_cache,
         block_tables,
         cu_seqlens_q,
         seq_lens,
@@ -224,6 +237,7 @@ def paged_prefill_attention(
         BLOCK_N=block_n,
         FP32=compute_in_fp32(query.dtype),
         KV_FP8=key_cache.dtype == torch.float8_e4m3fn,
+        KV_INT8=int8,
         PRECISION=dot_precision(query.dtype),
         num_warps=num_warps,
     )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedserve.kernels import fp8
+from pagedserve.kernels import fp8, int8
 from pagedserve.kernels._math import cdiv
 
 # Up to this many KV heads the decode path multiplies against a block-diagonal query
@@ -52,7 +52,8 @@ def store_kv_cache(
 ) -> None:
     """Write ``key``/``value`` rows into their cache slots in place (``-1`` = skip); into
     an fp8 cache as :func:`pagedserve.kernels.fp8.quantize` of ``key / k_scale`` and
-    ``value / v_scale`` (the scales are unused for other caches)."""
+    ``value / v_scale`` (the scales are unused for other caches); into an int8 cache as
+    :func:`pagedserve.kernels.int8.quantize` (each head vector with its own scale)."""
     slots = slot_mapping.to(device=key_cache.device, dtype=torch.int64)
     keep = slots >= 0
     if not bool(keep.all()):
@@ -68,12 +69,19 @@ def store_kv_cache(
         key_cache[blocks, offsets] = fp8.quantize(key, k_scale)
         value_cache[blocks, offsets] = fp8.quantize(value, v_scale)
         return
+    if int8.is_int8(key_cache.dtype):
+        key_cache[blocks, offsets] = int8.quantize(key)
+        value_cache[blocks, offsets] = int8.quantize(value)
+        return
     key_cache[blocks, offsets] = key.to(key_cache.dtype)
     value_cache[blocks, offsets] = value.to(value_cache.dtype)
 
 
 def _widen(t: torch.Tensor, scale: float) -> torch.Tensor:
-    """Gathered cache elements as fp32; fp8 ones dequantised (``float(q) * scale``)."""
+    """Gathered cache elements as fp32; fp8 ones dequantised (``float(q) * scale``), int8
+    head vectors ``[..., D + 4]`` with their stored scales (:func:`int8.dequantize`)."""
+    if int8.is_int8(t.dtype):
+        return int8.dequantize(t)
     return fp8.dequantize(t, scale) if fp8.is_fp8(t.dtype) else t.float()
 
 
@@ -122,12 +130,14 @@ def paged_decode_attention(
     n_blk = max(1, cdiv(max_len, block_size))
     ids = _clamp_blocks(block_tables[:, :n_blk].to(device), num_blocks).reshape(-1)
     length = n_blk * block_size
-    row = block_size * num_kv_heads * head_dim
+    stored = key_cache.shape[3]  # head_dim, or head_dim + 4 scale bytes for int8
+    per_slot = (num_seqs, length, num_kv_heads, stored)
+    row = block_size * num_kv_heads * stored
     # [B, L, Hkv * D]
-    k = _widen(key_cache.view(num_blocks, row).index_select(0, ids), k_scale)
-    v = _widen(value_cache.view(num_blocks, row).index_select(0, ids), v_scale)
-    k = k.view(num_seqs, length, -1)
-    v = v.view(num_seqs, length, -1)
+    k = _widen(key_cache.view(num_blocks, row).index_select(0, ids).view(per_slot), k_scale)
+    v = _widen(value_cache.view(num_blocks, row).index_select(0, ids).view(per_slot), v_scale)
+    k = k.reshape(num_seqs, length, -1)
+    v = v.reshape(num_seqs, length, -1)
     q = query.float()
     invalid = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
     # Unwritten slots of a sequence's last block may hold NaN/inf garbage: a masked
@@ -245,7 +255,8 @@ def paged_prefill_attention(
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
-    """fp8 elements as their bytes (torch has no fp8 ``index_copy_``); others as they are."""
+    """fp8 elements as their bytes (torch has no fp8 ``index_copy_``); others (int8 with its
+    scales included) as they are."""
     return t.view(torch.uint8) if fp8.is_fp8(t.dtype) else t
 
 

@@ -106,8 +106,8 @@ def paged_attention(
         ValueError: from the kernels on shape, dtype or device mismatches or indices
             outside the caches.
     """
-    # An fp8 cache takes the model's activations as they are (quantised on store).
-    if query.dtype != key_cache.dtype and key_cache.dtype != torch.float8_e4m3fn:
+    # An fp8 or int8 cache takes the model's activations as they are (quantised on store).
+    if query.dtype != key_cache.dtype and key_cache.dtype not in (torch.float8_e4m3fn, torch.int8):
         # NOTE: a KV cache in a dtype other than the model's (``kv_cache_dtype``): attend in
         # the cache's dtype (the kernels accumulate in fp32 either way), answer in the model's.
         kv_dtype = key_cache.dtype

@@ -62,8 +62,9 @@ class CacheConfig:
         kv_cache_memory: bytes of K+V pool per worker (all layers) when ``num_blocks`` is
             not given. Default 1 GiB (a bf16 cache holds twice the blocks of an fp32 one).
         kv_cache_dtype: ``"auto"`` (the model's dtype), ``"float32"``, ``"float16"``,
-            ``"bfloat16"`` or ``"fp8"`` (``"fp8_e4m3"``: 8-bit e4m3fn, per-tensor scales of
-            1.0; a quarter of fp32's bytes). It enters every prefix-cache block hash and
+            ``"bfloat16"``, ``"fp8"`` (``"fp8_e4m3"``: 8-bit e4m3fn, per-tensor scales of
+            1.0; a quarter of fp32's bytes) or ``"int8"`` (one fp32 scale per token and
+            KV head stored in the block, 4 bytes per head_dim int8 elements). It enters every prefix-cache block hash and
             every swap transfer.
     """
 
@@ -81,8 +82,8 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.kv_cache_dtype not in KV_DTYPE_CHOICES:
             raise ValueError(
-                "kv_cache_dtype must be auto, float32, float16, bfloat16, fp8, fp8_e4m3 or "
-                f"float8_e4m3fn, got {self.kv_cache_dtype!r}"
+                "kv_cache_dtype must be auto, float32, float16, bfloat16, fp8, fp8_e4m3, "
+                f"float8_e4m3fn or int8, got {self.kv_cache_dtype!r}"
             )
 
 

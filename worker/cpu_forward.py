@@ -44,7 +44,7 @@ from typing import Any, cast
 import torch
 
 from pagedserve import kernels
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, int8
 from pagedserve.worker.attention import AttentionMetadata
 from pagedserve.worker.batch_invariant import per_token_metadata
 from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
@@ -283,7 +283,8 @@ class FusedCpuForward:
                     or kv_dtype not in cpu_native.KV_DTYPES
                     or not cache.is_contiguous()
                     or cache.shape != kv_caches[0][0].shape
-                    or cache.shape[2:] != (arch.num_kv_heads, arch.head_dim)
+                    or cache.shape[2:]
+                    != (arch.num_kv_heads, int8.stored_head_dim(arch.head_dim, kv_dtype))
                 ):
                     return None
             qkv, o, gate_up, down = cast(tuple[PackedLinear | PackedLinearBf16, ...], linears)

@@ -3,6 +3,8 @@
 Layout per layer and per K/V: ``[num_blocks, block_size, num_kv_heads, head_dim]``, so a
 block holds ``block_size`` consecutive tokens of one sequence and slot
 ``block_id * block_size + offset`` addresses one token (Kwon et al., SOSP 2023, sec. 4.1).
+An int8 pool's last dimension is ``head_dim + 4``: each head's int8 elements, then its fp32
+scale (:mod:`pagedserve.kernels.int8`), so the scales are part of every block's bytes.
 The scheduler owns which block belongs to whom; this module only holds the memory.
 """
 
@@ -12,14 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels import int8
 from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.config import CacheConfig
 
 
 def bytes_per_block(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes over all layers, K and V: ``2 * L * bs * Hkv * D * itemsize``."""
+    """Bytes one block takes over all layers, K and V: ``2 * L * bs * Hkv * D * itemsize``,
+    with ``D + 4`` (the scale's bytes) for int8.
+
+    Raises:
+        ValueError: an int8 pool for a head_dim that is not a multiple of 4.
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * itemsize
+    dim = int8.stored_head_dim(arch.head_dim, dtype)
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * dim * itemsize
 
 
 def num_blocks_for(cache: CacheConfig, arch: ModelArch, dtype: torch.dtype) -> int:
@@ -47,8 +56,8 @@ class KVPool:
 
     Attributes:
         key_caches, value_caches: one tensor per layer,
-            ``[num_blocks, block_size, num_kv_heads, head_dim]``, zero-initialized (so that
-            padded rows read by attention are finite).
+            ``[num_blocks, block_size, num_kv_heads, head_dim]`` (``head_dim + 4`` for
+            int8), zero-initialized (so that padded rows read by attention are finite).
         block_size: tokens per block.
     """
 
@@ -67,7 +76,7 @@ class KVPool:
             torch.OutOfMemoryError / RuntimeError: when the device cannot hold it.
         """
         n = num_blocks_for(cache, arch, dtype)
-        shape = (n, cache.block_size, arch.num_kv_heads, arch.head_dim)
+        shape = (n, cache.block_size, arch.num_kv_heads, int8.stored_head_dim(arch.head_dim, dtype))
         keys = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers))
         values = tuple(
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)

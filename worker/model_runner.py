@@ -82,6 +82,7 @@ _DTYPES = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
 }
 
 

@@ -16,7 +16,9 @@ runner says whether its bf16 GEMM is built
 
 ``kv_cache_dtype="auto"`` is the model's resolved dtype; ``"fp8"`` (or ``"fp8_e4m3"``, vLLM's
 names) is an 8-bit e4m3fn cache, named ``"float8_e4m3fn"`` (torch's name) once resolved,
-which is the name GetStats, the block hash and every swap transfer carry. Everything here
+which is the name GetStats, the block hash and every swap transfer carry; ``"int8"`` is an
+8-bit integer cache with one fp32 scale per (slot, KV head) stored in the block
+(:mod:`pagedserve.kernels.int8`). Everything here
 works on dtype names (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"float8_e4m3fn"``): no
 torch, so it is a pure table.
 """
@@ -35,13 +37,16 @@ DTYPE_CHOICES = ("auto", *DTYPE_NAMES)
 FP8_KV_NAME = "float8_e4m3fn"
 """The resolved name of an fp8 KV cache (torch's ``float8_e4m3fn``)."""
 
-KV_DTYPE_NAMES = (*DTYPE_NAMES, FP8_KV_NAME)
+INT8_KV_NAME = "int8"
+"""The name of an int8 KV cache (scales in the block)."""
+
+KV_DTYPE_NAMES = (*DTYPE_NAMES, FP8_KV_NAME, INT8_KV_NAME)
 """The concrete dtypes a KV cache may hold."""
 
 _FP8_ALIASES = ("fp8", "fp8_e4m3", FP8_KV_NAME)
-KV_DTYPE_CHOICES = (*DTYPE_CHOICES, *_FP8_ALIASES)
-"""What ``--kv-cache-dtype`` accepts (``fp8`` and ``fp8_e4m3``: vLLM's names for e4m3; and
-the resolved name)."""
+KV_DTYPE_CHOICES = (*DTYPE_CHOICES, *_FP8_ALIASES, INT8_KV_NAME)
+"""What ``--kv-cache-dtype`` accepts (``fp8`` and ``fp8_e4m3``: vLLM's names for e4m3; the
+resolved name; ``int8``)."""
 
 _NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # config.json spellings of a dtype -> its name here ("float" and "half" come from old exports).
@@ -170,6 +175,7 @@ __all__ = [
     "DTYPE_CHOICES",
     "DTYPE_NAMES",
     "FP8_KV_NAME",
+    "INT8_KV_NAME",
     "KV_DTYPE_CHOICES",
     "KV_DTYPE_NAMES",
     "checkpoint_dtype",

@@ -1,10 +1,11 @@
-"""The CPU paged-attention kernel alone, fp32 vs bf16 KV cache, side by side.
+"""The CPU paged-attention kernel alone, fp32 vs bf16 (and fp8, int8) KV caches, side by side.
 
 For each (batch, context) point: ``batch`` sequences of ``context`` cached tokens in a
 shuffled paged cache (SmolLM2-135M's attention shape by default: 9 query heads, 3 KV heads,
 head_dim 64, block size 16), one decode query row per sequence (``--prefill``: one chunk of
 ``context`` rows of a single sequence instead), through ``cpu_native.paged_attention`` on
-the fp32 cache and on the same cache rounded to bf16. The two are timed interleaved,
+the fp32 cache and on the same cache rounded to bf16 (``--kv-dtypes`` adds fp8 e4m3 at scale
+1 and int8 with its per-(token, head) scales in the block). They are timed interleaved,
 ``--rounds`` times, and the minimum per call is kept (this machine's load only adds time).
 The figure is for one layer; a step runs it once per layer.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, fp8, int8
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -62,13 +63,25 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--kv-dtypes", default="float32,bfloat16", help="of float32,bfloat16,fp8,int8")
     ap.add_argument("--out", default=str(RESULTS / "attention_kv_dtype.json"))
     args = ap.parse_args()
     rows = []
     for point in args.points.split(","):
         batch, context = (int(x) for x in point.split("x"))
         query, k, v, tables, cu, lens = case(batch, context, args, context if args.prefill else 1)
-        caches = {"float32": (k, v), "bfloat16": (k.to(torch.bfloat16), v.to(torch.bfloat16))}
+        every = {
+            "float32": lambda t: t,
+            "bfloat16": lambda t: t.to(torch.bfloat16),
+            "fp8": lambda t: fp8.quantize(t),
+            "int8": lambda t: int8.quantize(t),
+        }
+        names = [
+            "float32",
+            "bfloat16",
+            *(n for n in args.kv_dtypes.split(",") if n not in ("float32", "bfloat16")),
+        ]
+        caches = {name: (every[name](k), every[name](v)) for name in names}
         scale = args.head_dim**-0.5
         calls = {
             name: functools.partial(
@@ -83,10 +96,14 @@ def main() -> None:
         row = {"batch": batch, "context": context, "prefill": args.prefill,
                "fp32_kv_ms": round(times["float32"], 3), "bf16_kv_ms": round(times["bfloat16"], 3),
                "speedup": round(times["float32"] / times["bfloat16"], 3)}  # fmt: skip
+        for name in names[2:]:
+            row[f"{name}_kv_ms"] = round(times[name], 3)
         rows.append(row)
         print(f"batch {batch:>3} context {context:>5}{' prefill' if args.prefill else ''}: "
               f"fp32 KV {row['fp32_kv_ms']:8.3f} ms  bf16 KV {row['bf16_kv_ms']:8.3f} ms  "
-              f"({row['speedup']:.2f}x)", flush=True)  # fmt: skip
+              f"({row['speedup']:.2f}x)"
+              + "".join(f"  {n} KV {row[f'{n}_kv_ms']:8.3f} ms" for n in names[2:]),
+              flush=True)  # fmt: skip
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "threads": torch.get_num_threads(),

@@ -5,8 +5,8 @@
  *
  *   normed   = rms_norm(x, residual += x)          (layer 0: residual = x, no add)
  *   qkv      = normed @ Wqkv^T (+ b)               linear_packed_f32
- *   rope_store(qkv) -> K/V cache slots            rope_store_f32 / _bf16kv / _fp8kv
- *   attn     = paged_attention(q of qkv)          paged_attention_f32 / _bf16kv / _fp8kv
+ *   rope_store(qkv) -> K/V cache slots            rope_store_f32 / _bf16kv / _fp8kv / _int8kv
+ *   attn     = paged_attention(q of qkv)          paged_attention_f32 / _bf16kv / _fp8kv / _int8kv
  *   x        = attn @ Wo^T (+ b)
  *   normed   = rms_norm(x, residual += x)
  *   gate_up  = normed @ Wgu^T (+ b); act = silu(gate) * up
@@ -63,12 +63,23 @@ void paged_attention_fp8kv(const float *q, int64_t q_token_stride, const uint8_t
                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, float k_scale, float v_scale, float *out,
                            int64_t num_threads);
+void rope_store_int8kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                       const float *sin_table, const int64_t *positions, const int64_t *slots,
+                       int8_t *k_cache, int8_t *v_cache);
+void paged_attention_int8kv(const float *q, int64_t q_token_stride, const int8_t *k_cache,
+                            const int8_t *v_cache, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, float *out, int64_t num_threads);
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter);
 
 /* One layer's tensors; a NULL bias (fp32) means none. The four weights are packed as
  * pack_weight_f32 makes them, or as pack_weight_bf16 does when w_bf16 is nonzero;
- * k_cache/v_cache hold fp32 (kv_type 0), bf16 (1) or fp8 e4m3fn (2, read and written with
- * the per-tensor k_scale and v_scale). Mirrored by ctypes in
+ * k_cache/v_cache hold fp32 (kv_type 0), bf16 (1), fp8 e4m3fn (2, read and written with
+ * the per-tensor k_scale and v_scale) or int8 (3, each head vector followed by its own
+ * fp32 scale). Mirrored by ctypes in
  * pagedserve/kernels/cpu_native.py (DecoderLayerPtrs). */
 typedef struct {
     const float *input_norm;
@@ -138,7 +149,14 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         if (layer_linear(l, normed, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
                          num_threads))
             return -1;
-        if (l->kv_type == 2) {
+        if (l->kv_type == 3) {
+            rope_store_int8kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
+                              sin_table, positions, slots, l->k_cache, l->v_cache);
+            paged_attention_int8kv(qkv, qkv_size, l->k_cache, l->v_cache, block_tables,
+                                   bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
+                                   num_kv_heads, head_dim, block_size, scale, attn,
+                                   num_threads);
+        } else if (l->kv_type == 2) {
             rope_store_fp8kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
                              sin_table, positions, slots, l->k_cache, l->v_cache, l->k_scale,
                              l->v_scale);

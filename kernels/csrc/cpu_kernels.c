@@ -6,7 +6,9 @@
  * element is widened to fp32 in registers (exact), and rope_store rounds K/V to bf16
  * (nearest even), or quantises x / scale to fp8 (saturated to +-448, nearest even), when it
  * stores them. An fp8 cache's per-tensor k_scale folds into the softmax scale and its
- * v_scale multiplies the output.
+ * v_scale multiplies the output. int8 caches (*_int8kv) hold each (slot, KV head) as
+ * head_dim int8 elements followed by its fp32 scale (absmax / 127, stored by rope_store):
+ * an element reads as (float)q * scale, in registers.
  *
  * Compiled on first use by pagedserve/kernels/cpu_native.py (gcc -O3 -march=native
  * -fopenmp -ffp-contract=off) and called through ctypes; the torch reference
@@ -39,6 +41,9 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef int8_t v16sb __attribute__((vector_size(16)));
+typedef int16_t v16s __attribute__((vector_size(32)));
+typedef uint16_t v16us __attribute__((vector_size(32)));
 
 static inline v16 splat16(float a) {
     return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
@@ -59,7 +64,8 @@ static inline v16 select16(v16i mask, v16 a, v16 b) {
 
 /*
  * KV cache elements, by kvt: KV_F32, KV_BF16 (the top 16 bits of an fp32) or KV_FP8
- * (e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN). The attention
+ * (e4m3fn: sign, 4 exponent bits of bias 7, 3 mantissa bits; 0x7f/0xff NaN) or KV_INT8
+ * (int8, times the head's scale: kv_scale_at). The attention
  * code below takes `const int kvt` and is always inlined into one entry point per element
  * type with a constant there, so each entry point compiles to straight-line loads of its
  * type; with KV_F32 the operations are exactly the fp32-only kernel's.
@@ -67,6 +73,7 @@ static inline v16 select16(v16i mask, v16 a, v16 b) {
 #define KV_F32 0
 #define KV_BF16 1
 #define KV_FP8 2
+#define KV_INT8 3 /* int8 elements; each head's D of them followed by its fp32 scale */
 
 static inline const void *kv_elem(const void *base, int64_t i, const int kvt) {
     return (const char *)base + i * (kvt == KV_F32 ? 4 : (kvt == KV_BF16 ? 2 : 1));
@@ -75,7 +82,9 @@ static inline const void *kv_elem(const void *base, int64_t i, const int kvt) {
 /* 16 e4m3fn bytes as fp32, exactly: exponent >= 1 rebased from bias 7 to 127 in the
  * integer bits, exponent 0 as mantissa * 2^-9 (no float op on a denormal), NaN kept. */
 static inline v16 fp8_widen16(v16b b) {
-    const v16i x = __builtin_convertvector(b, v16i);
+    /* bytes -> 16 bits -> 32 bits: gcc 12 turns a direct 8 -> 32-bit vector conversion
+     * into 16 scalar ones, the two steps into vpmovzxbw + vpmovzxwd (the same values) */
+    const v16i x = __builtin_convertvector(__builtin_convertvector(b, v16us), v16i);
     const v16i em = x & 0x7f;
     const v16 normal = (v16)((em << 20) + (120 << 23));
     const v16 sub = __builtin_convertvector(em, v16) * splat16(0x1p-9f);
@@ -134,7 +143,22 @@ static inline v16 kv_load16(const void *p, int64_t i, const int kvt) {
         memcpy(&b, kv_elem(p, i, kvt), sizeof(b));
         return fp8_widen16(b);
     }
+    if (kvt == KV_INT8) { /* unscaled: the caller multiplies by kv_scale_at */
+        v16sb b;
+        memcpy(&b, kv_elem(p, i, kvt), sizeof(b));
+        /* via 16 and 32 bits, as fp8_widen16 (a direct conversion is scalar in gcc 12) */
+        const v16i x = __builtin_convertvector(__builtin_convertvector(b, v16s), v16i);
+        return __builtin_convertvector(x, v16);
+    }
     return load16((const float *)p + i);
+}
+
+/* The fp32 scale of an int8 head vector, off bytes from p (1 for the other types). */
+static inline float kv_scale_at(const void *p, int64_t off, const int kvt) {
+    if (kvt != KV_INT8) return 1.0f;
+    float sc;
+    memcpy(&sc, (const char *)p + off, sizeof(sc));
+    return sc;
 }
 
 static inline float kv_load1(const void *p, int64_t i, const int kvt) {
@@ -145,6 +169,7 @@ static inline float kv_load1(const void *p, int64_t i, const int kvt) {
         return f;
     }
     if (kvt == KV_FP8) return fp8_widen1(((const uint8_t *)p)[i]);
+    if (kvt == KV_INT8) return (float)((const int8_t *)p)[i];
     return ((const float *)p)[i];
 }
 
@@ -297,14 +322,15 @@ static void softmax_inplace(float *sc, int64_t len) {
 static inline __attribute__((always_inline)) void pv_slice(
     const int gn, const float *p, int64_t p_stride, int64_t len, const void *v_base,
     const int32_t *table, int64_t block_size, int64_t row, float *out, int64_t head_dim,
-    const int kvt) {
+    const int kvt, int64_t sc_off) {
     v16 acc[VGROUP];
     for (int g = 0; g < gn; ++g) acc[g] = splat16(0.0f);
     for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
         const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, kvt);
         const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
         for (int64_t o = 0; o < jn; ++o) {
-            const v16 v = kv_load16(vb, o * row, kvt);
+            v16 v = kv_load16(vb, o * row, kvt);
+            if (kvt == KV_INT8) v = v * splat16(kv_scale_at(vb, o * row + sc_off, kvt));
             for (int g = 0; g < gn; ++g)
                 acc[g] = acc[g] + splat16(p[g * p_stride + j0 + o]) * v;
         }
@@ -336,6 +362,10 @@ static inline __attribute__((always_inline)) void pv_rows(
                     __builtin_prefetch(kv_elem(vn, o * row + 16 * s, kvt), 0, 3);
             v16 v[8];
             for (int s = 0; s < ns; ++s) v[s] = kv_load16(vb, o * row + 16 * s, kvt);
+            if (kvt == KV_INT8) {
+                const v16 sc = splat16(kv_scale_at(vb, o * row + head_dim, kvt));
+                for (int s = 0; s < ns; ++s) v[s] = v[s] * sc;
+            }
             for (int g = 0; g < gn; ++g) {
                 const v16 w = splat16(p[g * p_stride + j0 + o]);
                 for (int s = 0; s < ns; ++s) acc[g][s] = acc[g][s] + w * v[s];
@@ -362,7 +392,8 @@ static inline __attribute__((always_inline)) void pv_rows(
  * by the same operations whatever its task holds, so the split changes no bits and a
  * sequence's output does not depend on the rest of the batch.
  *
- * k_cache, v_cache: KV_F32, KV_BF16 or KV_FP8 elements (kvt); see kv_load16.
+ * k_cache, v_cache: KV_F32, KV_BF16, KV_FP8 or KV_INT8 elements (kvt); see kv_load16.
+ * KV_INT8 slots are num_kv_heads * (head_dim + 4) bytes (each head's scale after it).
  */
 static inline __attribute__((always_inline)) void paged_attention_kv(
     const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
@@ -371,7 +402,8 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads,
     const int kvt, int64_t skip_rows) {
     const int64_t group = num_heads / num_kv_heads;
-    const int64_t row = num_kv_heads * head_dim; /* elements per token slot */
+    const int64_t hstride = kvt == KV_INT8 ? head_dim + 4 : head_dim; /* elements per head */
+    const int64_t row = num_kv_heads * hstride; /* elements per token slot */
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     int64_t *task_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
     int64_t base_tasks = 0;
@@ -408,7 +440,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     {
         float *scores = (float *)malloc(sizeof(float) * QTILE * sub * (max_seq_len + 1));
         float *acc = (float *)malloc(sizeof(float) * head_dim);
-        /* bf16, fp8: the 16 K rows of a key group widened once for all the task's query rows */
+        /* bf16, fp8, int8: the 16 K rows of a key group widened once for all the task's query rows */
         float *kwide = kvt ? (float *)malloc(sizeof(float) * 16 * head_dim) : NULL;
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
@@ -441,7 +473,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
              * keys ahead are prefetched (one KV head's rows are strided in the cache, and
              * a row missed is a stall), and V rows of the first blocks for pass 2. */
             const void *krows[16];
-            const int64_t k_off = kvh * head_dim;
+            const int64_t k_off = kvh * hstride;
             int64_t cb = 0, co = 0;                          /* current key: block, offset */
             int64_t pb = pf_blocks, po = 0, pj = pf_blocks * block_size; /* prefetch walker */
             for (int64_t j = 0; j < n_keys;) {
@@ -474,6 +506,10 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                         int64_t d = 0;
                         for (; d + 16 <= head_dim; d += 16) store16(w + d, kv_load16(krows[c], d, kvt));
                         for (; d < head_dim; ++d) w[d] = kv_load1(krows[c], d, kvt);
+                        if (kvt == KV_INT8) {
+                            const float ks = kv_scale_at(krows[c], head_dim, kvt);
+                            for (d = 0; d < head_dim; ++d) w[d] = w[d] * ks;
+                        }
                         krows[c] = w;
                     }
                 }
@@ -511,7 +547,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                     const int64_t gn = (gs - g0) < gstep ? (gs - g0) : gstep;
                     const float *p = scores + (r * gs + g0) * n_keys;
                     float *og = orow + g0 * head_dim;
-                    const void *vhead = kv_elem(v_cache, kvh * head_dim, kvt);
+                    const void *vhead = kv_elem(v_cache, kvh * hstride, kvt);
 #define PVR(G, S) \
     pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim, kvt)
                     if (ns == 4) {
@@ -536,8 +572,9 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
 #undef PVR
                     int64_t d0 = 0;
                     for (; d0 + 16 <= head_dim; d0 += 16) {
-                        const void *vbase = kv_elem(v_cache, kvh * head_dim + d0, kvt);
-#define PV(G) pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim, kvt)
+                        const void *vbase = kv_elem(v_cache, kvh * hstride + d0, kvt);
+#define PV(G) \
+    pv_slice(G, p, n_keys, len, vbase, table, block_size, row, og + d0, head_dim, kvt, head_dim - d0)
                         switch (gn) {
                         case 1: PV(1); break;
                         case 2: PV(2); break;
@@ -556,10 +593,12 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                             for (int64_t j = 0; j < len; ++j) {
                                 const int64_t slot =
                                     (int64_t)table[j / block_size] * block_size + j % block_size;
-                                const void *vrow = kv_elem(v_cache, slot * row + kvh * head_dim, kvt);
+                                const void *vrow = kv_elem(v_cache, slot * row + kvh * hstride, kvt);
                                 const float w = p[g * n_keys + j];
+                                const float vs = kv_scale_at(vrow, head_dim, kvt);
                                 for (int64_t d = d0; d < head_dim; ++d)
-                                    acc[d] += w * kv_load1(vrow, d, kvt);
+                                    acc[d] += w * (kvt == KV_INT8 ? kv_load1(vrow, d, kvt) * vs
+                                                                  : kv_load1(vrow, d, kvt));
                             }
                             memcpy(og + g * head_dim + d0, acc + d0,
                                    sizeof(float) * (head_dim - d0));
@@ -650,15 +689,45 @@ void paged_attention_fp8kv(const float *q, int64_t q_token_stride, const uint8_t
     }
 }
 
-/*
- * Rotary embedding (rotate-half form) in place on the q and k heads of a fused qkv row,
+/* One head vector x[0 .. d) as int8 at dst[0 .. d) and its fp32 scale at dst + d:
+ * scale = absmax / 127, q = clamp(rne(x / scale), -127, 127), q = 0 where scale is 0 (a
+ * NaN absmax is kept as the scale); pagedserve.kernels.int8.quantize, the same bytes. */
+static void store_int8_head(const float *x, int64_t d, int8_t *dst) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        const float a = fabsf(x[i]);
+        amax = (a > amax || a != a) ? a : amax;
+    }
+    const float sc = amax / 127.0f;
+    for (int64_t i = 0; i < d; ++i) {
+        float r = sc > 0.0f ? nearbyintf(x[i] / sc) : 0.0f;
+        r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
+        dst[i] = (int8_t)r;
+    }
+    memcpy(dst + d, &sc, sizeof(sc));
+}
+
+/* paged_attention_kv on int8 caches ([.., num_kv_heads, head_dim + 4] bytes: each head's
+ * elements, then its fp32 scale), read as (float)q * scale; q and out fp32. */
+void paged_attention_int8kv(const float *q, int64_t q_token_stride, const int8_t *k_cache,
+                            const int8_t *v_cache, const int32_t *block_tables,
+                            int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads,
+                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                            float scale, float *out, int64_t num_threads) {
+    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
+                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                       scale, out, num_threads, KV_INT8, 0);
+}
+
+/* One head vector x[0 .. d) as int8 on the q and k heads of a fused qkv row,
  * then the K and V rows stored into their cache slots (slot < 0: not stored).
  * qkv: [T, qkv_stride] with q heads at 0, k heads at num_heads*head_dim, v heads after;
  * cos/sin tables: [max_positions, head_dim] fp32; positions int64 [T].
  * out = x*cos + rotate_half(x)*sin, rounded after each multiply and the add (no FMA), as
  * in HF transformers' apply_rotary_pos_emb. kvt KV_BF16: the caches are bf16 and the stored
  * K/V rows are the fp32 ones rounded by f32_to_bf16; KV_FP8: f32_to_fp8 of K / k_scale and
- * V / v_scale (qkv itself stays fp32).
+ * V / v_scale (qkv itself stays fp32); KV_INT8: each head by store_int8_head.
  */
 static void rope_store_kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
                           int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
@@ -689,7 +758,15 @@ static void rope_store_kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, in
         }
         const int64_t slot = slots[t];
         const float *k = x + num_heads * head_dim, *v = k + kv_row;
-        if (slot >= 0 && kvt == KV_FP8) {
+        if (slot >= 0 && kvt == KV_INT8) {
+            const int64_t hs = head_dim + 4; /* bytes per head: elements, then the scale */
+            int8_t *kd = (int8_t *)k_cache + slot * num_kv_heads * hs;
+            int8_t *vd = (int8_t *)v_cache + slot * num_kv_heads * hs;
+            for (int64_t h = 0; h < num_kv_heads; ++h) {
+                store_int8_head(k + h * head_dim, head_dim, kd + h * hs);
+                store_int8_head(v + h * head_dim, head_dim, vd + h * hs);
+            }
+        } else if (slot >= 0 && kvt == KV_FP8) {
             uint8_t *kd = (uint8_t *)k_cache + slot * kv_row;
             uint8_t *vd = (uint8_t *)v_cache + slot * kv_row;
             for (int64_t d = 0; d < kv_row; ++d) kd[d] = f32_to_fp8(k[d], k_scale);
@@ -730,6 +807,16 @@ void rope_store_fp8kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_
                       uint8_t *k_cache, uint8_t *v_cache, float k_scale, float v_scale) {
     rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
                   sin_table, positions, slots, k_cache, v_cache, KV_FP8, k_scale, v_scale);
+}
+
+/* rope_store_f32 into int8 caches ([.., num_kv_heads, head_dim + 4] bytes): each K and V
+ * head vector with its own scale (store_int8_head). */
+void rope_store_int8kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, const float *cos_table,
+                       const float *sin_table, const int64_t *positions, const int64_t *slots,
+                       int8_t *k_cache, int8_t *v_cache) {
+    rope_store_kv(qkv, qkv_stride, num_tokens, num_heads, num_kv_heads, head_dim, cos_table,
+                  sin_table, positions, slots, k_cache, v_cache, KV_INT8, 1.0f, 1.0f);
 }
 
 /*

@@ -56,14 +56,18 @@ def store():
     server.stop(0)
 
 
-def make_workers(model_dir: Path, n: int, num_blocks: int, address: str | None) -> list[Worker]:
+def make_workers(
+    model_dir: Path, n: int, num_blocks: int, address: str | None, kv_cache_dtype: str = "auto"
+) -> list[Worker]:
     workers = []
     for wid in range(n):
         w = Worker(
             WorkerConfig(
                 worker_id=wid,
                 model=ModelConfig(model=str(model_dir), dtype="float32"),
-                cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+                cache=CacheConfig(
+                    block_size=4, num_blocks=num_blocks, kv_cache_dtype=kv_cache_dtype
+                ),
                 device="cpu",
             )
         )
@@ -168,6 +172,29 @@ def test_forced_swap_equals_hf(tiny_llama_dir: Path, expected, store, overlap: b
     assert sw.swap_out_bytes % workers[0].get_info().block_bytes == 0
     assert sw.preemptions_by_mode["swap"] > 0 and sw.num_swap_failures == 0
     assert st.swap_out_bytes == sw.swap_out_bytes and st.num_swap_outs == sw.num_swap_outs
+    assert_all_free(sched, st)
+
+
+def test_forced_swap_of_an_int8_cache_changes_no_token(tiny_llama_dir: Path, store) -> None:
+    """An int8 pool's scales live in its blocks: swapped out and back in (and shared by the
+    prompts' common prefix), the blocks give the same greedy tokens as a run that never
+    preempts."""
+    address, st = store
+    roomy = make_workers(tiny_llama_dir, 1, 64, None, kv_cache_dtype="int8")
+    calm = make_scheduler(roomy, "swap", 64)
+    add_all(calm, PROMPTS)
+    want = drive(calm, roomy)
+    assert calm.swap_stats().num_swap_outs == 0
+    workers = make_workers(tiny_llama_dir, 1, 14, address, kv_cache_dtype="int8")
+    info = workers[0].get_info()
+    assert (info.kv_cache_dtype, info.block_bytes) == ("int8", 2 * 2 * 4 * 2 * (16 + 4))
+    sched = make_scheduler(workers, "swap", 64)
+    add_all(sched, PROMPTS)
+    tokens = drive(sched, workers)
+    assert tokens == want
+    sw = sched.swap_stats()
+    assert sw.num_swap_outs > 0 and sw.num_swap_ins == sw.num_swap_outs
+    assert sw.swap_out_bytes % info.block_bytes == 0 and sw.num_swap_failures == 0
     assert_all_free(sched, st)
 
 

@@ -137,7 +137,7 @@ def test_rounding_is_to_nearest_even_on_ties():
 
 def test_other_cache_dtypes_are_rejected():
     case = make_paged_case([5], 1, 64, 4, dtype=torch.float16)
-    with pytest.raises(ValueError, match="fp32, bf16 or fp8 KV caches"):
+    with pytest.raises(ValueError, match="fp32, bf16, fp8 or int8 KV caches"):
         attend(torch.randn(1, 2, 64), case.key_cache, case.value_cache, case, [1], 0.125)
     with pytest.raises(ValueError, match=r"value_cache torch\.float32"):
         attend(

@@ -97,3 +97,6 @@ def test_kv_cache_dtype_enters_the_first_block_ahead_of_the_salt():
     assert fp32[0] == hash_block_tokens(None, tokens[:4], ("kv_dtype=float32",))
     fp8 = hash_full_blocks(tokens, 4, 3, kv_cache_dtype="float8_e4m3fn")
     assert not set(fp8) & (set(fp32) | set(bf16) | set(plain))
+    i8 = hash_full_blocks(tokens, 4, 3, kv_cache_dtype="int8")
+    assert not set(i8) & (set(fp8) | set(fp32) | set(bf16) | set(plain))
+    assert i8[0] == hash_block_tokens(None, tokens[:4], ("kv_dtype=int8",))

@@ -37,6 +37,7 @@ def random_blocks(n: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int)
         (torch.float16, (3, 2, 4, 1, 24), 700),  # a block per chunk (odd head dim)
         (torch.bfloat16, (1, 2, 1, 4, 64), 1000),  # several blocks per chunk
         (torch.float8_e4m3fn, (2, 2, 4, 1, 32), 600),  # fp8: bytes, all 256 values
+        (torch.int8, (2, 2, 4, 2, 20), 500),  # int8: head_dim 16 + its 4 scale bytes
     ],
 )
 def test_swap_out_then_swap_in_is_bit_exact(served, dtype, shape, chunk) -> None:
@@ -260,6 +261,28 @@ def test_an_fp8_store_refuses_other_bytes_of_the_same_size() -> None:
             back = torch.empty_like(fp8)
             client.swap_in("back", [0, 1], back)
             assert torch.equal(back.view(torch.uint8), fp8.view(torch.uint8))
+    finally:
+        server.stop(0)
+
+
+def test_an_int8_store_refuses_fp8_blocks_and_another_head_layout() -> None:
+    """An int8 block carries its scales in its bytes ([..., head_dim + 4]): the store takes
+    int8 blocks only, and a swap-in into a buffer without the scale bytes is refused."""
+    server, port, store = serve_host_store(1 << 20, kv_cache_dtype="int8")
+    try:
+        with HostStoreClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            fp8 = random_blocks(2, (1, 2, 4, 1, 20), torch.float8_e4m3fn, 3)
+            with pytest.raises(SwapError, match="FAILED_PRECONDITION"):
+                client.swap_out("fp8", fp8, [0, 1])
+            assert store.num_blocks_stored == 0
+            i8 = random_blocks(2, (1, 2, 4, 1, 20), torch.int8, 4)
+            assert client.swap_out("i8", i8, [0, 1]) == i8.numel()
+            no_scales = torch.empty(2, 1, 2, 4, 1, 16, dtype=torch.int8)
+            with pytest.raises(SwapError, match="does not match the request"):
+                client.swap_in("back", [0, 1], no_scales)
+            back = torch.empty_like(i8)
+            client.swap_in("back", [0, 1], back)
+            assert torch.equal(back, i8)
     finally:
         server.stop(0)
 

@@ -79,7 +79,7 @@ def test_explicit_dtypes_win_over_the_rule() -> None:
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_model_dtype("fp8", None, cpu)
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        resolve_kv_cache_dtype("int8", "float32")
+        resolve_kv_cache_dtype("int4", "float32")
     for name in ("fp8", "fp8_e4m3", "float8_e4m3fn"):
         assert resolve_kv_cache_dtype(name, "bfloat16") == "float8_e4m3fn"
 
@@ -125,7 +125,7 @@ def test_configs_refuse_unknown_dtypes_naming_the_field() -> None:
     with pytest.raises(ValueError, match=r"^dtype must be auto, float32, float16 or bfloat16"):
         ModelConfig(dtype="fp8")
     with pytest.raises(ValueError, match=r"^kv_cache_dtype must be auto, float32"):
-        CacheConfig(kv_cache_dtype="int8")
+        CacheConfig(kv_cache_dtype="int4")
     assert CacheConfig(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
     assert CacheConfig(kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
     assert CacheConfig().kv_cache_dtype == "auto"
@@ -143,9 +143,11 @@ def test_serve_flags_reach_the_configs() -> None:
     assert (default.model.dtype, default.cache.kv_cache_dtype) == ("auto", "auto")
     fp8 = serve_config(parser.parse_args(["serve", "--kv-cache-dtype", "fp8"]))
     assert fp8.cache.kv_cache_dtype == "fp8"
+    i8 = serve_config(parser.parse_args(["serve", "--kv-cache-dtype", "int8"]))
+    assert i8.cache.kv_cache_dtype == "int8"
 
 
-@pytest.mark.parametrize(("flag", "bad"), [("--dtype", "fp8"), ("--kv-cache-dtype", "int8")])
+@pytest.mark.parametrize(("flag", "bad"), [("--dtype", "fp8"), ("--kv-cache-dtype", "int4")])
 def test_a_bad_dtype_flag_is_refused_by_name(flag: str, bad: str, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", flag, bad])
@@ -193,6 +195,25 @@ def test_fp8_kv_holds_four_times_the_blocks_of_fp32(tiny_llama_dir: Path) -> Non
     assert fp8.runner.model.model_forward.name == "cpu-fused"
 
 
+def test_int8_kv_holds_its_elements_and_scales_in_each_block(tiny_llama_dir: Path) -> None:
+    fp32 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20)
+    i8 = worker_for(tiny_llama_dir, "float32", kv_cache_memory=1 << 20, kv_cache_dtype="int8")
+    a, b = fp32.get_info(), i8.get_info()
+    # per (token, KV head): 16 int8 elements and a 4-byte scale, against 64 bytes of fp32
+    assert b.block_bytes == 2 * 2 * 4 * 2 * (16 + 4) == a.block_bytes * 20 // 64
+    assert (b.dtype, b.kv_cache_dtype, b.num_blocks) == ("float32", "int8", (1 << 20) // 640)
+    assert a.num_blocks == 512 and b.num_blocks == 1638  # 3.2x here; 3.76x at head_dim 64
+    pool = i8.runner.kv_pool
+    assert pool.dtype == torch.int8 and pool.key_caches[0].shape == (1638, 4, 2, 20)
+    assert pool.nbytes == 1638 * 640 <= 1 << 20
+    assert i8.runner.model.model_forward.name == "cpu-fused"
+
+
+def test_int8_kv_resolves_to_its_name() -> None:
+    assert resolve_kv_cache_dtype("int8", "bfloat16") == "int8"
+    assert CacheConfig(kv_cache_dtype="int8").kv_cache_dtype == "int8"
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
 
@@ -217,6 +238,8 @@ def fp32_tokens(tiny_llama_dir: Path) -> list[int]:
         ({"dtype": "bfloat16", "kv_cache_dtype": "float32"}, "bfloat16", "float32"),
         ({"dtype": "float32", "kv_cache_dtype": "fp8"}, "float32", "float8_e4m3fn"),
         ({"dtype": "bfloat16", "kv_cache_dtype": "fp8_e4m3"}, "bfloat16", "float8_e4m3fn"),
+        ({"dtype": "float32", "kv_cache_dtype": "int8"}, "float32", "int8"),
+        ({"dtype": "bfloat16", "kv_cache_dtype": "int8"}, "bfloat16", "int8"),
     ],
 )
 def test_llm_runs_other_precisions_on_cpu(
@@ -233,6 +256,20 @@ def test_llm_runs_other_precisions_on_cpu(
     assert all(0 <= t < 128 for t in out.token_ids)
     # Rounding may flip a near tie late; the first greedy token is far from one here.
     assert out.token_ids[0] == fp32_tokens[0]
+
+
+def test_int8_kv_generic_layers_match_the_c_kernels(tiny_llama_dir: Path) -> None:
+    """The torch reference (the generic layers) and the C kernels read the same dequantised
+    int8 values: the same greedy tokens."""
+    runs = []
+    for backend in ("torch", "auto"):
+        with LLM(
+            str(tiny_llama_dir), block_size=4, num_gpu_blocks=32, device="cpu", dtype="float32",
+            kv_cache_dtype="int8", attention_backend=backend,
+        ) as engine:  # fmt: skip
+            out = engine.generate([PROMPT, "abc " * 9], greedy(8))
+            runs.append([list(o.outputs[0].token_ids) for o in out])
+    assert runs[0] == runs[1]
 
 
 def test_batch_invariance_needs_an_fp32_kv_cache(tiny_llama_dir: Path) -> None:
