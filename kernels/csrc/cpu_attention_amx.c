@@ -107,6 +107,21 @@ static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *tabl
     return cache + slot * row + off;
 }
 
+/* Rows first .. first + count of a sequence's cache (keys past n_keys as zeros) into dst,
+ * head_dim bf16 each, contiguous. */
+static inline void copy_rows(uint16_t *dst, const uint16_t *cache, const int32_t *table,
+                             int64_t first, int64_t count, int64_t n_keys, int64_t block_size,
+                             int64_t row, int64_t off, int64_t head_dim) {
+    for (int64_t n = 0; n < count; ++n) {
+        const int64_t j = first + n;
+        if (j < n_keys)
+            memcpy(dst + n * head_dim, key_row(cache, table, j, block_size, row, off),
+                   sizeof(uint16_t) * head_dim);
+        else
+            memset(dst + n * head_dim, 0, sizeof(uint16_t) * head_dim);
+    }
+}
+
 /*
  * Scratch of one thread, in uint32 words: kt (K^T tiles), vt (V pair tiles), rows (32 copied
  * cache rows), q (the task's queries in bf16), s (16 score rows), p (16 bf16 probability
@@ -161,14 +176,7 @@ static void prepare_kv(const scratch_t *sc, const uint16_t *k_cache, const uint1
     __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                      _mm512_set1_epi32((int)hw));
     for (int64_t g = 0; g < keys_pad / TR; ++g) {
-        for (int64_t n = 0; n < TR; ++n) {
-            const int64_t j = g * TR + n;
-            if (j < n_keys)
-                memcpy(rows + n * head_dim, key_row(k_cache, table, j, block_size, row, off),
-                       sizeof(uint16_t) * head_dim);
-            else
-                memset(rows + n * head_dim, 0, sizeof(uint16_t) * head_dim);
-        }
+        copy_rows(rows, k_cache, table, g * TR, TR, n_keys, block_size, row, off, head_dim);
         for (int64_t b = 0; b < nb; ++b) {
             uint32_t *tile = sc->kt + (g * nb + b) * 256;
             for (int64_t kk = 0; kk < 16; ++kk) {
@@ -179,14 +187,7 @@ static void prepare_kv(const scratch_t *sc, const uint16_t *k_cache, const uint1
         }
     }
     for (int64_t g = 0; g < keys_pad / 32; ++g) {
-        for (int64_t n = 0; n < 32; ++n) {
-            const int64_t j = g * 32 + n;
-            if (j < n_keys)
-                memcpy(rows + n * head_dim, key_row(v_cache, table, j, block_size, row, off),
-                       sizeof(uint16_t) * head_dim);
-            else
-                memset(rows + n * head_dim, 0, sizeof(uint16_t) * head_dim);
-        }
+        copy_rows(rows, v_cache, table, g * 32, 32, n_keys, block_size, row, off, head_dim);
         for (int64_t t = 0; t < nt; ++t) {
             uint32_t *tile = sc->vt + (g * nt + t) * 256;
             for (int64_t kk = 0; kk < 16; ++kk) {
@@ -331,6 +332,10 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
+    int64_t any = 0; /* a decode-only step returns here, before any allocation */
+    for (int64_t s = 0; s < num_seqs && !any; ++s)
+        any = cu_seqlens_q[s + 1] - cu_seqlens_q[s] >= min_rows;
+    if (!any) return 0;
     int64_t *task_start = (int64_t *)malloc(sizeof(int64_t) * (num_seqs + 1));
     if (task_start == NULL) return -1;
     int64_t max_keys = 0;
