@@ -130,6 +130,8 @@ _SIGNATURES = {
                                   _i64],
     "linear_packed_bf16_amx": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64,
                                _i64],
+    "linear_packed_bf16_silu_mul_amx": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                                        _i64, _i64],
     "gemm_bf16_panel_width": [],
     "gemm_bf16_supported": [],
     "gemm_bf16_amx_supported": [],
@@ -147,6 +149,7 @@ _RESTYPES = {
     "decoder_layers_f32": _i64,
     "linear_packed_bf16_avx512": _i64,
     "linear_packed_bf16_amx": _i64,
+    "linear_packed_bf16_silu_mul_amx": _i64,
     "gemm_bf16_panel_width": _i64,
     "gemm_bf16_supported": _i64,
     "gemm_bf16_amx_supported": _i64,
@@ -628,6 +631,49 @@ def linear_packed_bf16(
     ):  # fmt: skip
         raise RuntimeError(f"linear_packed_bf16: no memory for {m} x {k} bf16 activations")
     return out
+
+
+def linear_packed_bf16_silu_mul(
+    x: torch.Tensor, packed: torch.Tensor, intermediate_size: int, bias: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """``bf16(silu(gate) * up)`` for ``[gate | up] = bf16(x) @ bf16(W_gate_up).T + bias``,
+    in one AMX call that never writes the ``[M, 2 * intermediate_size]`` fp32 product.
+
+    The bits equal :func:`linear_packed_bf16` (AMX) followed by :func:`silu_mul` and
+    ``.to(torch.bfloat16)``: the epilogue runs the same SiLU on the fp32 tiles and the same
+    round-to-nearest-even (``csrc/cpu_gemm_bf16.c``, ``linear_packed_bf16_silu_mul_amx``;
+    the fusion of vLLM's and SGLang's CPU MLP kernels, on tiles).
+
+    Args:
+        x: fp32 or bf16 ``[M, K]`` with unit column stride.
+        packed: the packed ``[2 * intermediate_size, K]`` gate_up weight
+            (:func:`pack_bf16_linear_weight`: gate rows first, then up).
+        intermediate_size: the MLP width ``I`` (a multiple of 32 for the fused call).
+        bias: optional contiguous fp32 ``[2 * I]``.
+
+    Returns:
+        bf16 ``[M, I]``, or None where the fused call does not apply (AMX not chosen, M <= 16,
+        ``I`` not a multiple of 32): the caller then runs the two calls.
+
+    Raises:
+        ValueError: as :func:`linear_packed_bf16` for ``N = 2 * I``.
+        RuntimeError: the activation scratch could not be allocated.
+    """
+    check_packed_linear_bf16(x, packed, 2 * intermediate_size, bias, bf16_panel_width())
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    act = torch.empty((m, intermediate_size), dtype=torch.bfloat16)
+    rc = _lib().linear_packed_bf16_silu_mul_amx(
+        x.data_ptr(), int(x.dtype is torch.bfloat16), m, k, x.stride(0), packed.data_ptr(),
+        intermediate_size, None if bias is None else bias.data_ptr(), act.data_ptr(),
+        intermediate_size, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -3:
+        return None
+    if rc:
+        raise RuntimeError(f"linear_packed_bf16_silu_mul: no memory for {m} x {k} activations")
+    return act
 
 
 @functools.cache

@@ -10,6 +10,8 @@
  *   x        = attn @ Wo^T (+ b)
  *   normed   = rms_norm(x, residual += x)
  *   gate_up  = normed @ Wgu^T (+ b); act = silu(gate) * up
+ *                                                 (bf16 weights on AMX, > 16 rows: one call,
+ *                                                 linear_packed_bf16_silu_mul_amx, same bits)
  *   x        = act @ Wdown^T (+ b)
  *
  * so its results are the per-kernel path's, bit for bit. A layer's weights are fp32
@@ -74,6 +76,10 @@ void paged_attention_int8kv(const float *q, int64_t q_token_stride, const int8_t
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             float scale, float *out, int64_t num_threads);
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter);
+int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                        int64_t ldx, const uint16_t *packed, int64_t inter,
+                                        const float *bias, uint16_t *act, int64_t ldo,
+                                        int64_t num_threads);
 
 /* One layer's tensors; a NULL bias (fp32) means none. The four weights are packed as
  * pack_weight_f32 makes them, or as pack_weight_bf16 does when w_bf16 is nonzero;
@@ -181,6 +187,18 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         if (layer_linear(l, attn, t, q_size, l->o, hidden, l->o_bias, x, num_threads))
             return -1;
         rms_norm_f32(x, residual, l->post_norm, normed, t, hidden, eps);
+        const int64_t fused = l->w_bf16 ? linear_packed_bf16_silu_mul_amx(
+                                              normed, 0, t, hidden, hidden, l->gate_up, inter,
+                                              l->gate_up_bias, (uint16_t *)act, inter,
+                                              num_threads)
+                                        : -3;
+        if (fused == -1) return -1;
+        if (fused == 0) { /* act holds bf16(silu(gate) * up): what the down GEMM rounds to */
+            if (linear_packed_bf16(act, 1, t, inter, inter, l->down, hidden, l->down_bias, x,
+                                   hidden, num_threads))
+                return -1;
+            continue;
+        }
         if (layer_linear(l, normed, t, hidden, l->gate_up, 2 * inter, l->gate_up_bias, gate_up,
                          num_threads))
             return -1;

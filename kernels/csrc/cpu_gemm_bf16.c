@@ -283,18 +283,24 @@ static int amx_chosen;
 /* Linux hands the tile data state to a process only on request; the grant covers every
  * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
  * keeps linear_packed_bf16 on the AVX512-BF16 kernel. */
+static int env_off(const char *name) {
+    const char *env = getenv(name);
+    if (env == NULL) return 0;
+    char low[8] = {0};
+    for (int i = 0; i < 7 && env[i] != '\0'; ++i)
+        low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
+    return !strcmp(low, "0") || !strcmp(low, "false") || !strcmp(low, "off") ||
+           !strcmp(low, "no");
+}
+
+/* PAGEDSERVE_CPU_FUSED_MLP=0/false/off/no: linear_packed_bf16_silu_mul_amx declines (-3), so
+ * the decoder runs gate_up, silu_mul and down as three calls (same bits; for A/B runs). */
+static int fused_mlp_off;
+
 static void amx_init(void) {
     amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    const char *env = getenv("PAGEDSERVE_CPU_AMX");
-    int off = 0;
-    if (env != NULL) {
-        char low[8] = {0};
-        for (int i = 0; i < 7 && env[i] != '\0'; ++i)
-            low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
-        off = !strcmp(low, "0") || !strcmp(low, "false") || !strcmp(low, "off") ||
-              !strcmp(low, "no");
-    }
-    amx_chosen = amx_granted && !off;
+    amx_chosen = amx_granted && !env_off("PAGEDSERVE_CPU_AMX");
+    fused_mlp_off = env_off("PAGEDSERVE_CPU_FUSED_MLP");
 }
 
 int64_t gemm_bf16_amx_supported(void) {
@@ -448,6 +454,23 @@ static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
     }
 }
 
+/* Rows of x (fp32, or bf16 bits when x_bf16; elem bytes each, row stride ldx) as bf16 pairs
+ * into the scratch xb (mpad rows of ldxb pairs: zero past K and past m), shared among the
+ * threads of the enclosing parallel region. */
+static void amx_convert_rows(const void *x, size_t elem, int64_t x_bf16, int64_t m, int64_t mpad,
+                             int64_t k, int64_t ldx, int64_t kp2, uint32_t *xb, int64_t ldxb) {
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < mpad; ++r) {
+        uint16_t *dst = (uint16_t *)(xb + r * ldxb);
+        if (r < m) {
+            convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k, dst, kp2);
+            memset(dst + 2 * kp2, 0, sizeof(uint32_t) * (size_t)(ldxb - kp2));
+        } else {
+            memset(dst, 0, sizeof(uint32_t) * (size_t)ldxb);
+        }
+    }
+}
+
 /*
  * linear_packed_bf16 on AMX tiles (TDPBF16PS). Each output element: 0, then per group of 16
  * K pairs (32 K values) in order one TDPBF16PS step, then the bias. Rows are padded with
@@ -480,16 +503,7 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     }
 #pragma omp parallel num_threads(threads) if (threads > 1 && (panels > 1 || m > 1))
     {
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < mpad; ++r) {
-            uint16_t *dst = (uint16_t *)(xb + r * ldxb);
-            if (r < m) {
-                convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k, dst, kp2);
-                memset(dst + 2 * kp2, 0, sizeof(uint32_t) * (size_t)(ldxb - kp2));
-            } else {
-                memset(dst, 0, sizeof(uint32_t) * (size_t)ldxb);
-            }
-        }
+        amx_convert_rows(x, elem, x_bf16, m, mpad, k, ldx, kp2, xb, ldxb);
         _tile_loadconfig(&cfg);
         if (m > TM) {
             amx_large(xb, ldxb, m, mpad, packed, n, kp2, full, rest, bias, out, ldo);
@@ -537,6 +551,101 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     return 0;
 }
 
+/* cpu_kernels.c: out[i, d] = silu(g[i, d]) * u[i, d] (silu_mul_f32's bits), rows of stride ld
+ * (g, u) and ldo (out), n a multiple of 16. */
+void silu_mul_rows_f32(const float *g, const float *u, int64_t ld, float *out, int64_t ldo,
+                       int64_t rows, int64_t n);
+
+/*
+ * act[M, inter] (bf16 bits, row stride ldo) = bf16(silu(gate) * up), [gate | up] = x @ Wgu^T
+ * (+ bias), Wgu the [2 * inter, K] gate_up weight packed by pack_weight_bf16: the bits of
+ * linear_packed_bf16_amx, then silu_mul_f32, then the rounding linear_packed_bf16 applies to
+ * an fp32 x, with the [M, 2 * inter] fp32 intermediate never written to memory. A unit is 32
+ * rows x 32 act columns: two 2 x 2 tile products (gate tiles j, j + 1 beside up tiles j,
+ * j + 1) into an L1 scratch, the SiLU and product there, 64-byte bf16 rows out. Returns -3
+ * where it does not apply (m <= 16 rows, inter not a multiple of 32, AMX not chosen,
+ * PAGEDSERVE_CPU_FUSED_MLP off: the caller runs the two calls), -1 when the scratch cannot
+ * be allocated, else 0.
+ */
+int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                        int64_t ldx, const uint16_t *packed, int64_t inter,
+                                        const float *bias, uint16_t *act, int64_t ldo,
+                                        int64_t num_threads) {
+    if (!gemm_bf16_amx_chosen() || fused_mlp_off || m <= TM || inter % 32 != 0 || inter <= 0)
+        return -3;
+    const int64_t kp2 = (k + 1) / 2;
+    const int64_t full = kp2 / TM;
+    const int64_t rest = kp2 - full * TM;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    const int64_t ldxb = (kp2 + TM - 1) / TM * TM;
+    const int64_t mpad = (m + TM - 1) / TM * TM;
+    uint32_t *xb = aligned_alloc(64, (size_t)(mpad * ldxb) * sizeof(uint32_t));
+    if (xb == NULL) return -1;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t panel_size = kp2 * NR * 2;
+    const int64_t units = inter / 32;
+    const int64_t up0 = inter / 16; /* the column tile of up's first column */
+    tile_config_t cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = TM;
+    }
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+        amx_convert_rows(x, elem, x_bf16, m, mpad, k, ldx, kp2, xb, ldxb);
+        _tile_loadconfig(&cfg);
+        uint16_t tail[4][TM * 32] __attribute__((aligned(64)));
+        float c[32 * 64] __attribute__((aligned(64))); /* [row][gate 32 | up 32] */
+        float a[32 * 32] __attribute__((aligned(64)));
+        memset(tail, 0, sizeof(tail));
+        for (int64_t m0 = 0; m0 < mpad; m0 += MC) {
+            const int64_t mc = (mpad - m0) < MC ? (mpad - m0) : MC;
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < units; ++u) {
+                /* tiles: gate 2u, up 2u, gate 2u + 1, up 2u + 1 */
+                const int64_t t[4] = {2 * u, up0 + 2 * u, 2 * u + 1, up0 + 2 * u + 1};
+                const uint16_t *b[4];
+                __m512 bv[4];
+                for (int q = 0; q < 4; ++q) {
+                    b[q] = packed + (t[q] / 3) * panel_size + (t[q] % 3) * 32;
+                    bv[q] = bias == NULL ? _mm512_setzero_ps() : _mm512_loadu_ps(bias + 16 * t[q]);
+                    for (int64_t r = 0; r < rest; ++r)
+                        memcpy(tail[q] + r * 32, b[q] + (full * TM + r) * NR * 2, 64);
+                }
+                for (int64_t r0 = m0; r0 < m0 + mc; r0 += 32) {
+                    const uint16_t *a0 = (const uint16_t *)(xb + r0 * ldxb);
+                    const uint16_t *a1 = r0 + 16 < mpad ? a0 + 32 * ldxb : a0;
+                    const int64_t valid = (m - r0) < 32 ? (m - r0) : 32;
+                    amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c,
+                            32, 256);
+                    amx_2x2(a0, a1, ldxb * 4, b[2], b[3], full, rest != 0, tail[2], tail[3],
+                            c + 16, 32, 256);
+                    if (bias != NULL)
+                        for (int64_t i = 0; i < valid; ++i) {
+                            float *ci = c + i * 64;
+                            _mm512_store_ps(ci, _mm512_add_ps(_mm512_load_ps(ci), bv[0]));
+                            _mm512_store_ps(ci + 16, _mm512_add_ps(_mm512_load_ps(ci + 16), bv[2]));
+                            _mm512_store_ps(ci + 32, _mm512_add_ps(_mm512_load_ps(ci + 32), bv[1]));
+                            _mm512_store_ps(ci + 48, _mm512_add_ps(_mm512_load_ps(ci + 48), bv[3]));
+                        }
+                    silu_mul_rows_f32(c, c + 32, 64, a, 32, valid, 32);
+                    for (int64_t i = 0; i < valid; ++i) {
+                        const __m256i lo = to_bf16_x16(_mm512_load_ps(a + i * 32));
+                        const __m256i hi = to_bf16_x16(_mm512_load_ps(a + i * 32 + 16));
+                        _mm512_storeu_si512((void *)(act + (r0 + i) * ldo + 32 * u),
+                                            _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+
 #else /* no AMX in this build */
 
 int64_t gemm_bf16_amx_supported(void) { return 0; }
@@ -549,6 +658,15 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
     (void)out; (void)ldo; (void)num_threads;
     return -2;
+}
+
+int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                        int64_t ldx, const uint16_t *packed, int64_t inter,
+                                        const float *bias, uint16_t *act, int64_t ldo,
+                                        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
+    (void)act; (void)ldo; (void)num_threads;
+    return -3;
 }
 
 #endif
@@ -604,6 +722,15 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
     (void)out; (void)ldo; (void)num_threads;
     return -2;
+}
+
+int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                        int64_t ldx, const uint16_t *packed, int64_t inter,
+                                        const float *bias, uint16_t *act, int64_t ldo,
+                                        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
+    (void)act; (void)ldo; (void)num_threads;
+    return -3;
 }
 
 #endif

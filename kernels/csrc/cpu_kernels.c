@@ -860,6 +860,13 @@ static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
     }
 }
 
+/* out[i, d] = silu(g[i, d]) * u[i, d] for rows of stride ld (g, u) and ldo (out): the bits
+ * of silu_mul_f32 (the epilogue of linear_packed_bf16_silu_mul_amx, one thread each). */
+void silu_mul_rows_f32(const float *g, const float *u, int64_t ld, float *out, int64_t ldo,
+                       int64_t rows, int64_t n) {
+    for (int64_t i = 0; i < rows; ++i) silu_mul_row(g + i * ld, u + i * ld, out + i * ldo, n);
+}
+
 /* out[i, d] = silu(x[i, d]) * x[i, inter + d] for x [num_rows, 2 * inter]. */
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter) {
 #pragma omp parallel for if (num_rows > 16)

@@ -334,3 +334,65 @@ def test_env_switch_keeps_auto_on_avx512(tmp_path):
         check=True,
     )
     assert done.stdout.split() == ["True", "False", "True", "16"]
+
+
+def _two_calls(x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None):
+    """What the fused call must equal: the AMX GEMM, silu_mul, then bf16 rounding."""
+    gate_up = cpu_native.linear_packed_bf16(x, packed, 2 * inter, bias, kernel="amx")
+    return cpu_native.silu_mul(gate_up).bfloat16()
+
+
+@pytest.mark.skipif(not cpu_native.has_amx(), reason="no AMX tiles")
+@pytest.mark.parametrize(
+    ("m", "k", "inter", "bias"),
+    [(17, 64, 32, False), (33, 40, 64, True), (100, 576, 96, False), (300, 130, 160, True),
+     (64, 31, 32, False)],
+)  # fmt: skip
+def test_fused_gate_up_silu_mul_equals_the_two_calls_bitwise(
+    m: int, k: int, inter: int, bias: bool
+) -> None:
+    """Odd K, a partial last K step (K = 40, 130: 20 / 65 pairs), rows not a multiple of 16 or
+    32, biases: the fused epilogue's bf16 activations are the two calls' bits."""
+    gen = torch.Generator().manual_seed(m + k + inter)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(2 * inter, k, generator=gen) * 0.3
+    b = torch.randn(2 * inter, generator=gen) if bias else None
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    got = cpu_native.linear_packed_bf16_silu_mul(x, packed, inter, b)
+    assert got is not None and got.dtype == torch.bfloat16 and got.shape == (m, inter)
+    want = _two_calls(x, packed, inter, b)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    # and bf16 rows in give what their fp32 values give
+    xb = x.bfloat16()
+    again = cpu_native.linear_packed_bf16_silu_mul(xb, packed, inter, b)
+    assert again is not None
+    assert torch.equal(again.view(torch.int16), _two_calls(xb, packed, inter, b).view(torch.int16))
+    # the value itself: silu(gate) * up of the float64 product, within bf16 rounding
+    ref = reference(x, w, b).double()
+    act = F.silu(ref[:, :inter]) * ref[:, inter:]
+    assert torch.allclose(got.double(), act, rtol=2**-7, atol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_native.has_amx(), reason="no AMX tiles")
+def test_fused_gate_up_rows_do_not_depend_on_the_batch() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(80, 96, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(torch.randn(128, 96, generator=gen))
+    whole = cpu_native.linear_packed_bf16_silu_mul(x, packed, 64)
+    part = cpu_native.linear_packed_bf16_silu_mul(x[37:58], packed, 64)
+    assert whole is not None and part is not None
+    assert torch.equal(whole[37:58].view(torch.int16), part.view(torch.int16))
+
+
+def test_fused_gate_up_declines_what_it_does_not_cover() -> None:
+    """16 rows or fewer, or a width not a multiple of 32: None (the caller runs two calls);
+    a weight of another shape: ValueError."""
+    gen = torch.Generator().manual_seed(3)
+    packed = cpu_native.pack_bf16_linear_weight(torch.randn(96, 64, generator=gen))
+    assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(16, 64), packed, 48) is None
+    packed64 = cpu_native.pack_bf16_linear_weight(torch.randn(128, 64, generator=gen))
+    if not cpu_native.has_amx():
+        assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed64, 64) is None
+    assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(16, 64), packed64, 64) is None
+    with pytest.raises(ValueError):
+        cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed64, 40)

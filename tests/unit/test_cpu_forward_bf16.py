@@ -75,23 +75,27 @@ def test_steps_from_the_onednn_crossover_run_per_layer() -> None:
     assert not runs_fused(512, ONEDNN_MIN_ROWS)
 
 
-def small_step(worker: Worker):
-    """One step's ModelInputs of 11 rows (below the oneDNN crossover): a 10-token prefill
-    chunk of ``TINY_PROMPTS[4]`` over an 8-token cached prefix and a decode of
-    ``TINY_PROMPTS[0]`` at position 8."""
-    long, short = TINY_PROMPTS[4], TINY_PROMPTS[0]
-    chunk = SequenceState("a", list(long), len(long), list(range(30)), 0, GREEDY, 0, 0)
+def small_step(worker: Worker, chunk_len: int = 10):
+    """One step's ModelInputs of ``chunk_len + 1`` rows: a ``chunk_len``-token prefill chunk
+    over an 8-token cached prefix (of ``TINY_PROMPTS[4]``, or of a longer prompt where the
+    chunk needs one) and a decode of ``TINY_PROMPTS[0]`` at position 8."""
+    long, short = list(TINY_PROMPTS[4]), TINY_PROMPTS[0]
+    if len(long) < 8 + chunk_len:
+        long = [3 + (7 * i) % 120 for i in range(8 + chunk_len)]
+    chunk = SequenceState("a", long, len(long), list(range(30)), 0, GREEDY, 0, 0)
     chunk.num_computed_tokens = 8
     decode = SequenceState("b", list(short), len(short), [60, 59, 58], 0, GREEDY, 0, 0)
     decode.num_computed_tokens = 8
-    return prepare_inputs([(chunk, 10), (decode, 1)], BLOCK_SIZE, NUM_BLOCKS, "cpu")
+    return prepare_inputs([(chunk, chunk_len), (decode, 1)], BLOCK_SIZE, NUM_BLOCKS, "cpu")
 
 
-def run_step(worker: Worker, forward: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def run_step(
+    worker: Worker, forward: str, chunk_len: int = 10
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The logits of every row of :func:`small_step` on ``forward``, from the same random
     cache contents, and the caches afterwards."""
     model, pool = worker.runner.model, worker.runner.kv_pool
-    inputs = small_step(worker)
+    inputs = small_step(worker, chunk_len)
     gen = torch.Generator().manual_seed(0)
     for cache in pool.key_caches + pool.value_caches:
         cache.copy_(torch.randn(cache.shape, generator=gen))
@@ -99,7 +103,7 @@ def run_step(worker: Worker, forward: str) -> tuple[torch.Tensor, list[torch.Ten
     with torch.inference_mode():
         logits = model(
             inputs.input_ids, inputs.positions, pool.layer_caches(), inputs.attn_metadata,
-            torch.arange(11),
+            torch.arange(chunk_len + 1),
         )  # fmt: skip
     return logits, [c.clone() for c in pool.key_caches + pool.value_caches]
 
@@ -115,6 +119,21 @@ def test_fused_equals_the_per_layer_path_bit_for_bit(tiny_llama_dir: Path, kv: s
     assert torch.equal(fused, layers)
     assert all(torch.equal(a, b) for a, b in zip(fused_caches, layer_caches))
     assert not torch.equal(fused_caches[0], before[0])  # the step's K rows were stored
+
+
+@pytest.mark.parametrize("kv", KV_DTYPES)
+def test_a_step_of_more_than_a_tile_of_rows_is_the_per_layer_paths_bits(
+    tiny_llama_dir: Path, kv: str
+) -> None:
+    """41 rows: where AMX is chosen, the fused call runs gate_up, SiLU and the product as one
+    tile epilogue (``linear_packed_bf16_silu_mul_amx``); the logits and caches are still the
+    per-layer path's (three calls) bit for bit."""
+    worker = bf16_worker(tiny_llama_dir, kv)
+    fused, fused_caches = run_step(worker, "cpu-fused", chunk_len=40)
+    layers, layer_caches = run_step(worker, "cpu-layers", chunk_len=40)
+    assert fused.shape == (41, 128) and fused.abs().max() > 0.5
+    assert torch.equal(fused, layers)
+    assert all(torch.equal(a, b) for a, b in zip(fused_caches, layer_caches))
 
 
 @pytest.mark.parametrize("kv", KV_DTYPES)
