@@ -3,7 +3,9 @@
  * kernels, in the same order and on the same data, as LlamaDecoderLayer.forward_cpu
  * (pagedserve/worker/model.py) calls one by one from Python:
  *
- *   normed   = rms_norm(x, residual += x)          (layer 0: residual = x, no add)
+ *   normed   = rms_norm(x, residual += x)          (layer 0: residual = x, no add; bf16
+ *                                                 layers: rounded to bf16 as their GEMM
+ *                                                 would, and the GEMM reads it in place)
  *   qkv      = normed @ Wqkv^T (+ b)               linear_packed_f32
  *   rope_store(qkv) -> K/V cache slots            rope_store_f32 / _bf16kv / _fp8kv / _int8kv
  *   attn     = paged_attention(q of qkv)          paged_attention_f32 / _bf16kv / _fp8kv / _int8kv
@@ -29,6 +31,8 @@
 
 void rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                   int64_t num_rows, int64_t hidden, float eps);
+void rms_norm_f32_to_bf16(const float *x, float *residual, const float *weight, uint16_t *out,
+                          int64_t num_rows, int64_t hidden, float eps);
 void linear_packed_f32(const float *x, int64_t m, int64_t k, int64_t ldx, const float *packed,
                        int64_t n, const float *bias, float *out, int64_t ldo,
                        int64_t num_threads);
@@ -118,6 +122,27 @@ static int64_t layer_linear(const decoder_layer_f32_t *l, const float *x, int64_
     return 0;
 }
 
+/* normed = rms_norm(x, residual += x): fp32 for fp32 layers; for bf16 layers its bf16
+ * rounding (the values their GEMM would round it to), which the GEMM then reads in place. */
+static void layer_norm(const decoder_layer_f32_t *l, const float *x, float *residual,
+                       const float *weight, float *normed, int64_t t, int64_t hidden,
+                       float eps) {
+    if (l->w_bf16)
+        rms_norm_f32_to_bf16(x, residual, weight, (uint16_t *)normed, t, hidden, eps);
+    else
+        rms_norm_f32(x, residual, weight, normed, t, hidden, eps);
+}
+
+/* out = normed @ W^T (+ b) for normed as layer_norm leaves it. */
+static int64_t normed_linear(const decoder_layer_f32_t *l, const float *normed, int64_t m,
+                             int64_t k, const void *w, int64_t n, const float *bias, float *out,
+                             int64_t num_threads) {
+    if (l->w_bf16)
+        return linear_packed_bf16(normed, 1, m, k, k, (const uint16_t *)w, n, bias, out, n,
+                                  num_threads) == 0 ? 0 : -1;
+    return layer_linear(l, normed, m, k, w, n, bias, out, num_threads);
+}
+
 /*
  * x: [T, hidden] in: the embeddings; out: the last layer's MLP output.
  * residual: [T, hidden] out: the residual stream (the model's hidden state is x + residual).
@@ -148,12 +173,12 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         const decoder_layer_f32_t *l = layers + i;
         if (i == 0) {
             memcpy(residual, x, sizeof(float) * t * hidden);
-            rms_norm_f32(x, NULL, l->input_norm, normed, t, hidden, eps);
+            layer_norm(l, x, NULL, l->input_norm, normed, t, hidden, eps);
         } else {
-            rms_norm_f32(x, residual, l->input_norm, normed, t, hidden, eps);
+            layer_norm(l, x, residual, l->input_norm, normed, t, hidden, eps);
         }
-        if (layer_linear(l, normed, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
-                         num_threads))
+        if (normed_linear(l, normed, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
+                          num_threads))
             return -1;
         if (l->kv_type == 3) {
             rope_store_int8kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
@@ -186,9 +211,9 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         }
         if (layer_linear(l, attn, t, q_size, l->o, hidden, l->o_bias, x, num_threads))
             return -1;
-        rms_norm_f32(x, residual, l->post_norm, normed, t, hidden, eps);
+        layer_norm(l, x, residual, l->post_norm, normed, t, hidden, eps);
         const int64_t fused = l->w_bf16 ? linear_packed_bf16_silu_mul_amx(
-                                              normed, 0, t, hidden, hidden, l->gate_up, inter,
+                                              normed, 1, t, hidden, hidden, l->gate_up, inter,
                                               l->gate_up_bias, (uint16_t *)act, inter,
                                               num_threads)
                                         : -3;
@@ -199,8 +224,8 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
                 return -1;
             continue;
         }
-        if (layer_linear(l, normed, t, hidden, l->gate_up, 2 * inter, l->gate_up_bias, gate_up,
-                         num_threads))
+        if (normed_linear(l, normed, t, hidden, l->gate_up, 2 * inter, l->gate_up_bias,
+                          gate_up, num_threads))
             return -1;
         silu_mul_f32(gate_up, act, t, inter);
         if (layer_linear(l, act, t, inter, l->down, hidden, l->down_bias, x, num_threads))

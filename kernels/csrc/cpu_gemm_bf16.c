@@ -35,6 +35,7 @@
  * built where it also targets AMX-TILE and AMX-BF16 (__AMX_TILE__, __AMX_BF16__); it runs
  * once Linux grants the process the tile state (asked once, see amx_init).
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -95,6 +96,49 @@ void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64
             }
         }
     }
+}
+
+/*
+ * The calling thread's activation scratch of at least `words` 32-bit words (64-byte aligned),
+ * kept between calls and grown as needed (freed at thread exit): a prefill's bf16 rows are
+ * megabytes, which malloc would map fresh and the kernel fault in page by page on every call.
+ * The buffer is valid until the thread's next call; NULL when it cannot be allocated.
+ */
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+
+typedef struct {
+    uint32_t *data;
+    size_t words;
+} scratch_t;
+
+static void scratch_free(void *p) {
+    scratch_t *s = (scratch_t *)p;
+    free(s->data);
+    free(s);
+}
+
+static void scratch_init(void) { pthread_key_create(&scratch_key, scratch_free); }
+
+static uint32_t *thread_scratch(size_t words) {
+    pthread_once(&scratch_once, scratch_init);
+    scratch_t *s = (scratch_t *)pthread_getspecific(scratch_key);
+    if (s == NULL) {
+        s = (scratch_t *)calloc(1, sizeof(scratch_t));
+        if (s == NULL || pthread_setspecific(scratch_key, s) != 0) {
+            free(s);
+            return NULL;
+        }
+    }
+    if (s->words < words) {
+        const size_t want = (words * sizeof(uint32_t) + 63) / 64 * 64;
+        uint32_t *data = aligned_alloc(64, want);
+        if (data == NULL) return NULL;
+        free(s->data);
+        s->data = data;
+        s->words = want / sizeof(uint32_t);
+    }
+    return s->data;
 }
 
 /* Row r of x as kp2 bf16 pairs (zero-padded when k is odd) into dst. */
@@ -206,7 +250,7 @@ int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int6
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     /* bf16 rows padded to a whole number of 64-byte lines */
     const int64_t ldxb = (kp2 + 15) / 16 * 16; /* pairs */
-    uint32_t *xb = aligned_alloc(64, (size_t)(m * ldxb) * sizeof(uint32_t));
+    uint32_t *xb = thread_scratch((size_t)(m * ldxb));
     if (xb == NULL) return -1;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     int64_t group = m == 1 ? 4 : (m <= 4 ? 2 : 1);
@@ -262,7 +306,6 @@ int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int6
             }
         }
     }
-    free(xb);
     return 0;
 }
 
@@ -400,13 +443,49 @@ static inline void amx_2x2(const uint16_t *a0, const uint16_t *a1, int64_t lda,
 }
 
 /*
+ * Where the A tiles of a row block are read: a bf16 x itself when its rows need no padding
+ * (K a multiple of 32: whole tiles), for the rows of whole 32-row blocks, else the scratch
+ * of bf16 pairs (row r at xb + (r - direct_rows) * ldxb). Reading x in place saves a copy of
+ * M x K bf16 per call (megabytes in a prefill); the tiles hold the same values either way.
+ */
+typedef struct {
+    const uint16_t *direct; /* x, or NULL */
+    int64_t direct_lda;     /* bytes between x's rows */
+    int64_t direct_rows;    /* rows [0, direct_rows) are read from x: a multiple of 32 */
+    const uint32_t *xb;
+    int64_t ldxb; /* pairs per scratch row */
+} amx_a_t;
+
+/* The A rows from r0 (a multiple of 16) and their row stride in bytes. */
+static inline const uint16_t *amx_a_rows(const amx_a_t *a, int64_t r0, int64_t *lda) {
+    if (r0 < a->direct_rows) {
+        *lda = a->direct_lda;
+        return (const uint16_t *)((const char *)a->direct + r0 * a->direct_lda);
+    }
+    *lda = a->ldxb * 4;
+    return (const uint16_t *)(a->xb + (r0 - a->direct_rows) * a->ldxb);
+}
+
+/* Fill in a's sources for x (see amx_a_t) and return the first row the scratch holds. */
+static int64_t amx_a_init(amx_a_t *a, const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                          int64_t ldx, const uint32_t *xb, int64_t ldxb) {
+    const int whole = x_bf16 && k % 32 == 0;
+    a->direct = whole ? (const uint16_t *)x : NULL;
+    a->direct_lda = ldx * (int64_t)sizeof(uint16_t);
+    a->direct_rows = whole ? m / 32 * 32 : 0;
+    a->xb = xb;
+    a->ldxb = ldxb;
+    return a->direct_rows;
+}
+
+/*
  * Over 16 rows: the 1 x 3 tiles of amx_panel per 48-column panel. From 32 rows: 2 x 2 tiles
  * (32 rows x 32 columns, column tile t = columns 16 t .. 16 t + 15, possibly straddling two
  * panels), which loads 4 tiles per 4 TDPBF16PS instead of per 3.
  */
-static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
-                      const uint16_t *packed, int64_t n, int64_t kp2, int64_t full, int64_t rest,
-                      const float *bias, float *out, int64_t ldo) {
+static void amx_large(const amx_a_t *xa, int64_t m, int64_t mpad, const uint16_t *packed,
+                      int64_t n, int64_t kp2, int64_t full, int64_t rest, const float *bias,
+                      float *out, int64_t ldo) {
     const int64_t panel_size = kp2 * NR * 2;
     const int64_t ctiles = (n + 15) / 16;
     const int64_t units = (ctiles + 1) / 2;
@@ -433,16 +512,16 @@ static void amx_large(const uint32_t *xb, int64_t ldxb, int64_t m, int64_t mpad,
                     memcpy(tail[q] + r * 32, b[q] + (full * TM + r) * NR * 2, 64);
             }
             for (int64_t r0 = m0; r0 < m0 + mc; r0 += 32) {
-                const uint16_t *a0 = (const uint16_t *)(xb + r0 * ldxb);
-                const uint16_t *a1 = r0 + 16 < mpad ? a0 + 32 * ldxb : a0;
+                int64_t lda;
+                const uint16_t *a0 = amx_a_rows(xa, r0, &lda);
+                const uint16_t *a1 = r0 + 16 < mpad ? a0 + 16 * (lda / 2) : a0;
                 const int64_t valid = (m - r0) < 32 ? (m - r0) : 32;
                 if (direct && valid == 32) { /* the C tiles straight into out: same values */
-                    amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1],
+                    amx_2x2(a0, a1, lda, b[0], b[1], full, rest != 0, tail[0], tail[1],
                             out + r0 * ldo + 16 * t[0], 16 * (t[1] - t[0]), ldo * 4);
                     continue;
                 }
-                amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c, 16,
-                        128);
+                amx_2x2(a0, a1, lda, b[0], b[1], full, rest != 0, tail[0], tail[1], c, 16, 128);
                 for (int64_t i = 0; i < valid; ++i)
                     for (int q = 0; q < 2; ++q) {
                         __m512 acc = _mm512_load_ps(c + i * 32 + 16 * q);
@@ -490,8 +569,11 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     const int64_t ldxb = (kp2 + TM - 1) / TM * TM; /* pairs per scratch row: whole A tiles */
     const int64_t rows = m < TM ? m : TM;          /* tile height */
     const int64_t mpad = (m + rows - 1) / rows * rows;
-    uint32_t *xb = aligned_alloc(64, (size_t)(mpad * ldxb) * sizeof(uint32_t));
+    amx_a_t xa = {0};
+    const int64_t from = m > TM ? amx_a_init(&xa, x, x_bf16, m, k, ldx, NULL, ldxb) : 0;
+    uint32_t *xb = thread_scratch((size_t)((mpad - from) * ldxb) + 1);
     if (xb == NULL) return -1;
+    xa.xb = xb;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t panel_size = kp2 * NR * 2;
     tile_config_t cfg;
@@ -503,10 +585,11 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     }
 #pragma omp parallel num_threads(threads) if (threads > 1 && (panels > 1 || m > 1))
     {
-        amx_convert_rows(x, elem, x_bf16, m, mpad, k, ldx, kp2, xb, ldxb);
+        amx_convert_rows((const char *)x + (size_t)(from * ldx) * elem, elem, x_bf16, m - from,
+                         mpad - from, k, ldx, kp2, xb, ldxb);
         _tile_loadconfig(&cfg);
         if (m > TM) {
-            amx_large(xb, ldxb, m, mpad, packed, n, kp2, full, rest, bias, out, ldo);
+            amx_large(&xa, m, mpad, packed, n, kp2, full, rest, bias, out, ldo);
             _tile_release();
         } else {
             uint16_t tail[TM * NR * 2] __attribute__((aligned(64)));
@@ -547,7 +630,6 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
             _tile_release();
         }
     }
-    free(xb);
     return 0;
 }
 
@@ -579,8 +661,11 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     const int64_t ldxb = (kp2 + TM - 1) / TM * TM;
     const int64_t mpad = (m + TM - 1) / TM * TM;
-    uint32_t *xb = aligned_alloc(64, (size_t)(mpad * ldxb) * sizeof(uint32_t));
+    amx_a_t xa = {0};
+    const int64_t from = amx_a_init(&xa, x, x_bf16, m, k, ldx, NULL, ldxb);
+    uint32_t *xb = thread_scratch((size_t)((mpad - from) * ldxb) + 1);
     if (xb == NULL) return -1;
+    xa.xb = xb;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t panel_size = kp2 * NR * 2;
     const int64_t units = inter / 32;
@@ -594,7 +679,8 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
     }
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        amx_convert_rows(x, elem, x_bf16, m, mpad, k, ldx, kp2, xb, ldxb);
+        amx_convert_rows((const char *)x + (size_t)(from * ldx) * elem, elem, x_bf16, m - from,
+                         mpad - from, k, ldx, kp2, xb, ldxb);
         _tile_loadconfig(&cfg);
         uint16_t tail[4][TM * 32] __attribute__((aligned(64)));
         float c[32 * 64] __attribute__((aligned(64))); /* [row][gate 32 | up 32] */
@@ -615,13 +701,14 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
                         memcpy(tail[q] + r * 32, b[q] + (full * TM + r) * NR * 2, 64);
                 }
                 for (int64_t r0 = m0; r0 < m0 + mc; r0 += 32) {
-                    const uint16_t *a0 = (const uint16_t *)(xb + r0 * ldxb);
-                    const uint16_t *a1 = r0 + 16 < mpad ? a0 + 32 * ldxb : a0;
+                    int64_t lda;
+                    const uint16_t *a0 = amx_a_rows(&xa, r0, &lda);
+                    const uint16_t *a1 = r0 + 16 < mpad ? a0 + 16 * (lda / 2) : a0;
                     const int64_t valid = (m - r0) < 32 ? (m - r0) : 32;
-                    amx_2x2(a0, a1, ldxb * 4, b[0], b[1], full, rest != 0, tail[0], tail[1], c,
+                    amx_2x2(a0, a1, lda, b[0], b[1], full, rest != 0, tail[0], tail[1], c, 32,
+                            256);
+                    amx_2x2(a0, a1, lda, b[2], b[3], full, rest != 0, tail[2], tail[3], c + 16,
                             32, 256);
-                    amx_2x2(a0, a1, ldxb * 4, b[2], b[3], full, rest != 0, tail[2], tail[3],
-                            c + 16, 32, 256);
                     if (bias != NULL)
                         for (int64_t i = 0; i < valid; ++i) {
                             float *ci = c + i * 64;
@@ -642,7 +729,6 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
         }
         _tile_release();
     }
-    free(xb);
     return 0;
 }
 

@@ -824,25 +824,47 @@ void rope_store_int8kv(float *qkv, int64_t qkv_stride, int64_t num_tokens, int64
  * residual is added first and the sum written back to residual (vLLM's
  * fused_add_rms_norm): residual += x; out = norm(residual).
  */
+/* Row i's residual add (when residual != NULL) and 1 / rms; *src: the row to normalise.
+ * One compiled copy (noinline) serves both outputs below, so their sums are the same. */
+static __attribute__((noinline)) float rms_row(const float *x, float *residual, int64_t i,
+                                               int64_t hidden, float eps, const float **src) {
+    const float *xi = x + i * hidden;
+    *src = xi;
+    if (residual != NULL) {
+        float *ri = residual + i * hidden;
+#pragma omp simd
+        for (int64_t d = 0; d < hidden; ++d) ri[d] = ri[d] + xi[d];
+        *src = ri;
+    }
+    const float *v = *src;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < hidden; ++d) ss += v[d] * v[d];
+    return 1.0f / sqrtf(ss / (float)hidden + eps);
+}
+
 void rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                   int64_t num_rows, int64_t hidden, float eps) {
 #pragma omp parallel for if (num_rows > 64)
     for (int64_t i = 0; i < num_rows; ++i) {
-        const float *xi = x + i * hidden;
+        const float *src;
+        const float r = rms_row(x, residual, i, hidden, eps, &src);
         float *oi = out + i * hidden;
-        const float *src = xi;
-        if (residual != NULL) {
-            float *ri = residual + i * hidden;
-#pragma omp simd
-            for (int64_t d = 0; d < hidden; ++d) ri[d] = ri[d] + xi[d];
-            src = ri;
-        }
-        float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-        for (int64_t d = 0; d < hidden; ++d) ss += src[d] * src[d];
-        const float r = 1.0f / sqrtf(ss / (float)hidden + eps);
 #pragma omp simd
         for (int64_t d = 0; d < hidden; ++d) oi[d] = weight[d] * (src[d] * r);
+    }
+}
+
+/* rms_norm_f32 with each output rounded to bf16 (f32_to_bf16: what a bf16 GEMM does to an
+ * fp32 input), for the fused decoder's bf16 layers. */
+void rms_norm_f32_to_bf16(const float *x, float *residual, const float *weight, uint16_t *out,
+                          int64_t num_rows, int64_t hidden, float eps) {
+#pragma omp parallel for if (num_rows > 64)
+    for (int64_t i = 0; i < num_rows; ++i) {
+        const float *src;
+        const float r = rms_row(x, residual, i, hidden, eps, &src);
+        uint16_t *oi = out + i * hidden;
+        for (int64_t d = 0; d < hidden; ++d) oi[d] = f32_to_bf16(weight[d] * (src[d] * r));
     }
 }
 

@@ -249,6 +249,31 @@ def test_each_kernel_takes_strided_and_bf16_rows_with_the_same_bits(kernel: str)
     )
 
 
+@pytest.mark.skipif(not cpu_native.has_amx(), reason="no AMX tiles")
+@pytest.mark.parametrize("m", [32, 47, 64, 80, 161])
+def test_amx_reads_bf16_rows_in_place_with_the_copys_bits(m: int) -> None:
+    """K a multiple of 32 and bf16 rows: the whole 32-row blocks are read from x itself
+    (strided rows too), the rest from the padded scratch; the bits are those of the fp32 rows
+    (always converted into the scratch), the row results independent of M."""
+    gen = torch.Generator().manual_seed(m)
+    k, n = 96, 64
+    wide = torch.randn(m, k + 32, generator=gen)
+    x = wide[:, 16 : 16 + k]  # row stride k + 32
+    w = torch.randn(n, k, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    want = cpu_native.linear_packed_bf16(x.bfloat16().float(), packed, n, kernel="amx")
+    close(want, x.bfloat16().float(), w, None)
+    xb = wide.bfloat16()[:, 16 : 16 + k]
+    assert xb.stride(0) == k + 32
+    assert torch.equal(cpu_native.linear_packed_bf16(xb, packed, n, kernel="amx"), want)
+    assert torch.equal(cpu_native.linear_packed_bf16(xb[5:], packed, n, kernel="amx"), want[5:])
+    gate_up = cpu_native.pack_bf16_linear_weight(torch.cat([w, w.flip(0)]))
+    act = cpu_native.linear_packed_bf16_silu_mul(xb, gate_up, n)
+    assert act is not None
+    ref = cpu_native.silu_mul(torch.cat([want, want.flip(1)], 1)).bfloat16()
+    assert torch.equal(act.view(torch.int16), ref.view(torch.int16))
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_each_kernel_is_batch_invariant_bitwise(kernel: str):
     """Row i's bits are the same alone and in batches of 5, 16, 17, 64 and 300 rows."""
