@@ -19,6 +19,7 @@ Usage::
 
     .venv/bin/python benchmarks/memory/kv_dtype.py                      # fp32 model, 2 rounds
     .venv/bin/python benchmarks/memory/kv_dtype.py --dtypes float32,bfloat16
+    .venv/bin/python benchmarks/memory/kv_dtype.py --kv-cache-dtypes bfloat16,fp8,int8
     .venv/bin/python benchmarks/memory/kv_dtype.py --num-requests 64 --concurrency 32  # quick
 """
 
@@ -40,7 +41,9 @@ from pressure import RESULTS, make_workload, run_workload, server
 
 from pagedserve.cluster.client import Client
 
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+# int8 stores each (token, KV head) vector's fp32 scale after its head_dim elements.
+SCALE_BYTES = {"int8": 4}
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,8 @@ class KVShape:
 
 
 def bytes_per_block(shape: KVShape, block_size: int, kv_dtype: str) -> int:
-    """Bytes of one KV block over all layers, K and V: ``2 * L * bs * Hkv * D * itemsize``.
+    """Bytes of one KV block over all layers, K and V: ``2 * L * bs * Hkv * D * itemsize``
+    (``D * 1 + 4`` per head vector for int8: its scale; the worker's ``kv_pool.bytes_per_block``).
 
     Raises:
         ValueError: for a ``kv_dtype`` not in ``ITEMSIZE`` or ``block_size < 1``.
@@ -77,7 +81,8 @@ def bytes_per_block(shape: KVShape, block_size: int, kv_dtype: str) -> int:
         raise ValueError(f"kv_dtype must be one of {sorted(ITEMSIZE)}, got {kv_dtype!r}")
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
-    per_token = shape.num_layers * shape.num_kv_heads * shape.head_dim * ITEMSIZE[kv_dtype]
+    head = shape.head_dim * ITEMSIZE[kv_dtype] + SCALE_BYTES.get(kv_dtype, 0)
+    per_token = shape.num_layers * shape.num_kv_heads * head
     return 2 * block_size * per_token
 
 

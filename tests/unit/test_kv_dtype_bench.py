@@ -71,12 +71,13 @@ def test_head_dim_given_in_config_wins():
     assert kv_dtype.bytes_per_block(shape, 8, "float16") == 2 * 30 * 8 * 3 * 128 * 2
 
 
-@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "fp8", "int8"])
 @pytest.mark.parametrize("budget", [70_778_880, 70_778_880 + 368_639, 1 << 30])
 def test_expected_blocks_match_the_workers_sizing(kv: str, budget: int):
     argv = ["serve", "--kv-cache-memory", str(budget), "--kv-cache-dtype", kv]
     cache = serve_config(cli_parser().parse_args(argv)).cache
-    want = num_blocks_for(cache, _arch(), getattr(torch, kv))
+    torch_dtype = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}.get(kv) or getattr(torch, kv)
+    want = num_blocks_for(cache, _arch(), torch_dtype)
     assert kv_dtype.expected_blocks(budget, SHAPE, 16, kv) == want
 
 
@@ -85,9 +86,12 @@ def test_budget_too_small_and_bad_dtype_raise():
     with pytest.raises(ValueError, match="no float32 block"):
         kv_dtype.resolve_budget(args, SHAPE)
     with pytest.raises(ValueError, match="kv_dtype"):
-        kv_dtype.bytes_per_block(SHAPE, 16, "int8")
+        kv_dtype.bytes_per_block(SHAPE, 16, "int4")
     with pytest.raises(SystemExit):
-        kv_dtype.build_parser().parse_args(["--kv-cache-dtypes", "float32,fp8"])
+        kv_dtype.build_parser().parse_args(["--kv-cache-dtypes", "float32,int4"])
+    # the 8-bit dtypes: fp8 a quarter of fp32's bytes, int8 plus 4 scale bytes per head vector
+    assert kv_dtype.bytes_per_block(SHAPE, 16, "fp8") == 737_280 // 4
+    assert kv_dtype.bytes_per_block(SHAPE, 16, "int8") == 2 * 30 * 16 * 3 * (64 + 4)
 
 
 def test_server_command_sizes_by_bytes_and_parses(monkeypatch: pytest.MonkeyPatch):
