@@ -161,6 +161,9 @@ def workloads(sharegpt_path: str, quick: bool = False) -> list[Workload]:
                                   "--prefix-repetition-output-len", "128"), 64, max_concurrency=16),
         Workload("poisson-2rps-256-64", ("--dataset-name", "random", "--random-input-len", "256",
                                          "--random-output-len", "64"), 64, request_rate=2.0),
+        # the "32 x 64 all at once": 32 chat-length prompts, 64 tokens each, one burst
+        Workload("burst-32x64", ("--dataset-name", "random", "--random-input-len", "128",
+                                 "--random-output-len", "64"), 32, max_concurrency=32),
     ]  # fmt: skip
 
 

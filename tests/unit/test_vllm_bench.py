@@ -49,7 +49,7 @@ def test_default_systems_and_workloads_are_the_comparison():
         ("auto", False), ("auto", True), ("float32", False), ("float32", True)
     ]  # fmt: skip
     assert [w.name for w in loads] == [
-        "sharegpt", "random-512-128", "prefix-4x512", "poisson-2rps-256-64"
+        "sharegpt", "random-512-128", "prefix-4x512", "poisson-2rps-256-64", "burst-32x64"
     ]  # fmt: skip
     systems, _ = _select(["--pagedserve-dtypes", "auto,float32", "--systems",
                           "pagedserve-float32,vllm-fp32-both-cores"])  # fmt: skip
