@@ -110,15 +110,17 @@ typedef struct {
     float v_scale;
 } decoder_layer_f32_t;
 
-/* out[m, n] = x[m, k] @ W^T + bias on the layer's packed weight w; 0, or -1 when the bf16
- * kernel fails (no scratch memory, or not built). */
-static int64_t layer_linear(const decoder_layer_f32_t *l, const float *x, int64_t m, int64_t k,
-                            const void *w, int64_t n, const float *bias, float *out,
-                            int64_t num_threads) {
+/* out[m, n] = x[m, k] @ W^T + bias on the layer's packed weight w; x is fp32, or bf16 bits
+ * when x_bf16 (bf16 layers only: what layer_norm and the fused MLP leave). 0, or -1 when the
+ * bf16 kernel fails (no scratch memory, or not built). */
+static int64_t layer_linear(const decoder_layer_f32_t *l, const void *x, int64_t x_bf16,
+                            int64_t m, int64_t k, const void *w, int64_t n, const float *bias,
+                            float *out, int64_t num_threads) {
     if (l->w_bf16)
-        return linear_packed_bf16(x, 0, m, k, k, (const uint16_t *)w, n, bias, out, n,
+        return linear_packed_bf16(x, x_bf16, m, k, k, (const uint16_t *)w, n, bias, out, n,
                                   num_threads) == 0 ? 0 : -1;
-    linear_packed_f32(x, m, k, k, (const float *)w, n, bias, out, n, num_threads);
+    linear_packed_f32((const float *)x, m, k, k, (const float *)w, n, bias, out, n,
+                      num_threads);
     return 0;
 }
 
@@ -131,16 +133,6 @@ static void layer_norm(const decoder_layer_f32_t *l, const float *x, float *resi
         rms_norm_f32_to_bf16(x, residual, weight, (uint16_t *)normed, t, hidden, eps);
     else
         rms_norm_f32(x, residual, weight, normed, t, hidden, eps);
-}
-
-/* out = normed @ W^T (+ b) for normed as layer_norm leaves it. */
-static int64_t normed_linear(const decoder_layer_f32_t *l, const float *normed, int64_t m,
-                             int64_t k, const void *w, int64_t n, const float *bias, float *out,
-                             int64_t num_threads) {
-    if (l->w_bf16)
-        return linear_packed_bf16(normed, 1, m, k, k, (const uint16_t *)w, n, bias, out, n,
-                                  num_threads) == 0 ? 0 : -1;
-    return layer_linear(l, normed, m, k, w, n, bias, out, num_threads);
 }
 
 /*
@@ -177,8 +169,8 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         } else {
             layer_norm(l, x, residual, l->input_norm, normed, t, hidden, eps);
         }
-        if (normed_linear(l, normed, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
-                          num_threads))
+        if (layer_linear(l, normed, l->w_bf16, t, hidden, l->qkv, qkv_size, l->qkv_bias, qkv,
+                         num_threads))
             return -1;
         if (l->kv_type == 3) {
             rope_store_int8kv(qkv, qkv_size, t, num_heads, num_kv_heads, head_dim, cos_table,
@@ -209,7 +201,7 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
                                 bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
                                 num_kv_heads, head_dim, block_size, scale, attn, num_threads);
         }
-        if (layer_linear(l, attn, t, q_size, l->o, hidden, l->o_bias, x, num_threads))
+        if (layer_linear(l, attn, 0, t, q_size, l->o, hidden, l->o_bias, x, num_threads))
             return -1;
         layer_norm(l, x, residual, l->post_norm, normed, t, hidden, eps);
         const int64_t fused = l->w_bf16 ? linear_packed_bf16_silu_mul_amx(
@@ -219,16 +211,16 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
                                         : -3;
         if (fused == -1) return -1;
         if (fused == 0) { /* act holds bf16(silu(gate) * up): what the down GEMM rounds to */
-            if (linear_packed_bf16(act, 1, t, inter, inter, l->down, hidden, l->down_bias, x,
-                                   hidden, num_threads))
+            if (layer_linear(l, act, 1, t, inter, l->down, hidden, l->down_bias, x,
+                             num_threads))
                 return -1;
             continue;
         }
-        if (normed_linear(l, normed, t, hidden, l->gate_up, 2 * inter, l->gate_up_bias,
-                          gate_up, num_threads))
+        if (layer_linear(l, normed, l->w_bf16, t, hidden, l->gate_up, 2 * inter,
+                         l->gate_up_bias, gate_up, num_threads))
             return -1;
         silu_mul_f32(gate_up, act, t, inter);
-        if (layer_linear(l, act, t, inter, l->down, hidden, l->down_bias, x, num_threads))
+        if (layer_linear(l, act, 0, t, inter, l->down, hidden, l->down_bias, x, num_threads))
             return -1;
     }
     return 0;
