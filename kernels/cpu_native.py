@@ -85,6 +85,7 @@ SOURCES = (
     CSRC / "cpu_decoder.c",
     CSRC / "cpu_attention_amx.c",
 )
+HEADERS = (CSRC / "cpu_common.h",)  # included by the sources: part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")
 MAX_HEAD_DIM = 512  # rope_store's per-head scratch
 # KV cache element types of the C kernels (fp8: e4m3fn with per-tensor scales; int8: each
@@ -174,7 +175,7 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str) -> Path:
-    sources = [path.read_bytes() for path in SOURCES]
+    sources = [path.read_bytes() for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256(
         b"\0".join([*sources, " ".join(CFLAGS).encode(), compiler.encode(), _cpu_key().encode()])
     ).hexdigest()[:16]

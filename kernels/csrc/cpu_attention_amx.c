@@ -33,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 int64_t gemm_bf16_amx_chosen(void); /* cpu_gemm_bf16.c: AMX granted and not turned off */
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
@@ -73,32 +75,6 @@ int64_t attention_amx_min_rows(void) {
     return amx_attn_rows;
 }
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} attn_tile_config_t;
-
-/* exp(x) on 16 lanes for x <= 88 (clamped below at -87): Cephes' expf, x = n ln2 + r,
- * degree-6 polynomial in r, times 2^n (scalef). */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
-    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, fn);
-}
 
 /* A key row (head_dim bf16 of KV head kvh) of key j of a sequence, through its table. */
 static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *table, int64_t j,
@@ -358,7 +334,7 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
         free(task_start);
         return -1;
     }
-    attn_tile_config_t cfg;
+    tile_config_t cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {

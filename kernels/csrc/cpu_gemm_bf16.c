@@ -40,6 +40,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define NR 48  /* output columns per panel: 3 vectors of 16 fp32 lanes */
 #define MR 8   /* rows of x per micro-kernel call */
 #define MC 256 /* rows of x per outer block */
@@ -325,16 +327,7 @@ static int amx_chosen;
 
 /* Linux hands the tile data state to a process only on request; the grant covers every
  * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
- * keeps linear_packed_bf16 on the AVX512-BF16 kernel. */
-static int env_off(const char *name) {
-    const char *env = getenv(name);
-    if (env == NULL) return 0;
-    char low[8] = {0};
-    for (int i = 0; i < 7 && env[i] != '\0'; ++i)
-        low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
-    return !strcmp(low, "0") || !strcmp(low, "false") || !strcmp(low, "off") ||
-           !strcmp(low, "no");
-}
+ * keeps linear_packed_bf16 on the AVX512-BF16 kernel (env_off: cpu_common.h). */
 
 /* PAGEDSERVE_CPU_FUSED_MLP=0/false/off/no: linear_packed_bf16_silu_mul_amx declines (-3), so
  * the decoder runs gate_up, silu_mul and down as three calls (same bits; for A/B runs). */
@@ -356,13 +349,6 @@ int64_t gemm_bf16_amx_chosen(void) {
     return amx_chosen;
 }
 
-typedef struct {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
 
 /*
  * C[rows, 48] (fp32, into c, row stride 48) = A @ B for one panel: A = rows of bf16 pairs

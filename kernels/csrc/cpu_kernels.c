@@ -30,13 +30,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_common.h"
+
 #define QTILE 16 /* query rows of one chunk processed per task (prefill) */
 #define VGROUP 8  /* query heads of a KV group accumulated together in pass 2 */
 #define MIN_TASKS_PER_THREAD 4 /* below this, a KV group's query heads become separate tasks */
 #define PREFETCH_KEYS 16      /* how far ahead pass 1 prefetches K rows */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
@@ -203,30 +203,6 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #pragma omp simd reduction(+ : acc)
     for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
     return acc;
-}
-
-#if defined(__clang__)
-#define SHUF(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
-#else
-#define SHUF(a, b, ...) __builtin_shuffle((a), (b), (v16i){__VA_ARGS__})
-#endif
-
-/* Lane i of the result: the sum of the 16 lanes of p[i], all 16 sums in one vector. Every
- * lane goes through the same tree: ((l0 + l8) + (l4 + l12)) + ((l2 + l10) + (l6 + l14)),
- * plus the same for the odd lanes, odd last; so a sum does not depend on its lane. */
-static inline v16 transpose_sum16(const v16 *p) {
-    v16 s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; ++i)
-        s8[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                SHUF(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; ++i)
-        s4[i] = SHUF(s8[2 * i], s8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                SHUF(s8[2 * i], s8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; ++i)
-        s2[i] = SHUF(s4[2 * i], s4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-                SHUF(s4[2 * i], s4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return SHUF(s2[0], s2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           SHUF(s2[0], s2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 /* Lane i: q . k[i] for 16 key rows, head_dim a positive multiple of 16. Per key: lane l

@@ -1,0 +1,84 @@
+/*
+ * Helpers shared by the CPU kernel sources (cpu_kernels.c, cpu_gemm_bf16.c,
+ * cpu_attention_amx.c): the 16-lane vector types, the fixed-tree
+ * 16 x 16 transpose-sum, the AVX512 exp, the AMX tile configuration and the env switch.
+ * Everything is static inline: each source gets its own copy, so no symbol is shared.
+ */
+#ifndef PAGEDSERVE_CPU_COMMON_H
+#define PAGEDSERVE_CPU_COMMON_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define SHUF(a, b, ...) __builtin_shufflevector((a), (b), __VA_ARGS__)
+#else
+#define SHUF(a, b, ...) __builtin_shuffle((a), (b), (v16i){__VA_ARGS__})
+#endif
+
+/* Lane i of the result: the sum of the 16 lanes of p[i], all 16 sums in one vector. Every
+ * lane goes through the same tree: ((l0 + l8) + (l4 + l12)) + ((l2 + l10) + (l6 + l14)),
+ * plus the same for the odd lanes, odd last; so a sum does not depend on its lane. */
+static inline v16 transpose_sum16(const v16 *p) {
+    v16 s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; ++i)
+        s8[i] = SHUF(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                SHUF(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; ++i)
+        s4[i] = SHUF(s8[2 * i], s8[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                SHUF(s8[2 * i], s8[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; ++i)
+        s2[i] = SHUF(s4[2 * i], s4[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+                SHUF(s4[2 * i], s4[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return SHUF(s2[0], s2[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           SHUF(s2[0], s2[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* 1 when the environment variable name is 0/false/off/no (any case), else 0. */
+static inline int env_off(const char *name) {
+    const char *env = getenv(name);
+    if (env == NULL) return 0;
+    char low[8] = {0};
+    for (int i = 0; i < 7 && env[i] != '\0'; ++i)
+        low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
+    return !strcmp(low, "0") || !strcmp(low, "false") || !strcmp(low, "off") ||
+           !strcmp(low, "no");
+}
+
+/* The 64-byte operand of LDTILECFG (palette 1). */
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp(x) on 16 lanes for x <= 88 (clamped below at -87): Cephes' expf, x = n ln2 + r,
+ * degree-6 polynomial in r (fused multiply-adds), times 2^n (scalef). ~1-2 ulp. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, fn);
+}
+#endif
+
+#endif
