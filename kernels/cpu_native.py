@@ -44,7 +44,8 @@ written to a temporary name and renamed, so concurrent workers never load a part
 When no compiler is found or the build fails, :func:`load` returns ``None`` and callers use
 the torch reference (:mod:`pagedserve.kernels.reference`, ``worker/layers.py``). Set
 ``PAGEDSERVE_CPU_KERNELS=0`` to force that fallback, or ``PAGEDSERVE_CPU_GEMM=0`` to keep
-the fused kernels but run the linear layers on torch's ``F.linear`` (MKL / oneDNN).
+the fused kernels but run the linear layers on torch's ``F.linear`` (MKL / oneDNN) for fp32
+weights (a bf16 model then runs the generic torch path: its norms and layers stay bf16).
 
 All tensors must be fp32 (the KV caches fp32 or bf16), on CPU, and contiguous where the docstrings say so. The kernels
 index without bounds checks: every caller (:mod:`pagedserve.kernels.ops`, the model's CPU

@@ -47,6 +47,7 @@ from pagedserve import kernels
 from pagedserve.kernels import cpu_native, int8
 from pagedserve.worker.attention import AttentionMetadata
 from pagedserve.worker.batch_invariant import per_token_metadata
+from pagedserve.worker.layers import RMSNorm
 from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.worker.packed_linear import PackedLinear
 from pagedserve.worker.packed_linear_bf16 import PackedLinearBf16, onednn_bf16_available
@@ -118,6 +119,20 @@ def prepare_metadata(
     return positions, meta
 
 
+def kernel_weights(model: LlamaForCausalLM) -> bool:
+    """Whether the per-layer kernels can read ``model``'s weights: every RMSNorm weight fp32
+    (the C norm reads fp32) and every linear layer packed or an fp32 ``nn.Linear`` (the
+    activations are fp32). A bf16 model qualifies once :meth:`LlamaForCausalLM.pack_weights`
+    has packed it (that widens its norm weights); unpacked (``PAGEDSERVE_CPU_GEMM=0``) it
+    runs the generic path."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.weight.dtype != torch.float32:
+            return False
+        if isinstance(module, RMSNorm) and module.weight.dtype != torch.float32:
+            return False
+    return True
+
+
 def final_logits(
     model: LlamaForCausalLM,
     hidden: torch.Tensor,
@@ -181,10 +196,12 @@ class CpuLayerForward:
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: Sequence[KVCache]) -> CpuLayerForward | None:
-        """This forward, or ``None`` when :func:`cpu_kernels_apply` does not hold or a
-        cache is neither fp32 nor bf16 (:data:`cpu_native.KV_DTYPES`)."""
+        """This forward, or ``None`` when :func:`cpu_kernels_apply` does not hold, a cache
+        is of a dtype the kernels do not take (:data:`cpu_native.KV_DTYPES`), or the
+        weights are not in the form the kernels read (:func:`kernel_weights`)."""
         kernel_caches = all(t.dtype in cpu_native.KV_DTYPES for cache in kv_caches for t in cache)
-        return cls() if cpu_kernels_apply(model) and kernel_caches else None
+        ok = cpu_kernels_apply(model) and kernel_caches and kernel_weights(model)
+        return cls() if ok else None
 
     def __call__(
         self,

@@ -22,6 +22,7 @@ from pagedserve.worker.cpu_forward import (
 )
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import SequenceState, prepare_inputs
+from pagedserve.worker.model import LayerForward
 from pagedserve.worker.packed_linear_bf16 import ONEDNN_MIN_ROWS, PackedLinearBf16
 from pagedserve.worker.worker import Worker
 
@@ -184,3 +185,29 @@ def test_layers_of_mixed_weight_dtypes_are_not_fused(tiny_llama_dir: Path) -> No
     fp32.model.layers[1].mlp.down_proj = bf16.layers[1].mlp.down_proj
     assert FusedCpuForward.build(fp32.model, caches) is None
     assert CpuLayerForward.build(fp32.model, caches) is not None
+
+
+
+def test_without_the_packed_gemm_a_bf16_model_runs_the_generic_path(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # PAGEDSERVE_CPU_GEMM=0 leaves the bf16 nn.Linear layers and bf16 norm weights, which
+    # the C kernels cannot read (they read fp32 norms and feed fp32 rows): the generic
+    # torch path runs the model instead, in bf16.
+    packed, _ = run_step(bf16_worker(tiny_llama_dir), "cpu-fused", chunk_len=40)
+    monkeypatch.setenv("PAGEDSERVE_CPU_GEMM", "0")
+    worker = bf16_worker(tiny_llama_dir)
+    model = worker.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert type(qkv) is torch.nn.Linear and qkv.weight.dtype == torch.bfloat16
+    assert model.layers[0].input_layernorm.weight.dtype == torch.bfloat16
+    caches = worker.runner.kv_pool.layer_caches()
+    assert CpuLayerForward.build(model, caches) is None
+    assert FusedCpuForward.build(model, caches) is None
+    assert isinstance(model.model_forward, LayerForward)
+    logits, _ = run_step(worker, model.model_forward.name, chunk_len=40)
+    assert logits.shape == packed.shape == (41, 128) and torch.isfinite(logits).all()
+    # bf16 activations against fp32 ones: close, and the same greedy token on every row
+    err = (logits.float() - packed).abs().max().item()
+    assert 0 < err < 0.1 * packed.abs().max().item()
+    assert torch.equal(logits.float().argmax(-1), packed.argmax(-1))
