@@ -187,7 +187,6 @@ def test_layers_of_mixed_weight_dtypes_are_not_fused(tiny_llama_dir: Path) -> No
     assert CpuLayerForward.build(fp32.model, caches) is not None
 
 
-
 def test_without_the_packed_gemm_a_bf16_model_runs_the_generic_path(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
