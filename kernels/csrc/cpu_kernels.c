@@ -844,7 +844,6 @@ void rms_norm_f32_to_bf16(const float *x, float *residual, const float *weight, 
     }
 }
 
-/* o[d] = silu(g[d]) * u[d] for d < n, 16 lanes at a time (exp16 gives exp_f32's bits). */
 #if defined(__AVX512F__)
 /* exp512 (cpu_common.h) on one float, operation for operation: the same fused multiply-adds
  * (fmaf), round to nearest even (nearbyintf under the default rounding mode, as
@@ -881,7 +880,7 @@ static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
         o[d] = s * u[d];
     }
 }
-#else
+#else /* no AVX512: exp16 on 16 lanes gives exp_f32's bits (the same separate operations) */
 static void silu_mul_row(const float *g, const float *u, float *o, int64_t n) {
     int64_t d = 0;
     for (; d + 16 <= n; d += 16) {
