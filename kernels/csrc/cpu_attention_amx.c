@@ -59,11 +59,8 @@ static void amx_attn_init(void) {
         const long v = strtol(env, &end, 10);
         if (end != env && *end == '\0') {
             rows = v > 0 ? (int64_t)v : 0;
-        } else {
-            char low[8] = {0};
-            for (int i = 0; i < 7 && env[i] != '\0'; ++i)
-                low[i] = (char)(env[i] >= 'A' && env[i] <= 'Z' ? env[i] + 32 : env[i]);
-            if (!strcmp(low, "false") || !strcmp(low, "off") || !strcmp(low, "no")) rows = 0;
+        } else if (env_off("PAGEDSERVE_CPU_AMX_ATTENTION")) {
+            rows = 0;
         }
     }
     amx_attn_rows = gemm_bf16_amx_chosen() ? rows : 0;
@@ -74,7 +71,6 @@ int64_t attention_amx_min_rows(void) {
     pthread_once(&amx_attn_once, amx_attn_init);
     return amx_attn_rows;
 }
-
 
 /* A key row (head_dim bf16 of KV head kvh) of key j of a sequence, through its table. */
 static inline const uint16_t *key_row(const uint16_t *cache, const int32_t *table, int64_t j,

@@ -61,7 +61,7 @@ typedef struct {
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* exp(x) on 16 lanes for x <= 88 (clamped below at -87): Cephes' expf, x = n ln2 + r,
+/* exp(x) on 16 lanes, x clamped to [-87, 88]: Cephes' expf, x = n ln2 + r,
  * degree-6 polynomial in r (fused multiply-adds), times 2^n (scalef). ~1-2 ulp. */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));

@@ -325,14 +325,13 @@ static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_granted;
 static int amx_chosen;
 
-/* Linux hands the tile data state to a process only on request; the grant covers every
- * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
- * keeps linear_packed_bf16 on the AVX512-BF16 kernel (env_off: cpu_common.h). */
-
 /* PAGEDSERVE_CPU_FUSED_MLP=0/false/off/no: linear_packed_bf16_silu_mul_amx declines (-3), so
  * the decoder runs gate_up, silu_mul and down as three calls (same bits; for A/B runs). */
 static int fused_mlp_off;
 
+/* Linux hands the tile data state to a process only on request; the grant covers every
+ * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
+ * keeps linear_packed_bf16 on the AVX512-BF16 kernel (env_off: cpu_common.h). */
 static void amx_init(void) {
     amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     amx_chosen = amx_granted && !env_off("PAGEDSERVE_CPU_AMX");
@@ -348,7 +347,6 @@ int64_t gemm_bf16_amx_chosen(void) {
     pthread_once(&amx_once, amx_init);
     return amx_chosen;
 }
-
 
 /*
  * C[rows, 48] (fp32, into c, row stride 48) = A @ B for one panel: A = rows of bf16 pairs
