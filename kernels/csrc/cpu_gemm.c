@@ -40,7 +40,7 @@ static inline v16 vfma_avx2(v16 acc, v16 a, v16 b) {
     uc.h[1] = _mm256_fmadd_ps(ua.h[1], ub.h[1], uc.h[1]);
     return uc.v;
 }
-#define VFMA(acc, a, b) ((acc) = vfma_avx2((a), (b), (acc)))
+#define VFMA(acc, a, b) ((acc) = vfma_avx2((acc), (a), (b)))
 #else
 #define VFMA(acc, a, b) ((acc) = (acc) + (a) * (b))
 #endif
