@@ -2,7 +2,7 @@
 
 Built for a bare CUDA image (Python 3.12, torch + triton, pytest, hypothesis,
 transformers; no Ray, no gRPC, no network, no model files) and a budget of under 8
-minutes. It does not need pagedserve installed: it puts the repository's ``kernels/``,
+minutes. It does not need pagedserve installed: it puts the repository's ``pagedserve/kernels/``,
 ``worker/`` and ``scheduler/`` folders on the path as ``pagedserve.*`` (a temporary
 directory of symlinks) and imports only modules that need none of Ray, gRPC or protobuf
 (``pagedserve.kernels``, ``pagedserve.worker.{arch,model,kv_pool,model_runner,...}``,
@@ -67,7 +67,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
-PACKAGES = ("kernels", "worker", "scheduler")
+# pagedserve.<name> -> its folder in the repository (package-dir of pyproject.toml)
+PACKAGES = {"kernels": "pagedserve/kernels", "worker": "worker", "scheduler": "scheduler"}
 FORBIDDEN = (
     "ray", "grpc", "google.protobuf", "matplotlib", "pagedserve.cluster", "pagedserve.v1",
 )  # fmt: skip
@@ -175,8 +176,8 @@ def package_shim() -> Path:
     """A directory holding ``pagedserve/<pkg>`` symlinks to the repository folders."""
     root = Path(tempfile.mkdtemp(prefix="pagedserve-shim-"))
     (root / "pagedserve").mkdir()
-    for pkg in PACKAGES:
-        (root / "pagedserve" / pkg).symlink_to(REPO / pkg, target_is_directory=True)
+    for pkg, folder in PACKAGES.items():
+        (root / "pagedserve" / pkg).symlink_to(REPO / folder, target_is_directory=True)
     return root
 
 

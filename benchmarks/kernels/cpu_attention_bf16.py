@@ -5,7 +5,7 @@ a paged bf16 cache, one layer's call per sample, at each case (chunks x rows ove
 context):
 
 * ``amx``: ``paged_attention(amx_min_rows=16)``: chunks of >= 16 rows on AMX tiles
-  (``kernels/csrc/cpu_attention_amx.c``: Q and P rounded to bf16, fp32 sums);
+  (``pagedserve/kernels/csrc/cpu_attention_amx.c``: Q and P rounded to bf16, fp32 sums);
 * ``exact``: ``paged_attention(amx_min_rows=0)``: the AVX512 kernel (fp32 arithmetic on the
   widened bf16 K/V), the only path before;
 * ``sdpa bf16``: torch's ``scaled_dot_product_attention`` on contiguous bf16 Q/K/V of the

@@ -4,8 +4,8 @@ For SmolLM2-135M's four matmuls of a decoder layer (fused qkv 576->960, o 576->5
 gate/up 576->3072, down 1536->576), at each M (token rows) it times, per layer (the four
 summed), with fp32 activations in and fp32 out as the model's CPU path has them:
 
-* ``fp32 packed``: the fp32 packed GEMM (``kernels/csrc/cpu_gemm.c``), today's CPU path;
-* ``bf16 packed``: the bf16-pair packed GEMM (``kernels/csrc/cpu_gemm_bf16.c``) on
+* ``fp32 packed``: the fp32 packed GEMM (``pagedserve/kernels/csrc/cpu_gemm.c``), today's CPU path;
+* ``bf16 packed``: the bf16-pair packed GEMM (``pagedserve/kernels/csrc/cpu_gemm_bf16.c``) on
   AVX512-BF16 (``kernel="avx512"``);
 * ``bf16 amx``: the same packed weights on AMX tiles (``kernel="amx"``);
 * ``F.linear bf16``: torch's ``F.linear`` on a bf16 weight (oneDNN), with the fp32 -> bf16

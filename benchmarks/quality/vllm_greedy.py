@@ -1,9 +1,8 @@
 """Greedy continuations of prompt ids through vLLM's offline ``LLM`` (run in vLLM's venv).
 
 ``bf16_agreement.py`` starts it as a subprocess with the interpreter of
-``benchmarks/.venv-vllm`` and a working folder outside the repository (the repository root
-on ``sys.path`` makes transformers import the top-level ``kernels/`` folder as the PyPI
-package ``kernels``). It reads a JSON spec::
+``benchmarks/.venv-vllm`` and a working folder outside the repository (so none of the
+repository's folders is on its ``sys.path``). It reads a JSON spec::
 
     {"model_dir": str, "dtype": "auto" | "bfloat16" | "float32", "max_tokens": int,
      "max_model_len": int, "enforce_eager": bool, "prompt_ids": [[int, ...], ...]}

@@ -14,9 +14,8 @@ Systems (each an OpenAI-compatible HTTP server in its own process, one up at a t
 Every server gets the same model folder (``--model``, resolved as ``make model`` does), the
 same KV memory (``--kv-cache-memory`` / ``VLLM_CPU_KVCACHE_SPACE``, ``--kv-cache-gib``),
 the same ``--max-model-len`` and prefix caching on. vLLM's server is started from a
-temporary folder: ``python -m`` puts the working folder on ``sys.path``, and from the
-repository root transformers would import the top-level ``kernels/`` folder as the PyPI
-package ``kernels``.
+temporary folder: ``python -m`` puts the working folder on ``sys.path``, and none of
+the repository's folders should be importable there.
 
 Client: ``vllm.benchmarks.serve`` (the code behind ``vllm bench serve``; the ``vllm``
 command itself fails in the vllm-cpu venv) in the vLLM venv, ``--backend openai``

@@ -1,4 +1,4 @@
-"""The packed fp32 CPU GEMM (``kernels/csrc/cpu_gemm.c``) against a float64 reference, its
+"""The packed fp32 CPU GEMM (``pagedserve/kernels/csrc/cpu_gemm.c``) against a float64 reference, its
 row (batch) invariance, and the model's linear layers moved onto it."""
 
 from __future__ import annotations

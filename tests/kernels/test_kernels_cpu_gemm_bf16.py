@@ -1,4 +1,4 @@
-"""The bf16-pair packed CPU GEMM (``kernels/csrc/cpu_gemm_bf16.c``) against torch on bf16-rounded
+"""The bf16-pair packed CPU GEMM (``pagedserve/kernels/csrc/cpu_gemm_bf16.c``) against torch on bf16-rounded
 operands, its row (batch) invariance, its argument checks, and :class:`PackedLinearBf16`'s
 dispatch between it and oneDNN."""
 

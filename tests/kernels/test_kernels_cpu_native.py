@@ -1,4 +1,4 @@
-"""The fused fp32 CPU kernels (``kernels/cpu_native.py``) against dense attention and the
+"""The fused fp32 CPU kernels (``pagedserve/kernels/cpu_native.py``) against dense attention and the
 torch layers they replace."""
 
 from __future__ import annotations

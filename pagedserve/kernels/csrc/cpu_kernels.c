@@ -12,7 +12,7 @@
  *
  * Compiled on first use by pagedserve/kernels/cpu_native.py (gcc -O3 -march=native
  * -fopenmp -ffp-contract=off) and called through ctypes; the torch reference
- * (kernels/reference.py, worker/layers.py) is the fallback and the ground truth.
+ * (pagedserve/kernels/reference.py, worker/layers.py) is the fallback and the ground truth.
  * OpenMP: the library links libgomp.so.1, which resolves to the copy torch has already
  * loaded, so these loops share torch's thread pool and its torch.set_num_threads value.
  *
