@@ -133,3 +133,68 @@ def test_pack_linears_refuses_non_fp32_and_changes_nothing():
     with pytest.raises(ValueError, match="fp32 CPU"):
         pack_linears(model)
     assert all(type(m) is nn.Linear for m in model)
+
+
+# ------------------------------------------------ the register tile of each vector ISA
+# The library is built with -march=native, so the suite above runs only this machine's
+# tile. The source also has an AVX2 + FMA tile (8-float vectors, 4 rows per call) and a
+# portable one (4-float vectors, multiply then add): each is built here from the same
+# file at its x86-64 level and checked against float64 on this machine (a newer ISA runs
+# the older code).
+ISA_LEVELS = {"x86-64-v3": 24, "x86-64": 12}  # -march level -> panel width (3 vectors)
+
+
+@pytest.fixture(scope="module", params=sorted(ISA_LEVELS))
+def gemm_at_level(request, tmp_path_factory):
+    import ctypes
+    import platform
+    import shutil
+    import subprocess
+
+    if platform.machine() != "x86_64":
+        pytest.skip("the x86-64 ISA levels build only on x86_64")
+    level = request.param
+    compiler = shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no gcc")
+    so = tmp_path_factory.mktemp("gemm") / f"gemm-{level}.so"
+    flags = [f for f in cpu_native.CFLAGS if not f.startswith("-march")]
+    subprocess.run(
+        [compiler, *flags, f"-march={level}", str(cpu_native.CSRC / "cpu_gemm.c"), "-o", so],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    lib = ctypes.CDLL(str(so))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gemm_panel_width.restype = i64
+    lib.pack_weight_f32.argtypes = [ptr, i64, i64, i64, ptr, i64]
+    lib.linear_packed_f32.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64]
+    return level, lib
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 300])
+@pytest.mark.parametrize(("n", "k"), [(7, 13), (100, 64), (250, 96)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_isa_tile_matches_float64(gemm_at_level, m: int, n: int, k: int, threads: int):
+    level, lib = gemm_at_level
+    width = lib.gemm_panel_width()
+    assert width == ISA_LEVELS[level]
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    b = torch.randn(n, generator=gen)
+    packed = torch.empty(-(-n // width) * k * width)
+    lib.pack_weight_f32(w.data_ptr(), n, k, k, packed.data_ptr(), threads)
+    expected_layout = torch.zeros(-(-n // width) * width, k)
+    expected_layout[:n] = w
+    assert torch.equal(
+        packed.view(-1, k, width), expected_layout.view(-1, width, k).transpose(1, 2)
+    )
+    for bias in (None, b):
+        out = torch.full((m, n), float("nan"))
+        lib.linear_packed_f32(
+            x.data_ptr(), m, k, k, packed.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), n, threads,
+        )  # fmt: skip
+        torch.testing.assert_close(out, reference(x, w, bias), rtol=1e-5, atol=2e-5)

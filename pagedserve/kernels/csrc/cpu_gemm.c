@@ -22,26 +22,36 @@
 #include <stdint.h>
 #include <string.h>
 
-#define NR 48 /* output columns per panel: 3 vectors of 16 floats */
-#define MR 8  /* rows of x per micro-kernel call */
+/*
+ * The register tile follows the vector ISA the compiler targets: VL floats per vector, NR =
+ * 3 vectors of output columns per panel, MR rows per micro-kernel call, so that the
+ * MR x 3 accumulators, 3 weight vectors and a broadcast fit the register file (AVX-512:
+ * 32 zmm, 8 x 3 accumulators; AVX2: 16 ymm, 4 x 3). panel_width() reports NR to the packer.
+ */
+#if defined(__AVX512F__)
+#define VL 16
+#define MR 8
+#elif defined(__AVX__)
+#define VL 8
+#define MR 4
+#else
+#define VL 4
+#define MR 4
+#endif
+#define NR (3 * VL) /* output columns per panel */
 #define MC 256 /* rows of x per outer block (kept in L2 while the panels stream past) */
+#define MAX_VECS 12 /* accumulators per row of one micro call: 3 vectors x up to 4 panels */
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef float vfu __attribute__((vector_size(4 * VL), aligned(4)));
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define VFMA(acc, a, b) ((acc) = _mm512_fmadd_ps((a), (b), (acc)))
-#elif defined(__FMA__)
+#elif defined(__AVX__) && defined(__FMA__)
 #include <immintrin.h>
-static inline v16 vfma_avx2(v16 acc, v16 a, v16 b) {
-    union { v16 v; __m256 h[2]; } ua = {a}, ub = {b}, uc = {acc};
-    uc.h[0] = _mm256_fmadd_ps(ua.h[0], ub.h[0], uc.h[0]);
-    uc.h[1] = _mm256_fmadd_ps(ua.h[1], ub.h[1], uc.h[1]);
-    return uc.v;
-}
-#define VFMA(acc, a, b) ((acc) = vfma_avx2((acc), (a), (b)))
-#else
+#define VFMA(acc, a, b) ((acc) = _mm256_fmadd_ps((a), (b), (acc)))
+#else /* a multiply and an add (-ffp-contract=off keeps them apart) */
 #define VFMA(acc, a, b) ((acc) = (acc) + (a) * (b))
 #endif
 
@@ -64,8 +74,10 @@ void pack_weight_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *p
     }
 }
 
-static inline v16 splat(float a) {
-    return (v16){a, a, a, a, a, a, a, a, a, a, a, a, a, a, a, a};
+static inline vf splat(float a) { /* every lane a (the compiler emits one broadcast) */
+    vf v;
+    for (int i = 0; i < VL; ++i) v[i] = a;
+    return v;
 }
 
 /*
@@ -82,24 +94,24 @@ static inline __attribute__((always_inline)) void micro(const int mr, const int 
                                                         const float *bias, float *out,
                                                         int64_t ldo, int64_t cols,
                                                         const float *pf, int64_t pf_lines) {
-    v16 acc[MR][12];
+    vf acc[MR][MAX_VECS];
     for (int r = 0; r < mr; ++r)
-        for (int v = 0; v < 3 * np; ++v) acc[r][v] = (v16){0};
+        for (int v = 0; v < 3 * np; ++v) acc[r][v] = (vf){0};
     const int64_t stride = k * NR; /* floats between consecutive panels */
     /* prefetch pf_lines cache lines from pf into L2, spread over the k loop */
     const int64_t pf_step = (pf_lines + k - 1) / (k > 0 ? k : 1);
     for (int64_t kk = 0; kk < k; ++kk) {
         if (kk * pf_step < pf_lines)
-            for (int64_t l = 0; l < pf_step; ++l) __builtin_prefetch(pf + (kk * pf_step + l) * 16, 0, 2);
-        v16 b[12];
+            for (int64_t l = 0; l < pf_step; ++l) __builtin_prefetch(pf + (kk * pf_step + l) * 16, 0, 2) /* 16 floats: a line */;
+        vf b[MAX_VECS];
         for (int q = 0; q < np; ++q) {
-            const v16 *bp = (const v16 *)(panel + q * stride + kk * NR);
+            const vf *bp = (const vf *)(panel + q * stride + kk * NR);
             b[3 * q] = bp[0];
             b[3 * q + 1] = bp[1];
             b[3 * q + 2] = bp[2];
         }
         for (int r = 0; r < mr; ++r) {
-            const v16 a = splat(x[r * ldx + kk]);
+            const vf a = splat(x[r * ldx + kk]);
             for (int v = 0; v < 3 * np; ++v) VFMA(acc[r][v], a, b[v]);
         }
     }
@@ -107,13 +119,13 @@ static inline __attribute__((always_inline)) void micro(const int mr, const int 
     if (bias != NULL) {
         memcpy(bb, bias, sizeof(float) * cols);
         for (int64_t j = cols; j < np * NR; ++j) bb[j] = 0.0f;
-        const v16u *bv = (const v16u *)bb;
+        const vfu *bv = (const vfu *)bb;
         for (int r = 0; r < mr; ++r)
             for (int v = 0; v < 3 * np; ++v) acc[r][v] = acc[r][v] + bv[v];
     }
     if (cols == np * NR) {
         for (int r = 0; r < mr; ++r) {
-            v16u *o = (v16u *)(out + r * ldo);
+            vfu *o = (vfu *)(out + r * ldo);
             for (int v = 0; v < 3 * np; ++v) o[v] = acc[r][v];
         }
     } else {
@@ -143,10 +155,12 @@ static void tile(int64_t mr, int64_t np, const float *x, int64_t ldx, const floa
         return;
     }
     switch (mr) {
+#if MR >= 8
     case 8: micro(8, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
     case 7: micro(7, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
     case 6: micro(6, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
     case 5: micro(5, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
+#endif
     case 4: micro(4, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
     case 3: micro(3, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
     case 2: micro(2, 1, x, ldx, panel, k, bias, out, ldo, cols, pf, pf_lines); break;
@@ -167,7 +181,7 @@ void linear_packed_f32(const float *x, int64_t m, int64_t k, int64_t ldx,
     /* Panels per micro call: more when there are too few rows for enough FMA chains, but
      * never so many that the static split leaves a thread idle (12 panels in groups of 4
      * over 2 threads would be 8 : 4; in groups of 2, 6 : 6). */
-    int64_t group = m == 1 ? 4 : (m <= 4 ? 2 : 1);
+    int64_t group = m == 1 ? 4 : (m <= MR / 2 ? 2 : 1);
     while (group > 1) {
         const int64_t busiest = ((panels + group - 1) / group + threads - 1) / threads * group;
         const int64_t half = group / 2;
