@@ -120,8 +120,11 @@ def _greedy(address: str) -> list[list[int]]:
             return list(pool.map(one, PROMPTS))
 
 
-def _streams(client: Client, pool: ThreadPoolExecutor) -> list[Future[list[int]]]:
-    """Every prompt streamed greedily; returns once each has its first token (60 s)."""
+def _streams(
+    client: Client, pool: ThreadPoolExecutor, *, wait_first_tokens: bool = True
+) -> list[Future[list[int]]]:
+    """Every prompt streamed greedily; returns once each has its first token (60 s), or at
+    once without ``wait_first_tokens``."""
     first_token = [0] * len(PROMPTS)
 
     def one(i: int) -> list[int]:
@@ -133,9 +136,22 @@ def _streams(client: Client, pool: ThreadPoolExecutor) -> list[Future[list[int]]
 
     futures = [pool.submit(one, i) for i in range(len(PROMPTS))]
     deadline = time.monotonic() + 60
-    while not all(first_token) and time.monotonic() < deadline:
+    while wait_first_tokens and not all(first_token) and time.monotonic() < deadline:
         time.sleep(0.02)
     return futures
+
+
+def _running_on(client: Client, worker_id: int, futures: list[Future[list[int]]]) -> int:
+    """Sequences worker ``worker_id`` runs, polled from ``GetStats`` until it runs one (or
+    every stream has ended, or 60 s passed: then 0). Waiting for every first token instead
+    lets a fast worker finish its streams before the other worker's first token arrives."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not all(f.done() for f in futures):
+        running = int(client.stats()["workers"][worker_id]["num_requests_running"])
+        if running > 0:
+            return running
+        time.sleep(0.01)
+    return 0
 
 
 def _swap_log(log: Path) -> dict[int, tuple[str, float]]:
@@ -357,8 +373,8 @@ def test_link_cut_mid_stream_requests_finish_on_a_after_the_step_deadline(
         Client(recompute_serving, timeout_s=180) as client,
         ThreadPoolExecutor(len(PROMPTS)) as pool,
     ):
-        futures = _streams(client, pool)
-        on_b = client.stats()["workers"][0]["num_requests_running"]
+        futures = _streams(client, pool, wait_first_tokens=False)
+        on_b = _running_on(client, 0, futures)
         with two_nodes.link_down():
             cut = time.monotonic()
             assert on_b > 0, "node B's worker ran nothing when the link was cut"
@@ -388,8 +404,8 @@ def test_node_b_raylet_killed_mid_stream_requests_finish_on_a(
         Client(recompute_serving, timeout_s=180) as client,
         ThreadPoolExecutor(len(PROMPTS)) as pool,
     ):
-        futures = _streams(client, pool)
-        on_b = client.stats()["workers"][0]["num_requests_running"]
+        futures = _streams(client, pool, wait_first_tokens=False)
+        on_b = _running_on(client, 0, futures)
         os.kill(two_nodes.raylet_pid_b(), signal.SIGKILL)
         assert on_b > 0, "node B's worker ran nothing when its raylet was killed"
         results = [f.result(timeout=180) for f in futures]
