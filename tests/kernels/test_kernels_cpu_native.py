@@ -239,3 +239,25 @@ def test_a_token_gets_the_same_bits_in_a_prefill_tile_a_chunk_and_as_a_decode(
     )
     assert torch.equal(prefill, decodes)
     assert torch.equal(chunk, decodes[-7:])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("ratio", [2, 3, 5, 8])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_heads_scored_together_equal_each_head_alone_bit_for_bit(head_dim, ratio, kv_dtype):
+    # For head_dim 64 / 128 pass 1 scores up to 4 / 2 query heads of a KV group per load of
+    # the K rows (dot16x16_heads); each head must get the bits it gets alone (ratio 1).
+    lens, q_lens = [37, 70], [37, 5]
+    case = make_paged_case(lens, 2, head_dim, 16, seed=ratio, dtype=kv_dtype)
+    query = torch.randn(sum(q_lens), 2 * ratio, head_dim)
+    args = (
+        case.key_cache, case.value_cache, case.block_tables.to(torch.int32).contiguous(),
+        cu_seqlens(q_lens), torch.tensor(lens, dtype=torch.int32), head_dim**-0.5,
+    )  # fmt: skip
+    grouped = cpu_native.paged_attention(query, *args)
+    for j in range(ratio):
+        alone = cpu_native.paged_attention(query[:, j::ratio].contiguous(), *args)
+        assert torch.equal(grouped[:, j::ratio], alone), j
+    if kv_dtype == torch.float32:
+        ref = dense_prefill(case, query, q_lens, head_dim**-0.5)
+        torch.testing.assert_close(grouped, ref.float(), rtol=2e-5, atol=2e-5)

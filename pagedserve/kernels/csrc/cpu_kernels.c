@@ -217,6 +217,31 @@ static inline v16 dot16x16(const float *q, const float *const *k, int64_t head_d
     return transpose_sum16(part);
 }
 
+/* dot16x16 for gn query heads at once (head g at q + g * 16 * ns), head_dim = 16 * ns with
+ * gn * ns <= 16: the heads' query vectors stay in registers and each K row is loaded once
+ * for all of them (dot16x16 loads q and k per product: twice the loads, and pass 1 of a
+ * prefill is bound by them). Per (head, key) the same operations in the same order as
+ * dot16x16: the same bits. gn and ns are compile-time constants at every call site. */
+static inline __attribute__((always_inline)) void dot16x16_heads(const int gn, const int ns,
+                                                                 const float *q,
+                                                                 const float *const *k,
+                                                                 v16 *res) {
+    v16 qv[4][8];
+    for (int g = 0; g < gn; ++g)
+        for (int s = 0; s < ns; ++s) qv[g][s] = load16(q + (g * ns + s) * 16);
+    v16 part[4][16];
+    for (int i = 0; i < 16; ++i) {
+        v16 kv[8];
+        for (int s = 0; s < ns; ++s) kv[s] = load16(k[i] + 16 * s);
+        for (int g = 0; g < gn; ++g) {
+            v16 acc = qv[g][0] * kv[0];
+            for (int s = 1; s < ns; ++s) acc = acc + qv[g][s] * kv[s];
+            part[g][i] = acc;
+        }
+    }
+    for (int g = 0; g < gn; ++g) res[g] = transpose_sum16(part[g]);
+}
+
 /*
  * exp(x) for x in [-87, 88] (clamped), Cephes' expf: x = n ln2 + r, |r| <= ln2/2,
  * exp(r) by a degree-6 polynomial, times 2^n built in the exponent bits; ~1-2 ulp.
@@ -350,6 +375,53 @@ static inline __attribute__((always_inline)) void pv_rows(
     }
     for (int g = 0; g < gn; ++g)
         for (int s = 0; s < ns; ++s) store16(out + g * head_dim + 16 * s, acc[g][s]);
+}
+
+/* pv_rows for two query rows of a tile at once (A sees keys < len_a, B keys < len_b, len_a
+ * <= len_b; gn * ns <= 12, so 2 * gn * ns accumulators): each V row is loaded (and
+ * widened) once for both. Per output element the same operations in the same key order
+ * as pv_rows: the same bits. */
+static inline __attribute__((always_inline)) void pv_rows2(
+    const int gn, const int ns, const float *pa, const float *pb, int64_t p_stride,
+    int64_t len_a, int64_t len_b, const void *v_base, const int32_t *table, int64_t block_size,
+    int64_t row, int64_t pf_blocks, float *out_a, float *out_b, int64_t head_dim,
+    const int kvt) {
+    v16 acc_a[3][8], acc_b[3][8];
+    for (int g = 0; g < gn; ++g)
+        for (int s = 0; s < ns; ++s) acc_a[g][s] = acc_b[g][s] = splat16(0.0f);
+    for (int64_t b = 0, j0 = 0; j0 < len_b; ++b, j0 += block_size) {
+        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, kvt);
+        const void *vn =
+            j0 + pf_blocks * block_size < len_b
+                ? kv_elem(v_base, (int64_t)table[b + pf_blocks] * block_size * row, kvt)
+                : NULL;
+        const int64_t jn = (len_b - j0) < block_size ? (len_b - j0) : block_size;
+        for (int64_t o = 0; o < jn; ++o) {
+            if (vn != NULL)
+                for (int s = 0; s < ns; s += KV_LINE(kvt) / 16)
+                    __builtin_prefetch(kv_elem(vn, o * row + 16 * s, kvt), 0, 3);
+            v16 v[8];
+            for (int s = 0; s < ns; ++s) v[s] = kv_load16(vb, o * row + 16 * s, kvt);
+            if (kvt == KV_INT8) {
+                const v16 sc = splat16(kv_scale_at(vb, o * row + head_dim, kvt));
+                for (int s = 0; s < ns; ++s) v[s] = v[s] * sc;
+            }
+            if (j0 + o < len_a)
+                for (int g = 0; g < gn; ++g) {
+                    const v16 w = splat16(pa[g * p_stride + j0 + o]);
+                    for (int s = 0; s < ns; ++s) acc_a[g][s] = acc_a[g][s] + w * v[s];
+                }
+            for (int g = 0; g < gn; ++g) {
+                const v16 w = splat16(pb[g * p_stride + j0 + o]);
+                for (int s = 0; s < ns; ++s) acc_b[g][s] = acc_b[g][s] + w * v[s];
+            }
+        }
+    }
+    for (int g = 0; g < gn; ++g)
+        for (int s = 0; s < ns; ++s) {
+            store16(out_a + g * head_dim + 16 * s, acc_a[g][s]);
+            store16(out_b + g * head_dim + 16 * s, acc_b[g][s]);
+        }
 }
 
 /*
@@ -493,7 +565,35 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                 for (int64_t r = (j > pos0 ? j - pos0 : 0); r < rows; ++r) {
                     const float *qr = q_head0 + r * q_token_stride;
                     float *sr = scores + r * gs * n_keys + j;
-                    for (int64_t g = 0; g < gs; ++g) {
+                    int64_t g = 0;
+                    if (ns == 4 || ns == 8) { /* up to 4 (head_dim 64) or 2 (128) heads a call */
+                        const int64_t gmax = ns == 4 ? 4 : 2;
+                        for (; g < gs; g += gmax) {
+                            const int64_t gn = (gs - g) < gmax ? (gs - g) : gmax;
+                            v16 sc[4];
+                            const float *qg = qr + g * head_dim;
+                            const float *const *kr = (const float *const *)krows;
+#define DH(G, S) dot16x16_heads(G, S, qg, kr, sc)
+                            if (ns == 4) {
+                                switch (gn) {
+                                case 1: DH(1, 4); break;
+                                case 2: DH(2, 4); break;
+                                case 3: DH(3, 4); break;
+                                default: DH(4, 4); break;
+                                }
+                            } else if (gn == 1) {
+                                DH(1, 8);
+                            } else {
+                                DH(2, 8);
+                            }
+#undef DH
+                            for (int64_t h = 0; h < gn; ++h) {
+                                const v16 sh = sc[h] * splat16(scale);
+                                memcpy(sr + (g + h) * n_keys, &sh, sizeof(float) * cnt);
+                            }
+                        }
+                    }
+                    for (; g < gs; ++g) {
                         if (vec) {
                             const v16 sc = dot16x16(qr + g * head_dim, (const float *const *)krows, head_dim) * splat16(scale);
                             memcpy(sr + g * n_keys, &sc, sizeof(float) * cnt);
@@ -515,9 +615,27 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
              * at a time for up to 6 (3) heads (pv_rows, V prefetched ahead); otherwise one
              * 16-float slice of the head at a time for up to VGROUP heads (pv_slice) and a
              * scalar tail. Either way each output element is the same in-order sum. */
+            /* head_dim 64 with up to 3 heads, or 128 with 1: two rows at a time (pv_rows2) */
+            const int pair = (ns == 4 && gs <= 3) || (ns == 8 && gs == 1);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t len = pos0 + r + 1;
                 float *orow = out + ((q0 + first + r) * num_heads + kvh * group + g_lo) * head_dim;
+                if (pair && r + 1 < rows) {
+                    const float *pa = scores + r * gs * n_keys;
+                    const float *pb = scores + (r + 1) * gs * n_keys;
+                    float *ob = orow + num_heads * head_dim;
+                    const void *vhead = kv_elem(v_cache, kvh * hstride, kvt);
+#define PV2(G, S)                                                                          \
+    pv_rows2(G, S, pa, pb, n_keys, len, len + 1, vhead, table, block_size, row, pf_blocks, \
+             orow, ob, head_dim, kvt)
+                    if (ns == 8) PV2(1, 8);
+                    else if (gs == 1) PV2(1, 4);
+                    else if (gs == 2) PV2(2, 4);
+                    else PV2(3, 4);
+#undef PV2
+                    ++r;
+                    continue;
+                }
                 const int64_t gstep = ns == 4 ? 6 : (ns == 8 ? 3 : VGROUP);
                 for (int64_t g0 = 0; g0 < gs; g0 += gstep) {
                     const int64_t gn = (gs - g0) < gstep ? (gs - g0) : gstep;
