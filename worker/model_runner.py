@@ -49,7 +49,6 @@ from pagedserve.worker.arch import ModelArch
 from pagedserve.worker.batch_invariant import make_batch_invariant
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.cpu_forward import bf16_cpu_path_available, cpu_kernels_apply
-from pagedserve.worker.cpu_malloc import keep_freed_memory
 from pagedserve.worker.cpu_threads import ThreadGovernor
 from pagedserve.worker.draft_model import (
     DraftModel,
@@ -184,8 +183,6 @@ class ModelRunner:
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            keep_freed_memory()  # activations reused across steps, not re-faulted
         self.thread_governor: ThreadGovernor | None = None
         if config.adaptive_threads and config.num_threads > 0 and self.device.type == "cpu":
             self.thread_governor = ThreadGovernor(config.num_threads, torch.set_num_threads)
