@@ -339,24 +339,29 @@ static inline __attribute__((always_inline)) void pv_slice(
     for (int g = 0; g < gn; ++g) store16(out + g * head_dim, acc[g]);
 }
 
-/* pv_slice over the whole head for head_dim = 16 * ns: each V row is read once for all
- * its slices and the task's gn heads (gn * ns <= 24 accumulators in registers), and the
- * rows pf_blocks blocks ahead are prefetched. The same operations per output element, in
- * the same key order, as pv_slice: the same bits. */
+/* pv_slice over the whole head for head_dim = 16 * ns, for nr consecutive query rows of a
+ * tile at once (row r sees keys < len + r; its weights at p + r * p_row, its output at
+ * out + r * out_row): each V row is read once for all its slices, the task's gn heads and
+ * the nr rows (nr * gn * ns <= 24 accumulators in registers), and the rows pf_blocks
+ * blocks ahead are prefetched. The same operations per output element, in the same key
+ * order, as pv_slice: the same bits. nr, gn and ns are compile-time constants at every
+ * call site. */
 static inline __attribute__((always_inline)) void pv_rows(
-    const int gn, const int ns, const float *p, int64_t p_stride, int64_t len,
-    const void *v_base, const int32_t *table, int64_t block_size, int64_t row,
-    int64_t pf_blocks, float *out, int64_t head_dim, const int kvt) {
-    v16 acc[6][8];
-    for (int g = 0; g < gn; ++g)
-        for (int s = 0; s < ns; ++s) acc[g][s] = splat16(0.0f);
-    for (int64_t b = 0, j0 = 0; j0 < len; ++b, j0 += block_size) {
+    const int nr, const int gn, const int ns, const float *p, int64_t p_stride, int64_t p_row,
+    int64_t len, const void *v_base, const int32_t *table, int64_t block_size, int64_t row,
+    int64_t pf_blocks, float *out, int64_t out_row, int64_t head_dim, const int kvt) {
+    v16 acc[2][6][8];
+    for (int r = 0; r < nr; ++r)
+        for (int g = 0; g < gn; ++g)
+            for (int s = 0; s < ns; ++s) acc[r][g][s] = splat16(0.0f);
+    const int64_t last = len + nr - 1; /* keys the last row sees */
+    for (int64_t b = 0, j0 = 0; j0 < last; ++b, j0 += block_size) {
         const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, kvt);
         const void *vn =
-            j0 + pf_blocks * block_size < len
+            j0 + pf_blocks * block_size < last
                 ? kv_elem(v_base, (int64_t)table[b + pf_blocks] * block_size * row, kvt)
                 : NULL;
-        const int64_t jn = (len - j0) < block_size ? (len - j0) : block_size;
+        const int64_t jn = (last - j0) < block_size ? (last - j0) : block_size;
         for (int64_t o = 0; o < jn; ++o) {
             if (vn != NULL)
                 for (int s = 0; s < ns; s += KV_LINE(kvt) / 16)
@@ -367,61 +372,19 @@ static inline __attribute__((always_inline)) void pv_rows(
                 const v16 sc = splat16(kv_scale_at(vb, o * row + head_dim, kvt));
                 for (int s = 0; s < ns; ++s) v[s] = v[s] * sc;
             }
-            for (int g = 0; g < gn; ++g) {
-                const v16 w = splat16(p[g * p_stride + j0 + o]);
-                for (int s = 0; s < ns; ++s) acc[g][s] = acc[g][s] + w * v[s];
-            }
-        }
-    }
-    for (int g = 0; g < gn; ++g)
-        for (int s = 0; s < ns; ++s) store16(out + g * head_dim + 16 * s, acc[g][s]);
-}
-
-/* pv_rows for two query rows of a tile at once (A sees keys < len_a, B keys < len_b, len_a
- * <= len_b; gn * ns <= 12, so 2 * gn * ns accumulators): each V row is loaded (and
- * widened) once for both. Per output element the same operations in the same key order
- * as pv_rows: the same bits. */
-static inline __attribute__((always_inline)) void pv_rows2(
-    const int gn, const int ns, const float *pa, const float *pb, int64_t p_stride,
-    int64_t len_a, int64_t len_b, const void *v_base, const int32_t *table, int64_t block_size,
-    int64_t row, int64_t pf_blocks, float *out_a, float *out_b, int64_t head_dim,
-    const int kvt) {
-    v16 acc_a[3][8], acc_b[3][8];
-    for (int g = 0; g < gn; ++g)
-        for (int s = 0; s < ns; ++s) acc_a[g][s] = acc_b[g][s] = splat16(0.0f);
-    for (int64_t b = 0, j0 = 0; j0 < len_b; ++b, j0 += block_size) {
-        const void *vb = kv_elem(v_base, (int64_t)table[b] * block_size * row, kvt);
-        const void *vn =
-            j0 + pf_blocks * block_size < len_b
-                ? kv_elem(v_base, (int64_t)table[b + pf_blocks] * block_size * row, kvt)
-                : NULL;
-        const int64_t jn = (len_b - j0) < block_size ? (len_b - j0) : block_size;
-        for (int64_t o = 0; o < jn; ++o) {
-            if (vn != NULL)
-                for (int s = 0; s < ns; s += KV_LINE(kvt) / 16)
-                    __builtin_prefetch(kv_elem(vn, o * row + 16 * s, kvt), 0, 3);
-            v16 v[8];
-            for (int s = 0; s < ns; ++s) v[s] = kv_load16(vb, o * row + 16 * s, kvt);
-            if (kvt == KV_INT8) {
-                const v16 sc = splat16(kv_scale_at(vb, o * row + head_dim, kvt));
-                for (int s = 0; s < ns; ++s) v[s] = v[s] * sc;
-            }
-            if (j0 + o < len_a)
+            for (int r = 0; r < nr; ++r) {
+                if (r < nr - 1 && j0 + o >= len + r) continue; /* the last row sees them all */
                 for (int g = 0; g < gn; ++g) {
-                    const v16 w = splat16(pa[g * p_stride + j0 + o]);
-                    for (int s = 0; s < ns; ++s) acc_a[g][s] = acc_a[g][s] + w * v[s];
+                    const v16 w = splat16(p[r * p_row + g * p_stride + j0 + o]);
+                    for (int s = 0; s < ns; ++s) acc[r][g][s] = acc[r][g][s] + w * v[s];
                 }
-            for (int g = 0; g < gn; ++g) {
-                const v16 w = splat16(pb[g * p_stride + j0 + o]);
-                for (int s = 0; s < ns; ++s) acc_b[g][s] = acc_b[g][s] + w * v[s];
             }
         }
     }
-    for (int g = 0; g < gn; ++g)
-        for (int s = 0; s < ns; ++s) {
-            store16(out_a + g * head_dim + 16 * s, acc_a[g][s]);
-            store16(out_b + g * head_dim + 16 * s, acc_b[g][s]);
-        }
+    for (int r = 0; r < nr; ++r)
+        for (int g = 0; g < gn; ++g)
+            for (int s = 0; s < ns; ++s)
+                store16(out + r * out_row + g * head_dim + 16 * s, acc[r][g][s]);
 }
 
 /*
@@ -615,19 +578,17 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
              * at a time for up to 6 (3) heads (pv_rows, V prefetched ahead); otherwise one
              * 16-float slice of the head at a time for up to VGROUP heads (pv_slice) and a
              * scalar tail. Either way each output element is the same in-order sum. */
-            /* head_dim 64 with up to 3 heads, or 128 with 1: two rows at a time (pv_rows2) */
+            /* head_dim 64 with up to 3 heads, or 128 with 1: two rows at a time */
             const int pair = (ns == 4 && gs <= 3) || (ns == 8 && gs == 1);
             for (int64_t r = 0; r < rows; ++r) {
                 const int64_t len = pos0 + r + 1;
                 float *orow = out + ((q0 + first + r) * num_heads + kvh * group + g_lo) * head_dim;
                 if (pair && r + 1 < rows) {
-                    const float *pa = scores + r * gs * n_keys;
-                    const float *pb = scores + (r + 1) * gs * n_keys;
-                    float *ob = orow + num_heads * head_dim;
+                    const float *p = scores + r * gs * n_keys;
                     const void *vhead = kv_elem(v_cache, kvh * hstride, kvt);
-#define PV2(G, S)                                                                          \
-    pv_rows2(G, S, pa, pb, n_keys, len, len + 1, vhead, table, block_size, row, pf_blocks, \
-             orow, ob, head_dim, kvt)
+#define PV2(G, S)                                                                              \
+    pv_rows(2, G, S, p, n_keys, gs * n_keys, len, vhead, table, block_size, row, pf_blocks, \
+            orow, num_heads * head_dim, head_dim, kvt)
                     if (ns == 8) PV2(1, 8);
                     else if (gs == 1) PV2(1, 4);
                     else if (gs == 2) PV2(2, 4);
@@ -643,7 +604,8 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
                     float *og = orow + g0 * head_dim;
                     const void *vhead = kv_elem(v_cache, kvh * hstride, kvt);
 #define PVR(G, S) \
-    pv_rows(G, S, p, n_keys, len, vhead, table, block_size, row, pf_blocks, og, head_dim, kvt)
+    pv_rows(1, G, S, p, n_keys, 0, len, vhead, table, block_size, row, pf_blocks, og, 0, head_dim, \
+            kvt)
                     if (ns == 4) {
                         switch (gn) {
                         case 1: PVR(1, 4); break;
