@@ -15,6 +15,7 @@ it as a list of :class:`NodeView` so tests give fakes.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import re
@@ -251,11 +252,18 @@ class WorkerStartError(RuntimeError):
 class Worker(_Worker):
     """The :class:`pagedserve.worker.worker.Worker` as a Ray actor (its processes stay
     named ``ray::Worker``): a constructor that fails raises :class:`WorkerStartError`
-    naming this node (IP and node id), and :meth:`node` tells where the worker runs."""
+    naming this node (IP and node id), and :meth:`node` tells where the worker runs.
+
+    Once constructed it freezes the process's garbage collector heap (:func:`gc.freeze`):
+    the objects of the libraries and the model (torch, Ray, the modules and their
+    parameters) move to the permanent generation, so the collections the steps' short-lived
+    tensors start no longer walk them (the process is the actor's alone)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         try:
             super().__init__(*args, **kwargs)
+            gc.collect()
+            gc.freeze()
         except Exception as exc:
             wid = getattr(args[0] if args else kwargs.get("config"), "worker_id", "?")
             cause = (str(exc).strip().splitlines() or [""])[0]

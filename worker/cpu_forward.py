@@ -149,6 +149,34 @@ def final_logits(
     return model.lm_logits(rows)
 
 
+def bf16_layer(layer: LlamaDecoderLayer) -> bool:
+    """Whether every linear layer of ``layer`` is a :class:`PackedLinearBf16` (it then reads
+    its input in bf16: the norms before them may round to bf16 themselves)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(isinstance(m, PackedLinearBf16) for m in linears)
+
+
+def mlp_forward(layer: LlamaDecoderLayer, normed: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate) * up)`` of ``normed [T, hidden]`` -> fp32 ``[T, hidden]``.
+
+    Where the gate/up layer runs on oneDNN without a bias (bf16 layers, prefill-sized
+    steps) its bf16 output goes straight into :func:`cpu_native.silu_mul`, whose bf16
+    result the down layer reads: the bits of widening gate/up to fp32 first and rounding
+    the product for the down GEMM, without the two fp32 copies."""
+    mlp = layer.mlp
+    gate_up = mlp.gate_up_proj
+    if (
+        isinstance(gate_up, PackedLinearBf16)
+        and gate_up.bias is None
+        and gate_up.runs_onednn(normed.shape[0])
+    ):
+        act = cpu_native.silu_mul(gate_up(normed, out_dtype=torch.bfloat16))
+    else:
+        act = cpu_native.silu_mul(gate_up(normed))
+    return cast(torch.Tensor, mlp.down_proj(act))
+
+
 def decoder_layer(
     layer: LlamaDecoderLayer,
     x: torch.Tensor,
@@ -160,13 +188,18 @@ def decoder_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer on the C kernels: ``(x, residual) -> (mlp_out, residual')`` (see the
     module docstring); ``residual is None`` on the first layer (``x`` is then the
-    embedding). ``positions`` and ``meta`` come from :func:`prepare_metadata`."""
+    embedding). ``positions`` and ``meta`` come from :func:`prepare_metadata`. The norms
+    before bf16 layers (:func:`bf16_layer`) write bf16, what those layers round their
+    input to (same bits)."""
+    norm_dtype = torch.bfloat16 if bf16_layer(layer) else torch.float32
     norm = layer.input_layernorm
     if residual is None:
         residual = x.clone()
-        normed = cpu_native.rms_norm(x, norm.weight, norm.eps)
+        normed = cpu_native.rms_norm(x, norm.weight, norm.eps, out_dtype=norm_dtype)
     else:
-        normed = cpu_native.rms_norm(x, norm.weight, norm.eps, residual=residual)
+        normed = cpu_native.rms_norm(
+            x, norm.weight, norm.eps, residual=residual, out_dtype=norm_dtype
+        )
     attn = layer.self_attn
     num_tokens = normed.shape[0]
     qkv = attn.qkv_proj(normed)
@@ -182,10 +215,10 @@ def decoder_layer(
     )  # fmt: skip
     attn_out = attn.o_proj(out.view(num_tokens, attn.q_size))
     post = layer.post_attention_layernorm
-    normed = cpu_native.rms_norm(attn_out, post.weight, post.eps, residual=residual)
-    mlp = layer.mlp
-    act = cpu_native.silu_mul(mlp.gate_up_proj(normed))
-    return mlp.down_proj(act), residual
+    normed = cpu_native.rms_norm(
+        attn_out, post.weight, post.eps, residual=residual, out_dtype=norm_dtype
+    )
+    return mlp_forward(layer, normed), residual
 
 
 @dataclass(frozen=True)

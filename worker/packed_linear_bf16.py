@@ -104,17 +104,29 @@ class PackedLinearBf16(nn.Module):
         # The per-call path reads plain attributes (see PackedLinear).
         self._fast = (cpu_native.linear_packed_bf16_fn(), packed, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 or bf16 ``[..., in_features]`` -> fp32 ``[..., out_features]``.
+    def runs_onednn(self, rows: int) -> bool:
+        """Whether a call of ``rows`` token rows runs on oneDNN (else the packed kernel)."""
+        return self._onednn is not None and rows >= self.onednn_min_rows  # type: ignore[operator]
+
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """fp32 or bf16 ``[..., in_features]`` -> ``[..., out_features]`` of ``out_dtype``.
+
+        Args:
+            out_dtype: ``torch.float32`` (the fp32 sums, bias added in fp32), or
+                ``torch.bfloat16``: those rounded to nearest even. On oneDNN without a bias
+                that is the op's own bf16 output, no fp32 copy made (for a bf16 consumer
+                such as :func:`cpu_native.silu_mul`).
 
         Raises:
             ValueError: ``x`` not fp32/bf16 on CPU or its last dimension not
-                ``in_features``.
+                ``in_features``; ``out_dtype`` neither fp32 nor bf16.
         """
+        if out_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
         n = self.out_features
         flat = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         m = flat.shape[0]
-        if self._onednn is not None and m >= self.onednn_min_rows:  # type: ignore[operator]
+        if self.runs_onednn(m):
             if (
                 flat.dtype not in (torch.float32, torch.bfloat16)
                 or flat.shape[1] != self.in_features
@@ -125,7 +137,10 @@ class PackedLinearBf16(nn.Module):
                 )
             out = torch.ops.mkldnn._linear_pointwise(
                 flat.to(torch.bfloat16), self._onednn, None, "none", [], ""
-            ).float()
+            )
+            if out_dtype is torch.bfloat16 and self.bias is None:
+                return out.view(*x.shape[:-1], n)
+            out = out.float()
             if self.bias is not None:
                 out.add_(self.bias)
         elif (
@@ -144,6 +159,8 @@ class PackedLinearBf16(nn.Module):
                 raise RuntimeError(f"linear_packed_bf16: no memory for {m} activation rows")
         else:
             out = cpu_native.linear_packed_bf16(flat, self.packed, n, self._fast[2])
+        if out_dtype is torch.bfloat16:
+            out = out.to(torch.bfloat16)
         return out.view(*x.shape[:-1], n)
 
     def pointer_tensors(self, name: str) -> dict[str, torch.Tensor | None]:

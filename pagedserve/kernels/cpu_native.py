@@ -122,7 +122,9 @@ _SIGNATURES = {
     "rope_store_int8kv": [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr,
                           _ptr],
     "rms_norm_f32": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "rms_norm_f32_to_bf16": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
     "silu_mul_f32": [_ptr, _ptr, _i64, _i64],
+    "silu_mul_bf16": [_ptr, _ptr, _i64, _i64],
     "pack_weight_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64],
     "linear_packed_f32": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64],
     "gemm_panel_width": [],
@@ -390,18 +392,34 @@ def rope_store(
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``weight * x / sqrt(mean(x**2) + eps)`` per row of contiguous fp32 ``x [N, hidden]``.
+    """``weight * x / sqrt(mean(x**2) + eps)`` per row of contiguous fp32 ``x [N, hidden]``
+    (fp32 ``weight [hidden]``).
 
-    With ``residual`` (contiguous ``[N, hidden]``) it computes ``residual += x`` in place
-    first and normalizes that sum (vLLM's ``fused_add_rms_norm``).
+    With ``residual`` (contiguous fp32 ``[N, hidden]``) it computes ``residual += x`` in
+    place first and normalizes that sum (vLLM's ``fused_add_rms_norm``).
+
+    Args:
+        out_dtype: ``torch.float32``, or ``torch.bfloat16``: each fp32 result rounded to
+            nearest even (the bits of the fp32 result's ``.to(torch.bfloat16)``), the input
+            a bf16 GEMM reads.
 
     Returns:
-        A new fp32 ``[N, hidden]`` tensor.
+        A new ``[N, hidden]`` tensor of ``out_dtype``.
+
+    Raises:
+        ValueError: ``out_dtype`` neither fp32 nor bf16.
     """
-    out = torch.empty_like(x)
-    _lib().rms_norm_f32(
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"rms_norm: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    out = torch.empty(x.shape, dtype=out_dtype)
+    fn = _lib().rms_norm_f32 if out_dtype == torch.float32 else _lib().rms_norm_f32_to_bf16
+    fn(
         x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
         out.data_ptr(), x.shape[0], x.shape[1], eps,
     )  # fmt: skip
@@ -428,10 +446,24 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for contiguous fp32 ``gate_up [N, 2 * inter]`` -> ``[N, inter]``."""
+    """``silu(gate) * up`` for contiguous ``gate_up [N, 2 * inter]`` -> ``[N, inter]`` of
+    its dtype, fp32 or bf16. The arithmetic is fp32 either way: a bf16 input is widened
+    exactly and each result rounded to nearest even, the bits of
+    ``silu_mul(gate_up.float()).to(torch.bfloat16)``.
+
+    Raises:
+        ValueError: a dtype other than fp32/bf16, or an odd width.
+    """
     rows, width = gate_up.shape
-    out = torch.empty((rows, width // 2), dtype=torch.float32)
-    _lib().silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    if gate_up.dtype not in (torch.float32, torch.bfloat16) or width % 2:
+        raise ValueError(
+            f"silu_mul takes fp32 or bf16 [N, 2 * inter], got {gate_up.dtype} "
+            f"{tuple(gate_up.shape)}"
+        )
+    gate_up = gate_up.contiguous()
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    fn = _lib().silu_mul_f32 if gate_up.dtype == torch.float32 else _lib().silu_mul_bf16
+    fn(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
     return out
 
 

@@ -156,6 +156,47 @@ def test_silu_mul_vector_lanes_equal_the_scalar_tail_bit_for_bit():
     torch.testing.assert_close(out[:, :15].double(), want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,inter", [(1, 31), (19, 100), (3, 1536), (2, 1111)])
+def test_silu_mul_of_bf16_is_the_fp32_result_rounded_bit_for_bit(rows, inter):
+    # inter 1536 and 1111 span several of the kernel's 512-element pieces (1111: a ragged
+    # last piece whose own tail is scalar); specials and large values included.
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 8).to(torch.bfloat16)
+    flat = gate_up.view(-1)
+    specials = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3e38, -3e38, 1e-40]
+    flat[: len(specials)] = torch.tensor(specials, dtype=torch.bfloat16)
+    out = cpu_native.silu_mul(gate_up)
+    want = cpu_native.silu_mul(gate_up.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, inter)
+    # NaN payloads differ between conversions (torch's vector path keeps the sign): a NaN
+    # where torch has one, equal bits everywhere else.
+    nan = want.isnan()
+    assert torch.equal(out.isnan(), nan) and nan.any()
+    assert torch.equal(out[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_silu_mul_refuses_other_dtypes_and_odd_widths():
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        cpu_native.silu_mul(torch.zeros(2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        cpu_native.silu_mul(torch.zeros(2, 7))
+
+
+def test_rms_norm_to_bf16_is_the_fp32_result_rounded_bit_for_bit():
+    gen = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(70, 576, generator=gen), torch.randn(70, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    want_res = residual.clone()
+    want = cpu_native.rms_norm(x, weight, 1e-5, residual=want_res).to(torch.bfloat16)
+    got_res = residual.clone()
+    got = cpu_native.rms_norm(x, weight, 1e-5, residual=got_res, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(got_res, want_res)
+    with pytest.raises(ValueError, match="out_dtype"):
+        cpu_native.rms_norm(x, weight, 1e-5, out_dtype=torch.float16)
+
+
 @pytest.mark.parametrize("num_kv_heads,ratio,head_dim", [(3, 3, 64), (1, 12, 64), (2, 4, 80)])
 def test_one_sequence_alone_equals_its_row_in_a_batch_bit_for_bit(num_kv_heads, ratio, head_dim):
     # Alone, a sequence's KV group is split over several tasks (too few tasks for the

@@ -18,6 +18,7 @@ from pagedserve.worker.cpu_forward import (
     CpuLayerForward,
     FusedCpuForward,
     bf16_cpu_path_available,
+    mlp_forward,
     runs_fused,
 )
 from pagedserve.worker.forward import select_forward
@@ -152,6 +153,27 @@ def test_greedy_equals_the_per_layer_path_over_prefill_and_decode(
     fused, layers = results
     assert len({tuple(o[:4]) for o in fused}) == len(TINY_PROMPTS)
     assert fused == layers
+
+
+@pytest.mark.parametrize("rows", [ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 70])
+def test_the_mlp_on_bf16_activations_is_the_fp32_chains_bits(
+    tiny_llama_dir: Path, rows: int
+) -> None:
+    """From the oneDNN crossover up, gate/up's bf16 output feeds SiLU * up in bf16 and the
+    down layer reads that: the bits of widening gate/up to fp32 and rounding the product
+    inside the down layer (below the crossover the fp32 chain itself runs)."""
+    layer = bf16_worker(tiny_llama_dir).runner.model.layers[0]
+    gate_up = layer.mlp.gate_up_proj
+    normed = torch.randn(rows, gate_up.in_features, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = layer.mlp.down_proj(cpu_native.silu_mul(gate_up(normed)))
+        got = mlp_forward(layer, normed.to(torch.bfloat16))
+        assert gate_up.runs_onednn(rows) == (gate_up.onednn_min_rows is not None and rows >= 16)
+        if gate_up.runs_onednn(rows):
+            assert gate_up(normed, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert got.dtype == torch.float32 and got.shape == (rows, gate_up.in_features)
+    assert got.abs().max() > 0.01
+    assert torch.equal(got, want)
 
 
 def test_a_failed_bf16_gemm_raises_instead_of_returning_logits(

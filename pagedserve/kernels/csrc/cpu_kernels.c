@@ -989,6 +989,31 @@ void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter) {
         silu_mul_row(x + i * 2 * inter, x + i * 2 * inter + inter, out + i * inter, inter);
 }
 
+/* silu_mul_f32 of bf16 gate_up rows (each element widened exactly), each output rounded by
+ * f32_to_bf16: the bits of silu_mul_f32(x.float()).to(torch.bfloat16), without the fp32
+ * copies of x and out. The row goes through the fp32 arithmetic in pieces of SILU_PIECE
+ * elements (a multiple of 16, so the vector/tail split inside silu_mul_row gives the same
+ * bits per element as one call over the whole row). */
+#define SILU_PIECE 512
+void silu_mul_bf16(const uint16_t *x, uint16_t *out, int64_t num_rows, int64_t inter) {
+#pragma omp parallel for if (num_rows > 16)
+    for (int64_t i = 0; i < num_rows; ++i) {
+        float g[SILU_PIECE], u[SILU_PIECE], o[SILU_PIECE];
+        const uint16_t *gi = x + i * 2 * inter, *ui = gi + inter;
+        uint16_t *oi = out + i * inter;
+        for (int64_t d0 = 0; d0 < inter; d0 += SILU_PIECE) {
+            const int64_t n = inter - d0 < SILU_PIECE ? inter - d0 : SILU_PIECE;
+            for (int64_t d = 0; d < n; ++d) {
+                const uint32_t gb = (uint32_t)gi[d0 + d] << 16, ub = (uint32_t)ui[d0 + d] << 16;
+                memcpy(g + d, &gb, sizeof(float));
+                memcpy(u + d, &ub, sizeof(float));
+            }
+            silu_mul_row(g, u, o, n);
+            for (int64_t d = 0; d < n; ++d) oi[d0 + d] = f32_to_bf16(o[d]);
+        }
+    }
+}
+
 /*
  * out[i] = the index of the first maximum of row i of x (row stride ld), as torch.argmax:
  * ties go to the lowest index, a NaN counts as the maximum (the first NaN wins).
