@@ -6,17 +6,22 @@ products summed in fp32 in an order fixed by K alone, so a row's result depends 
 row (batch invariant). The kernel runs on AMX tiles (``TDPBF16PS``) where
 :func:`~pagedserve.kernels.cpu_native.amx_chosen`, else on AVX512-BF16 (``VDPBF16PS``).
 
-On AMX the packed kernel is faster than oneDNN's prepacked bf16 linear from 1 to 256 token
-rows and level with it at 512 (``benchmarks/kernels/cpu_gemm_bf16.py``, benchmarks/RESULTS.md
-"Linear layers in bf16"), so by default it runs every call from the one packed copy (2 bytes
-per weight). On AVX512-BF16 alone it is compute-poor from 16 rows up: there, by default, calls of
-``M >= ONEDNN_MIN_ROWS`` rows (prefill) run oneDNN's bf16 inner product on a second copy of
+By default every call runs the packed kernel, from the one packed copy (2 bytes per
+weight): on AMX it is faster than oneDNN's prepacked bf16 linear from 1 to 256 token rows and
+level with it at 512 (``benchmarks/kernels/cpu_gemm_bf16.py``, benchmarks/RESULTS.md "Linear
+layers in bf16"); on a CPU with AVX512-BF16 and no AMX, where oneDNN runs the same
+``VDPBF16PS`` instructions, it is 1.6x faster at 1-16 rows, 1.05x at 256 and within 3% of it
+up to 2048 (RESULTS, "On an AMD EPYC VM without AMX"). Where the CPU has AMX tiles the packed
+kernel does not use (``PAGEDSERVE_CPU_AMX=0``, or a compiler without AMX), oneDNN still
+does, and beats the AVX512-BF16 kernel from 16 rows up: there, by default, calls of
+``M >= ONEDNN_MIN_ROWS`` rows run oneDNN's bf16 inner product on a second copy of
 the weight reordered once (``torch.ops.mkldnn._reorder_linear_weight`` /
 ``_linear_pointwise``, what vLLM's CPU backend runs), x cast to bf16 first. Its output is bf16
-(the op gives its input's dtype), cast back to fp32, the fp32 bias added after: it differs
-from the packed kernel by that rounding (relative 2^-9), and oneDNN chooses its blocking by
-shape, so that branch is **not** batch invariant. :func:`default_onednn_min_rows` gives the
-default; ``onednn_min_rows=None`` keeps the packed copy alone.
+(the op gives its input's dtype), cast back to fp32 (or kept, ``out_dtype=torch.bfloat16``),
+the fp32 bias added after: it differs from the packed kernel by that rounding (relative
+2^-9), and oneDNN chooses its blocking by shape, so that branch is **not** batch invariant.
+:func:`default_onednn_min_rows` gives the default; ``onednn_min_rows=None`` keeps the packed
+copy alone.
 """
 
 from __future__ import annotations
@@ -27,12 +32,13 @@ import torch
 from torch import nn
 
 from pagedserve.kernels import cpu_native
+from pagedserve.worker.precision import read_cpu_flags
 
-# Token rows from which oneDNN's prepacked bf16 linear beats the AVX512-BF16 packed kernel,
-# over SmolLM2-135M's four layer shapes with weights from memory, 2 threads: that kernel is
+# Token rows from which oneDNN's prepacked bf16 linear, running on AMX tiles, beats the
+# AVX512-BF16 packed kernel (a CPU whose AMX the packed kernel does not use), over
+# SmolLM2-135M's four layer shapes with weights from memory, 2 threads: that kernel is
 # 1.05-1.4x oneDNN's speed at M = 1-8, even at 16, about half of it at 32 and beyond
 # (benchmarks/kernels/cpu_gemm_bf16.py; benchmarks/RESULTS.md "Linear layers in bf16").
-# The AMX kernel beats oneDNN up to 256 rows and ties it at 512: no crossover there.
 ONEDNN_MIN_ROWS = 16
 # The batch size oneDNN is told when reordering a weight (it picks its layout by it): one
 # reordered copy serves every M from the crossover up; the benchmark measures with it.
@@ -46,11 +52,17 @@ def onednn_bf16_available() -> bool:
     )
 
 
-def default_onednn_min_rows() -> int | None:
-    """``onednn_min_rows`` of :class:`PackedLinearBf16` by default: ``None`` (the packed
-    kernel for every M) where it runs on AMX (:func:`cpu_native.amx_chosen`), else
-    :data:`ONEDNN_MIN_ROWS`."""
-    return None if cpu_native.amx_chosen() else ONEDNN_MIN_ROWS
+def default_onednn_min_rows(cpu_flags: frozenset[str] | None = None) -> int | None:
+    """``onednn_min_rows`` of :class:`PackedLinearBf16` by default: :data:`ONEDNN_MIN_ROWS`
+    where the CPU has AMX tiles (``amx_bf16`` among ``cpu_flags``, default
+    :func:`~pagedserve.worker.precision.read_cpu_flags`) that the packed kernel does not
+    run on (:func:`cpu_native.amx_chosen` false): oneDNN uses them. ``None`` (the packed
+    kernel for every M) where the packed kernel runs on AMX, and on CPUs without AMX, where
+    both run AVX512-BF16 and the packed kernel is as fast or faster (module docstring)."""
+    if cpu_native.amx_chosen():
+        return None
+    flags = read_cpu_flags() if cpu_flags is None else cpu_flags
+    return ONEDNN_MIN_ROWS if "amx_bf16" in flags else None
 
 
 class PackedLinearBf16(nn.Module):

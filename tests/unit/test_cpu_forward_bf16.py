@@ -7,10 +7,12 @@ GEMM fails."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import GREEDY, TINY_PROMPTS, FakeScheduler, use_forward
+from torch import nn
 
 from pagedserve.kernels import cpu_native
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
@@ -24,7 +26,13 @@ from pagedserve.worker.cpu_forward import (
 from pagedserve.worker.forward import select_forward
 from pagedserve.worker.input_batch import SequenceState, prepare_inputs
 from pagedserve.worker.model import LayerForward
-from pagedserve.worker.packed_linear_bf16 import ONEDNN_MIN_ROWS, PackedLinearBf16
+from pagedserve.worker.packed_linear_bf16 import (
+    ONEDNN_MIN_ROWS,
+    PackedLinearBf16,
+    default_onednn_min_rows,
+    onednn_bf16_available,
+)
+from pagedserve.worker.precision import read_cpu_flags
 from pagedserve.worker.worker import Worker
 
 pytestmark = pytest.mark.skipif(
@@ -63,7 +71,11 @@ def test_the_runner_picks_the_fused_forward_for_bf16_weights(
     chosen = select_forward(model, caches)
     assert isinstance(chosen, FusedCpuForward) and chosen.name == "cpu-fused"
     # On AMX the bf16 layers keep no oneDNN copy: the one C call runs every step.
-    assert chosen.per_layer_from == (None if cpu_native.has_amx() else ONEDNN_MIN_ROWS)
+    # oneDNN copies only beside AMX tiles the packed kernel does not use.
+    assert chosen.per_layer_from == default_onednn_min_rows()
+    assert chosen.per_layer_from == (
+        ONEDNN_MIN_ROWS if "amx_bf16" in read_cpu_flags() and not cpu_native.amx_chosen() else None
+    )
     assert [entry.w_bf16 for entry in chosen.layers] == [1, 1]
     assert [entry.kv_type for entry in chosen.layers] == [int(kv == "bfloat16")] * 2
     monkeypatch.setenv("PAGEDSERVE_FUSED_LAYERS", "0")
@@ -155,25 +167,32 @@ def test_greedy_equals_the_per_layer_path_over_prefill_and_decode(
     assert fused == layers
 
 
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no oneDNN bf16 here")
 @pytest.mark.parametrize("rows", [ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 70])
-def test_the_mlp_on_bf16_activations_is_the_fp32_chains_bits(
-    tiny_llama_dir: Path, rows: int
-) -> None:
+def test_the_mlp_on_bf16_activations_is_the_fp32_chains_bits(rows: int) -> None:
     """From the oneDNN crossover up, gate/up's bf16 output feeds SiLU * up in bf16 and the
     down layer reads that: the bits of widening gate/up to fp32 and rounding the product
     inside the down layer (below the crossover the fp32 chain itself runs)."""
-    layer = bf16_worker(tiny_llama_dir).runner.model.layers[0]
-    gate_up = layer.mlp.gate_up_proj
-    normed = torch.randn(rows, gate_up.in_features, generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(3)
+    hidden, inter = 64, 96
+    gate_up = PackedLinearBf16(nn.Linear(hidden, 2 * inter, bias=False), ONEDNN_MIN_ROWS)
+    down = PackedLinearBf16(nn.Linear(inter, hidden, bias=False), ONEDNN_MIN_ROWS)
+    layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=gate_up, down_proj=down))
+    normed = torch.randn(rows, hidden)
     with torch.inference_mode():
-        want = layer.mlp.down_proj(cpu_native.silu_mul(gate_up(normed)))
-        got = mlp_forward(layer, normed.to(torch.bfloat16))
-        assert gate_up.runs_onednn(rows) == (gate_up.onednn_min_rows is not None and rows >= 16)
-        if gate_up.runs_onednn(rows):
-            assert gate_up(normed, out_dtype=torch.bfloat16).dtype == torch.bfloat16
-    assert got.dtype == torch.float32 and got.shape == (rows, gate_up.in_features)
+        want = down(cpu_native.silu_mul(gate_up(normed)))
+        got = mlp_forward(layer, normed.to(torch.bfloat16))  # type: ignore[arg-type]
+        assert gate_up.runs_onednn(rows) == (rows >= ONEDNN_MIN_ROWS)
+        assert gate_up(normed, out_dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert got.dtype == torch.float32 and got.shape == (rows, hidden)
     assert got.abs().max() > 0.01
     assert torch.equal(got, want)
+
+
+def test_onednn_runs_by_default_only_beside_amx_tiles_the_packed_kernel_leaves() -> None:
+    amx_cpu = frozenset({"avx512_bf16", "amx_tile", "amx_bf16"})
+    assert default_onednn_min_rows(frozenset({"avx512f", "avx512_bf16"})) is None
+    assert default_onednn_min_rows(amx_cpu) == (None if cpu_native.amx_chosen() else 16)
 
 
 def test_a_failed_bf16_gemm_raises_instead_of_returning_logits(
