@@ -74,10 +74,16 @@ void pack_weight_f32(const float *w, int64_t n, int64_t k, int64_t ldw, float *p
     }
 }
 
-static inline vf splat(float a) { /* every lane a (the compiler emits one broadcast) */
-    vf v;
-    for (int i = 0; i < VL; ++i) v[i] = a;
-    return v;
+/* every lane a, as one broadcast: GCC turns a per-lane fill loop into one masked
+ * broadcast per lane (16 under AVX-512), which starved the FMA loop of issue slots. */
+static inline vf splat(float a) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(a);
+#elif defined(__AVX__) && defined(__FMA__)
+    return (vf)_mm256_set1_ps(a);
+#else
+    return a - (vf){0}; /* a - (+0) is a for every a, -0 and NaN included */
+#endif
 }
 
 /*

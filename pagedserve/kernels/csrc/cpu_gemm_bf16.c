@@ -271,38 +271,46 @@ int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int6
         for (int64_t r = 0; r < m; ++r)
             convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
                         (uint16_t *)(xb + r * ldxb), kp2);
-        for (int64_t m0 = 0; m0 < m; m0 += MC) {
+        /* One task per (block of MC rows, group of panels), handed out in that order as
+         * threads ask: a thread delayed by another process (a serving CPU is shared with
+         * the frontend and the scheduler) leaves its tasks to the others instead of
+         * holding them at a barrier. Each output element is one task's, whichever thread
+         * runs it: the bits do not depend on the split. */
+        const int64_t mblocks = (m + MC - 1) / MC;
+        /* consecutive groups per hand-out, so the group a task prefetches is mostly the
+         * same thread's next one: a quarter of a thread's share of a row block */
+        const int64_t chunk = groups / (4 * threads) > 1 ? groups / (4 * threads) : 1;
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t task = 0; task < mblocks * groups; ++task) {
+            const int64_t m0 = task / groups * MC, g = task % groups;
             const int64_t mc = (m - m0) < MC ? (m - m0) : MC;
-#pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; ++g) {
-                const int64_t p = g * group;
-                const int64_t np = (panels - p) < group ? (panels - p) : group;
-                const uint16_t *panel = packed + p * panel_size;
-                const int64_t cols = (n - p * NR) < np * NR ? (n - p * NR) : np * NR;
-                const float *bp = bias == NULL ? NULL : bias + p * NR;
-                if (np == group) {
-                    /* the next group is brought into L2 a slice per row block */
-                    const int64_t blocks = (mc + MR - 1) / MR;
-                    const int64_t next_lines = (p + np < panels) ? np * panel_size * 2 / 64 : 0;
-                    const int64_t slice = (next_lines + blocks - 1) / blocks;
-                    const char *next = (const char *)(packed + (p + np) * panel_size);
-                    for (int64_t r0 = 0, j = 0; r0 < mc; r0 += MR, ++j) {
+            const int64_t p = g * group;
+            const int64_t np = (panels - p) < group ? (panels - p) : group;
+            const uint16_t *panel = packed + p * panel_size;
+            const int64_t cols = (n - p * NR) < np * NR ? (n - p * NR) : np * NR;
+            const float *bp = bias == NULL ? NULL : bias + p * NR;
+            if (np == group) {
+                /* the next group is brought into L2 a slice per row block */
+                const int64_t blocks = (mc + MR - 1) / MR;
+                const int64_t next_lines = (p + np < panels) ? np * panel_size * 2 / 64 : 0;
+                const int64_t slice = (next_lines + blocks - 1) / blocks;
+                const char *next = (const char *)(packed + (p + np) * panel_size);
+                for (int64_t r0 = 0, j = 0; r0 < mc; r0 += MR, ++j) {
+                    const int64_t mr = (mc - r0) < MR ? (mc - r0) : MR;
+                    int64_t lines = next_lines - j * slice;
+                    lines = lines < 0 ? 0 : (lines < slice ? lines : slice);
+                    tile(mr, np, xb + (m0 + r0) * ldxb, ldxb, panel, kp2, bp,
+                         out + (m0 + r0) * ldo + p * NR, ldo, cols, next + j * slice * 64,
+                         lines);
+                }
+            } else { /* the last, short group: one panel at a time */
+                for (int64_t q = 0; q < np; ++q) {
+                    const int64_t c = (n - (p + q) * NR) < NR ? (n - (p + q) * NR) : NR;
+                    for (int64_t r0 = 0; r0 < mc; r0 += MR) {
                         const int64_t mr = (mc - r0) < MR ? (mc - r0) : MR;
-                        int64_t lines = next_lines - j * slice;
-                        lines = lines < 0 ? 0 : (lines < slice ? lines : slice);
-                        tile(mr, np, xb + (m0 + r0) * ldxb, ldxb, panel, kp2, bp,
-                             out + (m0 + r0) * ldo + p * NR, ldo, cols, next + j * slice * 64,
-                             lines);
-                    }
-                } else { /* the last, short group: one panel at a time */
-                    for (int64_t q = 0; q < np; ++q) {
-                        const int64_t c = (n - (p + q) * NR) < NR ? (n - (p + q) * NR) : NR;
-                        for (int64_t r0 = 0; r0 < mc; r0 += MR) {
-                            const int64_t mr = (mc - r0) < MR ? (mc - r0) : MR;
-                            tile(mr, 1, xb + (m0 + r0) * ldxb, ldxb, panel + q * panel_size,
-                                 kp2, bias == NULL ? NULL : bp + q * NR,
-                                 out + (m0 + r0) * ldo + (p + q) * NR, ldo, c, NULL, 0);
-                        }
+                        tile(mr, 1, xb + (m0 + r0) * ldxb, ldxb, panel + q * panel_size,
+                             kp2, bias == NULL ? NULL : bp + q * NR,
+                             out + (m0 + r0) * ldo + (p + q) * NR, ldo, c, NULL, 0);
                     }
                 }
             }
