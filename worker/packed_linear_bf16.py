@@ -10,8 +10,10 @@ By default every call runs the packed kernel, from the one packed copy (2 bytes 
 weight): on AMX it is faster than oneDNN's prepacked bf16 linear from 1 to 256 token rows and
 level with it at 512 (``benchmarks/kernels/cpu_gemm_bf16.py``, benchmarks/RESULTS.md "Linear
 layers in bf16"); on a CPU with AVX512-BF16 and no AMX, where oneDNN runs the same
-``VDPBF16PS`` instructions, it is 1.6x faster at 1-16 rows, 1.05x at 256 and within 3% of it
-up to 2048 (RESULTS, "On an AMD EPYC VM without AMX"). Where the CPU has AMX tiles the packed
+``VDPBF16PS`` instructions, it is 1.45-1.6x faster at 1-16 rows, 1.33x at 32 and level at
+256; oneDNN is 2-8% faster from 512 to 2048 rows, yet a whole 16 x 512 prefill on the fused C
+call measured level with oneDNN's per-layer path, on one weight copy instead of two (RESULTS,
+"On an AMD EPYC VM without AMX"). Where the CPU has AMX tiles the packed
 kernel does not use (``PAGEDSERVE_CPU_AMX=0``, or a compiler without AMX), oneDNN still
 does, and beats the AVX512-BF16 kernel from 16 rows up: there, by default, calls of
 ``M >= ONEDNN_MIN_ROWS`` rows run oneDNN's bf16 inner product on a second copy of

@@ -114,7 +114,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
     if not args.vllm_python.exists():
-        raise SystemExit(f"no vLLM venv at {args.vllm_python} (benchmarks/serving/vllm_bench.py makes it)")
+        raise SystemExit(
+            f"no vLLM venv at {args.vllm_python} (benchmarks/serving/vllm_bench.py makes it)"
+        )
     pythons = {"pagedserve": Path(sys.executable), "vllm": args.vllm_python}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     runs: dict[str, dict[str, list[float]]] = {w: {s: [] for s in pythons} for w in workloads}
