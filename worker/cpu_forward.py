@@ -2,7 +2,8 @@
 
 fp32 or bf16 weights (bf16: :class:`~pagedserve.worker.packed_linear_bf16.PackedLinearBf16`
 layers and head, the embedding rows widened to fp32 once), fp32 activations, norms and
-residual stream; the KV caches fp32 or bf16 (``kv_cache_dtype="bfloat16"``: K/V rounded to
+residual stream (the inputs of bf16 linear layers rounded to bf16, by the layer or, on the
+per-layer path, by the norm or SiLU * up before it: the same bits); the KV caches fp32 or bf16 (``kv_cache_dtype="bfloat16"``: K/V rounded to
 bf16 when stored, widened back to fp32 in the attention kernel, half the cache bytes read
 per step).
 
@@ -50,7 +51,11 @@ from pagedserve.worker.batch_invariant import per_token_metadata
 from pagedserve.worker.layers import RMSNorm
 from pagedserve.worker.model import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from pagedserve.worker.packed_linear import PackedLinear
-from pagedserve.worker.packed_linear_bf16 import PackedLinearBf16, onednn_bf16_available
+from pagedserve.worker.packed_linear_bf16 import (
+    PackedLinearBf16,
+    default_onednn_min_rows,
+    onednn_bf16_available,
+)
 
 
 def cpu_kernels_apply(model: LlamaForCausalLM) -> bool:
@@ -73,10 +78,15 @@ def cpu_kernels_apply(model: LlamaForCausalLM) -> bool:
 
 def bf16_cpu_path_available() -> bool:
     """True when bf16 weights run fast on this CPU: the AVX512-BF16 GEMM is built
-    (:func:`pagedserve.kernels.cpu_native.has_bf16_gemm`), and prefill-sized batches run
-    fast too: on AMX (:func:`~pagedserve.kernels.cpu_native.amx_chosen`) or through oneDNN's
-    bf16 linear (:func:`~pagedserve.worker.packed_linear_bf16.onednn_bf16_available`)."""
-    return cpu_native.has_bf16_gemm() and (cpu_native.amx_chosen() or onednn_bf16_available())
+    (:func:`pagedserve.kernels.cpu_native.has_bf16_gemm`), and where the packed kernel
+    leaves the CPU's AMX tiles to oneDNN for prefill-sized batches
+    (:func:`~pagedserve.worker.packed_linear_bf16.default_onednn_min_rows` not ``None``),
+    oneDNN's bf16 linear is there
+    (:func:`~pagedserve.worker.packed_linear_bf16.onednn_bf16_available`). On AMX and on
+    CPUs without it the packed kernel runs every batch size itself."""
+    if not cpu_native.has_bf16_gemm():
+        return False
+    return default_onednn_min_rows() is None or onednn_bf16_available()
 
 
 def prepare_metadata(
@@ -163,11 +173,12 @@ def mlp_forward(layer: LlamaDecoderLayer, normed: torch.Tensor) -> torch.Tensor:
     Where the gate/up layer runs on oneDNN without a bias (bf16 layers, prefill-sized
     steps) its bf16 output goes straight into :func:`cpu_native.silu_mul`, whose bf16
     result the down layer reads: the bits of widening gate/up to fp32 first and rounding
-    the product for the down GEMM, without the two fp32 copies."""
+    the product for the down GEMM (NaN payloads aside), without the two fp32 copies."""
     mlp = layer.mlp
     gate_up = mlp.gate_up_proj
     if (
         isinstance(gate_up, PackedLinearBf16)
+        and isinstance(mlp.down_proj, PackedLinearBf16)  # it reads the bf16 product
         and gate_up.bias is None
         and gate_up.runs_onednn(normed.shape[0])
     ):

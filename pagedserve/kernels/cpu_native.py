@@ -406,8 +406,8 @@ def rms_norm(
 
     Args:
         out_dtype: ``torch.float32``, or ``torch.bfloat16``: each fp32 result rounded to
-            nearest even (the bits of the fp32 result's ``.to(torch.bfloat16)``), the input
-            a bf16 GEMM reads.
+            nearest even (the bits of the fp32 result's ``.to(torch.bfloat16)``, a NaN
+            as ``0x7fc0``), the input a bf16 GEMM reads.
 
     Returns:
         A new ``[N, hidden]`` tensor of ``out_dtype``.
@@ -449,7 +449,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for contiguous ``gate_up [N, 2 * inter]`` -> ``[N, inter]`` of
     its dtype, fp32 or bf16. The arithmetic is fp32 either way: a bf16 input is widened
     exactly and each result rounded to nearest even, the bits of
-    ``silu_mul(gate_up.float()).to(torch.bfloat16)``.
+    ``silu_mul(gate_up.float()).to(torch.bfloat16)`` (a NaN as ``0x7fc0``, where torch's
+    vector conversion may keep its sign).
 
     Raises:
         ValueError: a dtype other than fp32/bf16, or an odd width.
