@@ -3,9 +3,9 @@
 fp32 or bf16 weights (bf16: :class:`~pagedserve.worker.packed_linear_bf16.PackedLinearBf16`
 layers and head, the embedding rows widened to fp32 once), fp32 activations, norms and
 residual stream (the inputs of bf16 linear layers rounded to bf16, by the layer or, on the
-per-layer path, by the norm or SiLU * up before it: the same bits); the KV caches fp32 or bf16 (``kv_cache_dtype="bfloat16"``: K/V rounded to
-bf16 when stored, widened back to fp32 in the attention kernel, half the cache bytes read
-per step).
+per-layer path, by the norm or SiLU * up before it: the same bits); the KV caches fp32 or
+bf16 (``kv_cache_dtype="bfloat16"``: K/V rounded to bf16 when stored, widened back to fp32
+in the attention kernel, half the cache bytes read per step).
 
 Two :class:`~pagedserve.worker.model.ModelForward` implementations of the same math, in
 the same kernel order, giving the same bits:

@@ -1,7 +1,7 @@
 """Offline engines side by side: ``pagedserve.LLM`` against vLLM's ``LLM``, same prompts.
 
-Each system runs in its own process (vLLM from its venv, ``benchmarks/.venv-vllm``, the one
-``benchmarks/serving/vllm_bench.py`` uses), both in their default precision (``dtype`` auto:
+Each system runs in its own process (vLLM from its venv, ``benchmarks/.venv-vllm``, made
+once by ``benchmarks/common/vllm_venv.py`` as for ``benchmarks/serving/vllm_bench.py``), both in their default precision (``dtype`` auto:
 bf16 on a CPU with avx512_bf16 or AMX), 1 GiB of KV, prefix caching off, greedy with
 ``ignore_eos``, every request submitted at once. vLLM gets both cores
 (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``: its engine core runs in a second process, as in
@@ -37,9 +37,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))  # vllm_venv.py
+from vllm_venv import ensure_vllm_venv
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
-VLLM_PYTHON = ROOT / "benchmarks" / ".venv-vllm" / "bin" / "python"
 # (prompts, prompt tokens, max_tokens, what the rate counts)
 WORKLOADS: dict[str, tuple[int, int, int, str]] = {
     "prefill-16x512": (16, 512, 1, "prompt"),
@@ -97,7 +99,7 @@ def main() -> None:
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--passes", type=int, default=2)
-    ap.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON)
+    ap.add_argument("--vllm-python", type=Path, default=None, help="default: vllm_venv.py's")
     ap.add_argument("--out", type=Path, default=RESULTS / "offline_vs_vllm.json")
     ap.add_argument("--child", nargs=2, metavar=("SYSTEM", "WORKLOAD"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -113,10 +115,8 @@ def main() -> None:
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:
         raise SystemExit(f"unknown workloads {unknown}; choose from {sorted(WORKLOADS)}")
-    if not args.vllm_python.exists():
-        raise SystemExit(
-            f"no vLLM venv at {args.vllm_python} (benchmarks/serving/vllm_bench.py makes it)"
-        )
+    if args.vllm_python is None:
+        args.vllm_python = ensure_vllm_venv()
     pythons = {"pagedserve": Path(sys.executable), "vllm": args.vllm_python}
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     runs: dict[str, dict[str, list[float]]] = {w: {s: [] for s in pythons} for w in workloads}
