@@ -170,22 +170,28 @@ def bf16_layer(layer: LlamaDecoderLayer) -> bool:
 def mlp_forward(layer: LlamaDecoderLayer, normed: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate) * up)`` of ``normed [T, hidden]`` -> fp32 ``[T, hidden]``.
 
-    Where the gate/up layer runs on oneDNN without a bias (bf16 layers, prefill-sized
-    steps) its bf16 output goes straight into :func:`cpu_native.silu_mul`, whose bf16
-    result the down layer reads: the bits of widening gate/up to fp32 first and rounding
-    the product for the down GEMM (NaN payloads aside), without the two fp32 copies."""
+    Both layers bf16 and packed (:class:`PackedLinearBf16`): where gate/up runs the packed
+    kernel, one call (:func:`cpu_native.linear_packed_bf16_silu_mul`) computes gate/up,
+    the SiLU product and its bf16 rounding, what ``cpu_decoder.c`` calls; where it runs on
+    oneDNN without a bias (prefill-sized steps beside AMX), its bf16 output goes straight
+    into :func:`cpu_native.silu_mul`. Either way the down layer reads the bf16 product: the
+    bits of widening gate/up to fp32 first and rounding the product for the down GEMM (NaN
+    payloads aside), without the fp32 copies."""
     mlp = layer.mlp
-    gate_up = mlp.gate_up_proj
-    if (
-        isinstance(gate_up, PackedLinearBf16)
-        and isinstance(mlp.down_proj, PackedLinearBf16)  # it reads the bf16 product
-        and gate_up.bias is None
-        and gate_up.runs_onednn(normed.shape[0])
-    ):
-        act = cpu_native.silu_mul(gate_up(normed, out_dtype=torch.bfloat16))
-    else:
-        act = cpu_native.silu_mul(gate_up(normed))
-    return cast(torch.Tensor, mlp.down_proj(act))
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if isinstance(gate_up, PackedLinearBf16) and isinstance(down, PackedLinearBf16):
+        rows = normed.shape[0]
+        if not gate_up.runs_onednn(rows):
+            act = cpu_native.linear_packed_bf16_silu_mul(
+                normed, gate_up.packed, gate_up.out_features // 2, gate_up.bias
+            )
+            if act is not None:
+                return cast(torch.Tensor, down(act))
+        elif gate_up.bias is None:
+            act = cpu_native.silu_mul(gate_up(normed, out_dtype=torch.bfloat16))
+            return cast(torch.Tensor, down(act))
+    act = cpu_native.silu_mul(gate_up(normed))
+    return cast(torch.Tensor, down(act))
 
 
 def decoder_layer(

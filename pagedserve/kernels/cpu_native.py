@@ -136,6 +136,10 @@ _SIGNATURES = {
                                _i64],
     "linear_packed_bf16_silu_mul_amx": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
                                         _i64, _i64],
+    "linear_packed_bf16_silu_mul_avx512": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                                           _ptr, _i64, _i64],
+    "linear_packed_bf16_silu_mul": [_ptr, _i64, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr,
+                                    _i64, _i64],
     "gemm_bf16_panel_width": [],
     "gemm_bf16_supported": [],
     "gemm_bf16_amx_supported": [],
@@ -154,6 +158,8 @@ _RESTYPES = {
     "linear_packed_bf16_avx512": _i64,
     "linear_packed_bf16_amx": _i64,
     "linear_packed_bf16_silu_mul_amx": _i64,
+    "linear_packed_bf16_silu_mul_avx512": _i64,
+    "linear_packed_bf16_silu_mul": _i64,
     "gemm_bf16_panel_width": _i64,
     "gemm_bf16_supported": _i64,
     "gemm_bf16_amx_supported": _i64,
@@ -669,37 +675,57 @@ def linear_packed_bf16(
 
 
 def linear_packed_bf16_silu_mul(
-    x: torch.Tensor, packed: torch.Tensor, intermediate_size: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    intermediate_size: int,
+    bias: torch.Tensor | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor | None:
     """``bf16(silu(gate) * up)`` for ``[gate | up] = bf16(x) @ bf16(W_gate_up).T + bias``,
-    in one AMX call that never writes the ``[M, 2 * intermediate_size]`` fp32 product.
+    in one call that never writes the ``[M, 2 * intermediate_size]`` fp32 product.
 
-    The bits equal :func:`linear_packed_bf16` (AMX) followed by :func:`silu_mul` and
-    ``.to(torch.bfloat16)``: the epilogue runs the same SiLU on the fp32 tiles and the same
-    round-to-nearest-even (``csrc/cpu_gemm_bf16.c``, ``linear_packed_bf16_silu_mul_amx``;
-    the fusion of vLLM's and SGLang's CPU MLP kernels, on tiles).
+    The bits equal :func:`linear_packed_bf16` with the same ``kernel`` followed by
+    :func:`silu_mul` and ``.to(torch.bfloat16)``: the epilogue runs the same SiLU on the
+    fp32 sums and the same round-to-nearest-even (``csrc/cpu_gemm_bf16.c``,
+    ``linear_packed_bf16_silu_mul_amx`` on tiles, ``linear_packed_bf16_silu_mul_avx512`` on
+    AVX512-BF16 registers: a unit pairs 48 gate columns with the same 48 up columns; the
+    fusion of vLLM's and SGLang's CPU MLP kernels).
 
     Args:
         x: fp32 or bf16 ``[M, K]`` with unit column stride.
         packed: the packed ``[2 * intermediate_size, K]`` gate_up weight
             (:func:`pack_bf16_linear_weight`: gate rows first, then up).
-        intermediate_size: the MLP width ``I`` (a multiple of 32 for the fused call).
+        intermediate_size: the MLP width ``I``.
         bias: optional contiguous fp32 ``[2 * I]``.
+        kernel: ``"auto"`` (the kernel :func:`linear_packed_bf16` runs: AMX where
+            :func:`amx_chosen`, else AVX512-BF16), ``"amx"`` or ``"avx512"``.
 
     Returns:
-        bf16 ``[M, I]``, or None where the fused call does not apply (AMX not chosen, M <= 16,
-        ``I`` not a multiple of 32): the caller then runs the two calls.
+        bf16 ``[M, I]``, or None where the fused call does not apply (AMX: M <= 16 or ``I``
+        not a multiple of 32; AVX512-BF16: ``I`` not a multiple of 16; either:
+        ``PAGEDSERVE_CPU_FUSED_MLP=0``): the caller then runs the two calls.
 
     Raises:
-        ValueError: as :func:`linear_packed_bf16` for ``N = 2 * I``.
-        RuntimeError: the activation scratch could not be allocated.
+        ValueError: as :func:`linear_packed_bf16` for ``N = 2 * I``; an unknown ``kernel``.
+        RuntimeError: the activation scratch could not be allocated, or ``kernel="amx"``
+            without :func:`has_amx`.
     """
     check_packed_linear_bf16(x, packed, 2 * intermediate_size, bias, bf16_panel_width())
+    if kernel not in BF16_GEMM_KERNELS:
+        raise ValueError(f"kernel must be one of {BF16_GEMM_KERNELS}, got {kernel!r}")
+    if kernel == "amx" and not has_amx():
+        raise RuntimeError("the AMX bf16 GEMM is not available (see cpu_native.has_amx)")
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k = x.shape
+    lib = _lib()
+    fn = {
+        "auto": lib.linear_packed_bf16_silu_mul,
+        "amx": lib.linear_packed_bf16_silu_mul_amx,
+        "avx512": lib.linear_packed_bf16_silu_mul_avx512,
+    }[kernel]
     act = torch.empty((m, intermediate_size), dtype=torch.bfloat16)
-    rc = _lib().linear_packed_bf16_silu_mul_amx(
+    rc = fn(
         x.data_ptr(), int(x.dtype is torch.bfloat16), m, k, x.stride(0), packed.data_ptr(),
         intermediate_size, None if bias is None else bias.data_ptr(), act.data_ptr(),
         intermediate_size, torch.get_num_threads(),

@@ -361,63 +361,136 @@ def test_env_switch_keeps_auto_on_avx512(tmp_path):
     assert done.stdout.split() == ["True", "False", "True", "16"]
 
 
-def _two_calls(x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None):
-    """What the fused call must equal: the AMX GEMM, silu_mul, then bf16 rounding."""
-    gate_up = cpu_native.linear_packed_bf16(x, packed, 2 * inter, bias, kernel="amx")
+def _two_calls(
+    x: torch.Tensor, packed: torch.Tensor, inter: int, bias: torch.Tensor | None, kernel: str
+) -> torch.Tensor:
+    """What the fused call must equal: the same kernel's GEMM, silu_mul, then bf16 rounding."""
+    gate_up = cpu_native.linear_packed_bf16(x, packed, 2 * inter, bias, kernel=kernel)
     return cpu_native.silu_mul(gate_up).bfloat16()
 
 
-@pytest.mark.skipif(not cpu_native.has_amx(), reason="no AMX tiles")
-@pytest.mark.parametrize(
-    ("m", "k", "inter", "bias"),
-    [(17, 64, 32, False), (33, 40, 64, True), (100, 576, 96, False), (300, 130, 160, True),
-     (64, 31, 32, False)],
-)  # fmt: skip
+# (m, k, inter, bias): odd K, a partial last K step (K = 40, 130: 20 / 65 pairs), rows not a
+# multiple of the tile heights (16 / 32 on AMX, 4 on AVX512-BF16) nor of the 256-row block
+FUSED_CASES = [(17, 64, 32, False), (33, 40, 64, True), (100, 576, 96, False),
+               (300, 130, 160, True), (64, 31, 32, False)]  # fmt: skip
+# AVX512-BF16 only: any row count, widths that are multiples of 16 but not of 48 (a unit of
+# 1 or 2 column vectors, up columns that start inside a panel), 512+ rows (several blocks)
+FUSED_CASES_AVX512 = [(1, 64, 16, True), (3, 576, 1536, False), (8, 40, 48, True),
+                      (5, 70, 80, False), (2, 96, 112, True), (519, 96, 32, False)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(("m", "k", "inter", "bias"), FUSED_CASES)
 def test_fused_gate_up_silu_mul_equals_the_two_calls_bitwise(
+    kernel: str, m: int, k: int, inter: int, bias: bool
+) -> None:
+    """The fused epilogue's bf16 activations are the two calls' bits, for fp32 and bf16 x,
+    and within bf16 rounding of silu(gate) * up of the float64 product."""
+    check_fused(kernel, m, k, inter, bias)
+
+
+@pytest.mark.parametrize(("m", "k", "inter", "bias"), FUSED_CASES_AVX512)
+def test_fused_gate_up_avx512_covers_every_row_count_and_width(
     m: int, k: int, inter: int, bias: bool
 ) -> None:
-    """Odd K, a partial last K step (K = 40, 130: 20 / 65 pairs), rows not a multiple of 16 or
-    32, biases: the fused epilogue's bf16 activations are the two calls' bits."""
+    check_fused("avx512", m, k, inter, bias)
+
+
+def check_fused(kernel: str, m: int, k: int, inter: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(m + k + inter)
     x = torch.randn(m, k, generator=gen)
     w = torch.randn(2 * inter, k, generator=gen) * 0.3
     b = torch.randn(2 * inter, generator=gen) if bias else None
     packed = cpu_native.pack_bf16_linear_weight(w)
-    got = cpu_native.linear_packed_bf16_silu_mul(x, packed, inter, b)
+    got = cpu_native.linear_packed_bf16_silu_mul(x, packed, inter, b, kernel=kernel)
     assert got is not None and got.dtype == torch.bfloat16 and got.shape == (m, inter)
-    want = _two_calls(x, packed, inter, b)
+    want = _two_calls(x, packed, inter, b, kernel)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     # and bf16 rows in give what their fp32 values give
     xb = x.bfloat16()
-    again = cpu_native.linear_packed_bf16_silu_mul(xb, packed, inter, b)
+    again = cpu_native.linear_packed_bf16_silu_mul(xb, packed, inter, b, kernel=kernel)
     assert again is not None
-    assert torch.equal(again.view(torch.int16), _two_calls(xb, packed, inter, b).view(torch.int16))
+    assert torch.equal(
+        again.view(torch.int16), _two_calls(xb, packed, inter, b, kernel).view(torch.int16)
+    )
     # the value itself: silu(gate) * up of the float64 product, within bf16 rounding
     ref = reference(x, w, b).double()
     act = F.silu(ref[:, :inter]) * ref[:, inter:]
     assert torch.allclose(got.double(), act, rtol=2**-7, atol=1e-4)
 
 
-@pytest.mark.skipif(not cpu_native.has_amx(), reason="no AMX tiles")
-def test_fused_gate_up_rows_do_not_depend_on_the_batch() -> None:
+def test_fused_gate_up_avx512_swapped_halves_are_caught() -> None:
+    """Gate and up are not interchangeable: silu(up) * gate is a different function, and a
+    kernel that paired column vector t of gate with another vector of up would fail here."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 64, generator=gen)
+    w = torch.randn(2 * 80, 64, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    got = cpu_native.linear_packed_bf16_silu_mul(x, packed, 80, kernel="avx512")
+    assert got is not None
+    ref = reference(x, w, None).double()
+    for cols in (slice(0, 16), slice(32, 48), slice(64, 80)):  # first, middle, last vectors
+        want = F.silu(ref[:, :80][:, cols]) * ref[:, 80:][:, cols]
+        assert torch.allclose(got[:, cols].double(), want, rtol=2**-7, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_fused_gate_up_rows_do_not_depend_on_the_batch(kernel: str) -> None:
     gen = torch.Generator().manual_seed(7)
-    x = torch.randn(80, 96, generator=gen)
+    x = torch.randn(300, 96, generator=gen)
     packed = cpu_native.pack_bf16_linear_weight(torch.randn(128, 96, generator=gen))
-    whole = cpu_native.linear_packed_bf16_silu_mul(x, packed, 64)
-    part = cpu_native.linear_packed_bf16_silu_mul(x[37:58], packed, 64)
-    assert whole is not None and part is not None
-    assert torch.equal(whole[37:58].view(torch.int16), part.view(torch.int16))
+    whole = cpu_native.linear_packed_bf16_silu_mul(x, packed, 64, kernel=kernel)
+    for lo, hi in ((37, 58), (250, 299), (3, 4)):
+        part = cpu_native.linear_packed_bf16_silu_mul(x[lo:hi], packed, 64, kernel=kernel)
+        if kernel == "amx" and hi - lo <= 16:
+            assert part is None
+            continue
+        assert whole is not None and part is not None
+        assert torch.equal(whole[lo:hi].view(torch.int16), part.view(torch.int16))
 
 
 def test_fused_gate_up_declines_what_it_does_not_cover() -> None:
-    """16 rows or fewer, or a width not a multiple of 32: None (the caller runs two calls);
-    a weight of another shape: ValueError."""
+    """AMX: 16 rows or fewer, or a width not a multiple of 32; AVX512-BF16: a width not a
+    multiple of 16: None (the caller runs two calls); a weight of another shape: ValueError."""
     gen = torch.Generator().manual_seed(3)
     packed = cpu_native.pack_bf16_linear_weight(torch.randn(96, 64, generator=gen))
-    assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(16, 64), packed, 48) is None
-    packed64 = cpu_native.pack_bf16_linear_weight(torch.randn(128, 64, generator=gen))
-    if not cpu_native.has_amx():
-        assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed64, 64) is None
-    assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(16, 64), packed64, 64) is None
+    assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed, 48) is not None
+    if cpu_native.has_amx():
+        assert (
+            cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed, 48, kernel="amx")
+            is None
+        )
+        packed64 = cpu_native.pack_bf16_linear_weight(torch.randn(128, 64, generator=gen))
+        assert (
+            cpu_native.linear_packed_bf16_silu_mul(torch.randn(16, 64), packed64, 64, kernel="amx")
+            is None
+        )
+    packed40 = cpu_native.pack_bf16_linear_weight(torch.randn(80, 64, generator=gen))
+    assert (
+        cpu_native.linear_packed_bf16_silu_mul(torch.randn(4, 64), packed40, 40, kernel="avx512")
+        is None
+    )
     with pytest.raises(ValueError):
-        cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed64, 40)
+        cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed40, 64)
+    with pytest.raises(ValueError, match="kernel"):
+        cpu_native.linear_packed_bf16_silu_mul(torch.randn(4, 64), packed40, 40, kernel="tiles")
+    if not cpu_native.has_amx():
+        with pytest.raises(RuntimeError, match="AMX"):
+            cpu_native.linear_packed_bf16_silu_mul(torch.randn(4, 64), packed40, 40, kernel="amx")
+
+
+def test_fused_mlp_env_switch_declines(tmp_path):
+    """PAGEDSERVE_CPU_FUSED_MLP=0 (read once by the library): the fused call declines."""
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import torch\n"
+        "from pagedserve.kernels import cpu_native as c\n"
+        "p = c.pack_bf16_linear_weight(torch.randn(96, 64))\n"
+        "print(c.linear_packed_bf16_silu_mul(torch.randn(40, 64), p, 48) is None)\n"
+    )
+    env = {**os.environ, "PAGEDSERVE_CPU_FUSED_MLP": "0"}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120,
+        check=True,
+    )  # fmt: skip
+    assert done.stdout.split() == ["True"]

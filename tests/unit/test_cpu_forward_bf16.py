@@ -189,6 +189,38 @@ def test_the_mlp_on_bf16_activations_is_the_fp32_chains_bits(rows: int) -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize(("rows", "bias"), [(1, False), (5, True), (41, False), (300, True)])
+def test_the_packed_mlp_runs_one_fused_call_with_the_three_calls_bits(
+    rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed bf16 gate/up and down: mlp_forward computes gate/up, SiLU * up and its bf16
+    rounding in one call where the kernel takes it (AVX512-BF16: every row count; AMX:
+    above 16 rows), and the result is the three-call chain's bits either way."""
+    torch.manual_seed(rows)
+    hidden, inter = 64, 80
+    gate_up = PackedLinearBf16(nn.Linear(hidden, 2 * inter, bias=bias), None)
+    down = PackedLinearBf16(nn.Linear(inter, hidden, bias=bias), None)
+    layer = SimpleNamespace(mlp=SimpleNamespace(gate_up_proj=gate_up, down_proj=down))
+    normed = torch.randn(rows, hidden).to(torch.bfloat16)
+    fused_calls = []
+    real = cpu_native.linear_packed_bf16_silu_mul
+
+    def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        fused_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_native, "linear_packed_bf16_silu_mul", counting)
+    with torch.inference_mode():
+        want = down(cpu_native.silu_mul(gate_up(normed)))
+        got = mlp_forward(layer, normed)  # type: ignore[arg-type]
+    assert got.dtype == torch.float32 and got.shape == (rows, hidden)
+    assert got.abs().max() > 0.01
+    assert torch.equal(got, want)
+    takes = not cpu_native.amx_chosen() or (rows > 16 and inter % 32 == 0)
+    assert fused_calls == [takes]
+
+
 def test_onednn_runs_by_default_only_beside_amx_tiles_the_packed_kernel_leaves() -> None:
     amx_cpu = frozenset({"avx512_bf16", "amx_tile", "amx_bf16"})
     assert default_onednn_min_rows(frozenset({"avx512f", "avx512_bf16"})) is None

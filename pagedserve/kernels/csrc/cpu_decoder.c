@@ -12,8 +12,9 @@
  *   x        = attn @ Wo^T (+ b)
  *   normed   = rms_norm(x, residual += x)
  *   gate_up  = normed @ Wgu^T (+ b); act = silu(gate) * up
- *                                                 (bf16 weights on AMX, > 16 rows: one call,
- *                                                 linear_packed_bf16_silu_mul_amx, same bits)
+ *                                                 (bf16 weights: one call,
+ *                                                 linear_packed_bf16_silu_mul, same bits;
+ *                                                 on AMX only above 16 rows)
  *   x        = act @ Wdown^T (+ b)
  *
  * so its results are the per-kernel path's, bit for bit. A layer's weights are fp32
@@ -80,10 +81,10 @@ void paged_attention_int8kv(const float *q, int64_t q_token_stride, const int8_t
                             int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                             float scale, float *out, int64_t num_threads);
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter);
-int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
-                                        int64_t ldx, const uint16_t *packed, int64_t inter,
-                                        const float *bias, uint16_t *act, int64_t ldo,
-                                        int64_t num_threads);
+int64_t linear_packed_bf16_silu_mul(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                    int64_t ldx, const uint16_t *packed, int64_t inter,
+                                    const float *bias, uint16_t *act, int64_t ldo,
+                                    int64_t num_threads);
 
 /* One layer's tensors; a NULL bias (fp32) means none. The four weights are packed as
  * pack_weight_f32 makes them, or as pack_weight_bf16 does when w_bf16 is nonzero;
@@ -204,7 +205,7 @@ int64_t decoder_layers_f32(const decoder_layer_f32_t *layers, int64_t num_layers
         if (layer_linear(l, attn, 0, t, q_size, l->o, hidden, l->o_bias, x, num_threads))
             return -1;
         layer_norm(l, x, residual, l->post_norm, normed, t, hidden, eps);
-        const int64_t fused = l->w_bf16 ? linear_packed_bf16_silu_mul_amx(
+        const int64_t fused = l->w_bf16 ? linear_packed_bf16_silu_mul(
                                               normed, 1, t, hidden, hidden, l->gate_up, inter,
                                               l->gate_up_bias, (uint16_t *)act, inter,
                                               num_threads)

@@ -319,6 +319,191 @@ int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int6
     return 0;
 }
 
+/* cpu_kernels.c: out[i, d] = silu(g[i, d]) * u[i, d] (silu_mul_f32's bits), rows of stride ld
+ * (g, u) and ldo (out), n a multiple of 16. */
+void silu_mul_rows_f32(const float *g, const float *u, int64_t ld, float *out, int64_t ldo,
+                       int64_t rows, int64_t n);
+
+/* PAGEDSERVE_CPU_FUSED_MLP=0/false/off/no: the fused gate_up + SiLU calls decline (-3), so
+ * the decoder runs gate_up, silu_mul and down as three calls (same bits; for A/B runs). */
+static pthread_once_t fused_mlp_once = PTHREAD_ONCE_INIT;
+static int fused_mlp_off;
+
+static void fused_mlp_init(void) { fused_mlp_off = env_off("PAGEDSERVE_CPU_FUSED_MLP"); }
+
+static int fused_mlp_declined(void) {
+    pthread_once(&fused_mlp_once, fused_mlp_init);
+    return fused_mlp_off;
+}
+
+#define SMR 4 /* rows of x per fused gate_up micro-kernel call */
+#define SNV 3 /* 16-column vectors of act per unit: 3 gate + 3 up accumulators a row */
+
+/*
+ * One fused micro-tile: mr rows of bf16-pair x times nv gate column vectors (gv[v]: the
+ * first pair row of 16 columns inside their panel; consecutive pair rows NR * 2 bf16 apart)
+ * and the nv up vectors of the same act columns (uv[v]), each element summed as
+ * linear_packed_bf16_avx512 sums it (from 0, pair kk = 0 .. kp2 - 1 in order, then the
+ * bias); then silu(gate) * up by silu_mul_rows_f32 and the bf16 rounding of convert_row,
+ * 16 * nv bf16 act values per row at act (row stride ldo). mr and nv are compile-time
+ * constants at every call site.
+ */
+static inline __attribute__((always_inline)) void micro_silu(
+    const int mr, const int nv, const uint32_t *xb, int64_t ldxb, const uint16_t *const *gv,
+    const uint16_t *const *uv, int64_t kp2, const float *gbias, const float *ubias,
+    uint16_t *act, int64_t ldo, const char *pf, int64_t pf_lines) {
+    __m512 g[SMR][SNV], u[SMR][SNV];
+    for (int r = 0; r < mr; ++r)
+        for (int v = 0; v < nv; ++v) {
+            g[r][v] = _mm512_setzero_ps();
+            u[r][v] = _mm512_setzero_ps();
+        }
+    const int64_t pf_step = (pf_lines + kp2 - 1) / (kp2 > 0 ? kp2 : 1);
+    for (int64_t kk = 0; kk < kp2; ++kk) {
+        if (kk * pf_step < pf_lines)
+            for (int64_t l = 0; l < pf_step && kk * pf_step + l < pf_lines; ++l)
+                __builtin_prefetch(pf + (kk * pf_step + l) * 64, 0, 2);
+        __m512bh gb[SNV], ub[SNV];
+        for (int v = 0; v < nv; ++v) {
+            gb[v] = (__m512bh)_mm512_loadu_si512((const void *)(gv[v] + kk * NR * 2));
+            ub[v] = (__m512bh)_mm512_loadu_si512((const void *)(uv[v] + kk * NR * 2));
+        }
+        for (int r = 0; r < mr; ++r) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xb[r * ldxb + kk]);
+            for (int v = 0; v < nv; ++v) {
+                g[r][v] = _mm512_dpbf16_ps(g[r][v], a, gb[v]);
+                u[r][v] = _mm512_dpbf16_ps(u[r][v], a, ub[v]);
+            }
+        }
+    }
+    float c[SMR][2 * 16 * SNV] __attribute__((aligned(64))); /* [row][gate | up] */
+    float o[SMR][16 * SNV] __attribute__((aligned(64)));
+    for (int r = 0; r < mr; ++r)
+        for (int v = 0; v < nv; ++v) {
+            __m512 gg = g[r][v], uu = u[r][v];
+            if (gbias != NULL) {
+                gg = _mm512_add_ps(gg, _mm512_loadu_ps(gbias + 16 * v));
+                uu = _mm512_add_ps(uu, _mm512_loadu_ps(ubias + 16 * v));
+            }
+            _mm512_store_ps(&c[r][16 * v], gg);
+            _mm512_store_ps(&c[r][16 * (SNV + v)], uu);
+        }
+    silu_mul_rows_f32(&c[0][0], &c[0][16 * SNV], 2 * 16 * SNV, &o[0][0], 16 * SNV, mr, 16 * nv);
+    for (int r = 0; r < mr; ++r)
+        for (int v = 0; v < nv; ++v)
+            _mm256_storeu_si256((__m256i *)(act + r * ldo + 16 * v),
+                                to_bf16_x16(_mm512_load_ps(&o[r][16 * v])));
+}
+
+static void tile_silu(int64_t mr, int64_t nv, const uint32_t *xb, int64_t ldxb,
+                      const uint16_t *const *gv, const uint16_t *const *uv, int64_t kp2,
+                      const float *gbias, const float *ubias, uint16_t *act, int64_t ldo,
+                      const char *pf, int64_t pf_lines) {
+#define MS(R, V) micro_silu(R, V, xb, ldxb, gv, uv, kp2, gbias, ubias, act, ldo, pf, pf_lines)
+    if (nv == 3) {
+        switch (mr) {
+        case 4: MS(4, 3); break;
+        case 3: MS(3, 3); break;
+        case 2: MS(2, 3); break;
+        default: MS(1, 3); break;
+        }
+    } else if (nv == 2) {
+        switch (mr) {
+        case 4: MS(4, 2); break;
+        case 3: MS(3, 2); break;
+        case 2: MS(2, 2); break;
+        default: MS(1, 2); break;
+        }
+    } else {
+        switch (mr) {
+        case 4: MS(4, 1); break;
+        case 3: MS(3, 1); break;
+        case 2: MS(2, 1); break;
+        default: MS(1, 1); break;
+        }
+    }
+#undef MS
+}
+
+/*
+ * act[M, inter] (bf16 bits, row stride ldo) = bf16(silu(gate) * up), [gate | up] = x @ Wgu^T
+ * (+ bias), Wgu the [2 * inter, K] gate_up weight packed by pack_weight_bf16: the bits of
+ * linear_packed_bf16_avx512, then silu_mul_f32, then the rounding linear_packed_bf16
+ * applies to an fp32 x, with the [M, 2 * inter] fp32 product never written to memory (at
+ * 2,048 rows of SmolLM2 it is 25 MB stored, read back by silu_mul, whose 12 MB result the
+ * down GEMM reads again). A unit is SNV column vectors (48 act columns) of gate beside
+ * the same of up: the column vector t (16 columns) of the packed weight is panel t / 3's
+ * 32 bf16 at (t % 3) * 32 of each pair row, so the up columns need not start a panel.
+ * Tasks (block of MC rows, run of units) are handed out as in linear_packed_bf16_avx512,
+ * and a row's result depends only on that row. Returns -3 where it does not apply (inter
+ * not a positive multiple of 16, PAGEDSERVE_CPU_FUSED_MLP off), -1 when the activation
+ * scratch cannot be allocated, else 0.
+ */
+int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_t m,
+                                           int64_t k, int64_t ldx, const uint16_t *packed,
+                                           int64_t inter, const float *bias, uint16_t *act,
+                                           int64_t ldo, int64_t num_threads) {
+    if (fused_mlp_declined() || inter <= 0 || inter % 16 != 0) return -3;
+    if (m <= 0) return 0;
+    const int64_t kp2 = (k + 1) / 2;
+    const int64_t threads = num_threads > 0 ? num_threads : 1;
+    const int64_t ldxb = (kp2 + 15) / 16 * 16;
+    uint32_t *xb = thread_scratch((size_t)(m * ldxb));
+    if (xb == NULL) return -1;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    const int64_t panel_size = kp2 * NR * 2;
+    const int64_t vecs = inter / 16;             /* act column vectors */
+    const int64_t units = (vecs + SNV - 1) / SNV;
+    const int64_t mblocks = (m + MC - 1) / MC;
+    const int64_t chunk = units / (4 * threads) > 1 ? units / (4 * threads) : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
+                        (uint16_t *)(xb + r * ldxb), kp2);
+#pragma omp for schedule(dynamic, chunk)
+        for (int64_t task = 0; task < mblocks * units; ++task) {
+            const int64_t m0 = task / units * MC, un = task % units;
+            const int64_t mc = (m - m0) < MC ? (m - m0) : MC;
+            const int64_t t0 = un * SNV;
+            const int64_t nv = (vecs - t0) < SNV ? (vecs - t0) : SNV;
+            const uint16_t *gv[SNV], *uv[SNV];
+            for (int64_t v = 0; v < nv; ++v) {
+                const int64_t tg = t0 + v, tu = vecs + t0 + v;
+                gv[v] = packed + (tg / 3) * panel_size + (tg % 3) * 32;
+                uv[v] = packed + (tu / 3) * panel_size + (tu % 3) * 32;
+            }
+            const float *gbias = bias == NULL ? NULL : bias + 16 * t0;
+            const float *ubias = bias == NULL ? NULL : bias + inter + 16 * t0;
+            /* the next unit's gate panel, then its up panel, are brought into L2 a slice
+             * per row block (a slice that would cross from one to the other stops short) */
+            const int64_t blocks = (mc + SMR - 1) / SMR;
+            const int64_t panel_lines = panel_size * 2 / 64;
+            const int64_t next_lines = un + 1 < units ? 2 * panel_lines : 0;
+            const int64_t slice = (next_lines + blocks - 1) / blocks;
+            const char *next_g = (const char *)(packed + ((t0 + SNV) / 3) * panel_size);
+            const char *next_u = (const char *)(packed + ((vecs + t0 + SNV) / 3) * panel_size);
+            for (int64_t r0 = 0, j = 0; r0 < mc; r0 += SMR, ++j) {
+                const int64_t mr = (mc - r0) < SMR ? (mc - r0) : SMR;
+                const int64_t first = j * slice;
+                const char *pf = NULL;
+                int64_t lines = 0;
+                if (first < panel_lines) {
+                    pf = next_g + first * 64;
+                    lines = panel_lines - first < slice ? panel_lines - first : slice;
+                } else if (first < next_lines) {
+                    pf = next_u + (first - panel_lines) * 64;
+                    lines = next_lines - first < slice ? next_lines - first : slice;
+                }
+                tile_silu(mr, nv, xb + (m0 + r0) * ldxb, ldxb, gv, uv, kp2, gbias, ubias,
+                          act + (m0 + r0) * ldo + 16 * t0, ldo, pf, lines);
+            }
+        }
+    }
+    return 0;
+}
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <pthread.h>
 #include <sys/syscall.h>
@@ -333,17 +518,12 @@ static pthread_once_t amx_once = PTHREAD_ONCE_INIT;
 static int amx_granted;
 static int amx_chosen;
 
-/* PAGEDSERVE_CPU_FUSED_MLP=0/false/off/no: linear_packed_bf16_silu_mul_amx declines (-3), so
- * the decoder runs gate_up, silu_mul and down as three calls (same bits; for A/B runs). */
-static int fused_mlp_off;
-
 /* Linux hands the tile data state to a process only on request; the grant covers every
  * thread of the process, those created later included. PAGEDSERVE_CPU_AMX=0/false/off/no
  * keeps linear_packed_bf16 on the AVX512-BF16 kernel (env_off: cpu_common.h). */
 static void amx_init(void) {
     amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     amx_chosen = amx_granted && !env_off("PAGEDSERVE_CPU_AMX");
-    fused_mlp_off = env_off("PAGEDSERVE_CPU_FUSED_MLP");
 }
 
 int64_t gemm_bf16_amx_supported(void) {
@@ -625,11 +805,6 @@ int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t
     return 0;
 }
 
-/* cpu_kernels.c: out[i, d] = silu(g[i, d]) * u[i, d] (silu_mul_f32's bits), rows of stride ld
- * (g, u) and ldo (out), n a multiple of 16. */
-void silu_mul_rows_f32(const float *g, const float *u, int64_t ld, float *out, int64_t ldo,
-                       int64_t rows, int64_t n);
-
 /*
  * act[M, inter] (bf16 bits, row stride ldo) = bf16(silu(gate) * up), [gate | up] = x @ Wgu^T
  * (+ bias), Wgu the [2 * inter, K] gate_up weight packed by pack_weight_bf16: the bits of
@@ -645,7 +820,7 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
                                         int64_t ldx, const uint16_t *packed, int64_t inter,
                                         const float *bias, uint16_t *act, int64_t ldo,
                                         int64_t num_threads) {
-    if (!gemm_bf16_amx_chosen() || fused_mlp_off || m <= TM || inter % 32 != 0 || inter <= 0)
+    if (!gemm_bf16_amx_chosen() || fused_mlp_declined() || m <= TM || inter % 32 != 0 || inter <= 0)
         return -3;
     const int64_t kp2 = (k + 1) / 2;
     const int64_t full = kp2 / TM;
@@ -750,6 +925,22 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
 #endif
 
 /*
+ * The fused gate_up + SiLU of the kernel linear_packed_bf16 runs: with AMX chosen,
+ * linear_packed_bf16_silu_mul_amx (it declines 16 rows or fewer, whose two calls run on
+ * AMX's bits); else linear_packed_bf16_silu_mul_avx512. Returns as they do.
+ */
+int64_t linear_packed_bf16_silu_mul(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                    int64_t ldx, const uint16_t *packed, int64_t inter,
+                                    const float *bias, uint16_t *act, int64_t ldo,
+                                    int64_t num_threads) {
+    if (gemm_bf16_amx_chosen())
+        return linear_packed_bf16_silu_mul_amx(x, x_bf16, m, k, ldx, packed, inter, bias, act,
+                                               ldo, num_threads);
+    return linear_packed_bf16_silu_mul_avx512(x, x_bf16, m, k, ldx, packed, inter, bias, act,
+                                              ldo, num_threads);
+}
+
+/*
  * out[M, N] (row stride ldo, fp32) = x[M, K] (row stride ldx elements; fp32, or bf16 bits
  * when x_bf16) @ W^T + bias (fp32 or NULL), W packed by pack_weight_bf16: on AMX tiles
  * where gemm_bf16_amx_chosen(), else the AVX512-BF16 kernel. Returns 0, or -1 when the
@@ -806,6 +997,24 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
                                         int64_t ldx, const uint16_t *packed, int64_t inter,
                                         const float *bias, uint16_t *act, int64_t ldo,
                                         int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
+    (void)act; (void)ldo; (void)num_threads;
+    return -3;
+}
+
+int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_t m,
+                                           int64_t k, int64_t ldx, const uint16_t *packed,
+                                           int64_t inter, const float *bias, uint16_t *act,
+                                           int64_t ldo, int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
+    (void)act; (void)ldo; (void)num_threads;
+    return -3;
+}
+
+int64_t linear_packed_bf16_silu_mul(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                    int64_t ldx, const uint16_t *packed, int64_t inter,
+                                    const float *bias, uint16_t *act, int64_t ldo,
+                                    int64_t num_threads) {
     (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
     (void)act; (void)ldo; (void)num_threads;
     return -3;
