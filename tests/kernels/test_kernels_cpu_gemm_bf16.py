@@ -494,3 +494,29 @@ def test_fused_mlp_env_switch_declines(tmp_path):
         check=True,
     )  # fmt: skip
     assert done.stdout.split() == ["True"]
+
+
+@pytest.mark.parametrize("k", [64, 70, 33])
+def test_avx512_bf16_rows_in_place_or_copied_give_the_fp32_rows_bits(k: int) -> None:
+    """bf16 x is read in place where its rows allow (even K, even row stride, 4-byte aligned)
+    and copied otherwise (odd K, a view starting at an odd element): every layout gives the
+    bits of the same values passed as fp32, in the GEMM and in the fused gate_up call."""
+    gen = torch.Generator().manual_seed(k)
+    wide = torch.randn(23, k + 8, generator=gen).bfloat16()
+    w = torch.randn(2 * 48, k, generator=gen)
+    packed = cpu_native.pack_bf16_linear_weight(w)
+    layouts = {
+        "contiguous": wide[:, :k].contiguous(),
+        "row stride k + 8": wide[:, :k],
+        "odd start": wide[:, 1 : k + 1],
+    }
+    for name, xb in layouts.items():
+        xf = xb.float()
+        got = cpu_native.linear_packed_bf16(xb, packed, 96, kernel="avx512")
+        want = cpu_native.linear_packed_bf16(xf, packed, 96, kernel="avx512")
+        assert torch.equal(got, want), name
+        act = cpu_native.linear_packed_bf16_silu_mul(xb, packed, 48, kernel="avx512")
+        act_f = cpu_native.linear_packed_bf16_silu_mul(xf, packed, 48, kernel="avx512")
+        assert act is not None and act_f is not None
+        assert torch.equal(act.view(torch.int16), act_f.view(torch.int16)), name
+    close(got, layouts["odd start"].float(), w, None)

@@ -14,7 +14,8 @@
  * values. One k pair of a panel is 3 vectors of 32 bf16 = 16 fp32 lanes each.
  *
  * Activations are rounded to bf16 per call, round to nearest even with NaN kept NaN (as
- * torch's x.to(torch.bfloat16)); a bf16 x is used as is.
+ * torch's x.to(torch.bfloat16)); a bf16 x is used as is (the AVX512-BF16 kernels read
+ * bf16 rows of even K in place, see x_pairs).
  *
  * Two kernels read that layout. linear_packed_bf16_avx512: VDPBF16PS on 16-lane vectors
  * (each output element starts from 0 and takes, for kk = 0 .. KP/2 - 1 in order, the two
@@ -158,6 +159,25 @@ static void convert_row(const void *x, int64_t x_bf16, int64_t k, uint16_t *dst,
 }
 
 /*
+ * x as the micro-kernels read it: rows of bf16 pairs, row stride *ldxb pairs. bf16 rows of
+ * even K at a 4-byte-aligned address with an even row stride are read in place (*scratch =
+ * NULL: no copy, the same values); other x are converted by convert_row into the calling
+ * thread's scratch (*scratch: where the caller's threads write them, rows padded to whole
+ * 64-byte lines). NULL when the scratch cannot be allocated.
+ */
+static const uint32_t *x_pairs(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                               int64_t ldx, int64_t *ldxb, uint32_t **scratch) {
+    if (x_bf16 && k % 2 == 0 && ldx % 2 == 0 && ((uintptr_t)x & 3u) == 0) {
+        *ldxb = ldx / 2;
+        *scratch = NULL;
+        return (const uint32_t *)x;
+    }
+    *ldxb = ((k + 1) / 2 + 15) / 16 * 16;
+    *scratch = thread_scratch((size_t)(m * *ldxb));
+    return *scratch;
+}
+
+/*
  * One micro-tile: mr rows of bf16-pair x (row stride ldxb pairs) times np consecutive
  * panels, into out (row stride ldo), writing cols (<= np * NR) columns. mr and np are
  * compile-time constants at every call site, so the accumulators live in registers.
@@ -250,9 +270,9 @@ int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int6
     const int64_t panels = (n + NR - 1) / NR;
     const int64_t kp2 = (k + 1) / 2;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
-    /* bf16 rows padded to a whole number of 64-byte lines */
-    const int64_t ldxb = (kp2 + 15) / 16 * 16; /* pairs */
-    uint32_t *xb = thread_scratch((size_t)(m * ldxb));
+    int64_t ldxb;
+    uint32_t *fill;
+    const uint32_t *xb = x_pairs(x, x_bf16, m, k, ldx, &ldxb, &fill);
     if (xb == NULL) return -1;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     int64_t group = m == 1 ? 4 : (m <= 4 ? 2 : 1);
@@ -267,10 +287,12 @@ int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int6
     const int64_t panel_size = kp2 * NR * 2;
 #pragma omp parallel num_threads(threads) if (threads > 1 && (groups > 1 || m > 1))
     {
+        if (fill != NULL) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r)
-            convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
-                        (uint16_t *)(xb + r * ldxb), kp2);
+            for (int64_t r = 0; r < m; ++r)
+                convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
+                            (uint16_t *)(fill + r * ldxb), kp2);
+        }
         /* One task per (block of MC rows, group of panels), handed out in that order as
          * threads ask: a thread delayed by another process (a serving CPU is shared with
          * the frontend and the scheduler) leaves its tasks to the others instead of
@@ -447,8 +469,9 @@ int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_
     if (m <= 0) return 0;
     const int64_t kp2 = (k + 1) / 2;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
-    const int64_t ldxb = (kp2 + 15) / 16 * 16;
-    uint32_t *xb = thread_scratch((size_t)(m * ldxb));
+    int64_t ldxb;
+    uint32_t *fill;
+    const uint32_t *xb = x_pairs(x, x_bf16, m, k, ldx, &ldxb, &fill);
     if (xb == NULL) return -1;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     const int64_t panel_size = kp2 * NR * 2;
@@ -458,10 +481,12 @@ int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_
     const int64_t chunk = units / (4 * threads) > 1 ? units / (4 * threads) : 1;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
+        if (fill != NULL) {
 #pragma omp for schedule(static)
-        for (int64_t r = 0; r < m; ++r)
-            convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
-                        (uint16_t *)(xb + r * ldxb), kp2);
+            for (int64_t r = 0; r < m; ++r)
+                convert_row((const char *)x + (size_t)(r * ldx) * elem, x_bf16, k,
+                            (uint16_t *)(fill + r * ldxb), kp2);
+        }
 #pragma omp for schedule(dynamic, chunk)
         for (int64_t task = 0; task < mblocks * units; ++task) {
             const int64_t m0 = task / units * MC, un = task % units;
