@@ -85,6 +85,7 @@ SOURCES = (
     CSRC / "cpu_gemm_bf16.c",
     CSRC / "cpu_decoder.c",
     CSRC / "cpu_attention_amx.c",
+    CSRC / "cpu_attention_decode_bf16.c",
 )
 HEADERS = (CSRC / "cpu_common.h",)  # included by the sources: part of the build key
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared")

@@ -405,13 +405,14 @@ static inline __attribute__((always_inline)) void pv_rows(
  *
  * k_cache, v_cache: KV_F32, KV_BF16, KV_FP8 or KV_INT8 elements (kvt); see kv_load16.
  * KV_INT8 slots are num_kv_heads * (head_dim + 4) bytes (each head's scale after it).
+ * Only the chunks with take_lo <= q_len < take_hi (the others' rows are left untouched).
  */
 static inline __attribute__((always_inline)) void paged_attention_kv(
     const float *q, int64_t q_token_stride, const void *k_cache, const void *v_cache,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
     const int32_t *cu_seqlens_q, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, float *out, int64_t num_threads,
-    const int kvt, int64_t skip_rows) {
+    const int kvt, int64_t take_lo, int64_t take_hi) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t hstride = kvt == KV_INT8 ? head_dim + 4 : head_dim; /* elements per head */
     const int64_t row = num_kv_heads * hstride; /* elements per token slot */
@@ -420,7 +421,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     int64_t base_tasks = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
-        if (skip_rows > 0 && q_len >= skip_rows) continue;
+        if (q_len < take_lo || q_len >= take_hi) continue;
         base_tasks += (q_len + QTILE - 1) / QTILE * num_kv_heads;
     }
     int64_t sub = group; /* query heads per task */
@@ -435,7 +436,7 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
     for (int64_t s = 0; s < num_seqs; ++s) {
         const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
         const int64_t tiles =
-            skip_rows > 0 && q_len >= skip_rows ? 0 : (q_len + QTILE - 1) / QTILE;
+            q_len < take_lo || q_len >= take_hi ? 0 : (q_len + QTILE - 1) / QTILE;
         task_start[s + 1] = task_start[s] + tiles * num_kv_heads * splits;
     }
     const int64_t num_tasks = task_start[num_seqs];
@@ -678,7 +679,7 @@ void paged_attention_f32(const float *q, int64_t q_token_stride, const float *k_
                          int64_t block_size, float scale, float *out, int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, KV_F32, 0);
+                       scale, out, num_threads, KV_F32, 0, INT64_MAX);
 }
 
 int64_t attention_amx_min_rows(void); /* cpu_attention_amx.c */
@@ -690,9 +691,21 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
                                    int64_t head_dim, int64_t block_size, float scale, float *out,
                                    int64_t num_threads, int64_t min_rows);
 
-/* paged_attention_kv on bf16 caches (uint16_t bit patterns); q and out fp32. Chunks of at
- * least min_rows query rows run on AMX tiles where the CPU has them (cpu_attention_amx.c:
- * Q and P rounded to bf16), the rest here; min_rows 0: all here. */
+int64_t paged_attention_decode_bf16kv(const float *q, int64_t q_token_stride,
+                                      const uint16_t *k_cache, const uint16_t *v_cache,
+                                      const int32_t *block_tables, int64_t bt_stride,
+                                      const int32_t *seq_lens, const int32_t *cu_seqlens_q,
+                                      int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                      int64_t head_dim, int64_t block_size, float scale,
+                                      float *out, int64_t num_threads,
+                                      int64_t min_rows); /* cpu_attention_decode_bf16.c */
+
+/* paged_attention_kv on bf16 caches (uint16_t bit patterns); q and out fp32. min_rows > 0
+ * turns on the bf16-product attention (Q and P rounded to bf16, fp32 sums): chunks of at
+ * least min_rows query rows run on cpu_attention_amx.c's tiles, the shorter ones (decode
+ * rows, short chunks) on cpu_attention_decode_bf16.c's VDPBF16PS kernel, where the build
+ * has them and head_dim is a multiple of 32 up to 256; here whatever they refuse. min_rows
+ * 0: all here (fp32 arithmetic on the widened elements). */
 void paged_attention_bf16kv_rows(const float *q, int64_t q_token_stride, const uint16_t *k_cache,
                                  const uint16_t *v_cache, const int32_t *block_tables,
                                  int64_t bt_stride, const int32_t *seq_lens,
@@ -700,17 +713,23 @@ void paged_attention_bf16kv_rows(const float *q, int64_t q_token_stride, const u
                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  int64_t block_size, float scale, float *out,
                                  int64_t num_threads, int64_t min_rows) {
-    const int64_t skip =
-        min_rows > 0 && paged_attention_amx_bf16kv(q, q_token_stride, k_cache, v_cache,
-                                                   block_tables, bt_stride, seq_lens,
-                                                   cu_seqlens_q, num_seqs, num_heads,
-                                                   num_kv_heads, head_dim, block_size, scale,
-                                                   out, num_threads, min_rows) == 0
-            ? min_rows
-            : 0;
-    paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
-                       cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, KV_BF16, skip);
+    int64_t lo = 0, hi = INT64_MAX; /* the chunk lengths left to paged_attention_kv */
+    if (min_rows > 0) {
+        if (paged_attention_amx_bf16kv(q, q_token_stride, k_cache, v_cache, block_tables,
+                                       bt_stride, seq_lens, cu_seqlens_q, num_seqs, num_heads,
+                                       num_kv_heads, head_dim, block_size, scale, out,
+                                       num_threads, min_rows) == 0)
+            hi = min_rows;
+        if (paged_attention_decode_bf16kv(q, q_token_stride, k_cache, v_cache, block_tables,
+                                          bt_stride, seq_lens, cu_seqlens_q, num_seqs,
+                                          num_heads, num_kv_heads, head_dim, block_size, scale,
+                                          out, num_threads, min_rows) == 0)
+            lo = min_rows;
+    }
+    if (lo < hi)
+        paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride,
+                           seq_lens, cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim,
+                           block_size, scale, out, num_threads, KV_BF16, lo, hi);
 }
 
 /* paged_attention_bf16kv_rows with the process's min_rows (attention_amx_min_rows()). */
@@ -737,7 +756,7 @@ void paged_attention_fp8kv(const float *q, int64_t q_token_stride, const uint8_t
                            int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale * k_scale, out, num_threads, KV_FP8, 0);
+                       scale * k_scale, out, num_threads, KV_FP8, 0, INT64_MAX);
     if (v_scale != 1.0f) {
         const int64_t n = cu_seqlens_q[num_seqs] * num_heads * head_dim;
 #pragma omp parallel for if (n > 65536) num_threads(num_threads > 0 ? num_threads : 1)
@@ -773,7 +792,7 @@ void paged_attention_int8kv(const float *q, int64_t q_token_stride, const int8_t
                             float scale, float *out, int64_t num_threads) {
     paged_attention_kv(q, q_token_stride, k_cache, v_cache, block_tables, bt_stride, seq_lens,
                        cu_seqlens_q, num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                       scale, out, num_threads, KV_INT8, 0);
+                       scale, out, num_threads, KV_INT8, 0, INT64_MAX);
 }
 
 /* One head vector x[0 .. d) as int8 on the q and k heads of a fused qkv row,
