@@ -314,10 +314,13 @@ def paged_attention(
         k_scale, v_scale: an fp8 cache's per-tensor scales (unused for the others).
         out: optional contiguous ``[T, num_heads, head_dim]`` destination.
         amx_min_rows: bf16 caches only: chunks of at least this many query rows run on
-            AMX tiles (``csrc/cpu_attention_amx.c``: Q and the probabilities rounded to
-            bf16, fp32 sums; where the CPU has AMX and head_dim is a multiple of 32 up to
-            256), the rest on the fp32-arithmetic kernel; ``0`` never; ``None``: the
-            process's setting, :func:`amx_attention_min_rows`.
+            tiles (``csrc/cpu_attention_amx.c``: Q and the probabilities rounded to bf16,
+            fp32 sums; AMX tiles where :func:`amx_chosen`, else AVX512-BF16 (``VDPBF16PS``)
+            register tiles), the shorter ones with the same contract on
+            ``csrc/cpu_attention_decode_bf16.c``, both where the build targets AVX512-BF16
+            and head_dim is a multiple of 32 up to 256, else on the fp32-arithmetic kernel;
+            ``0``: all on the fp32-arithmetic kernel; ``None``: the process's setting,
+            :func:`amx_attention_min_rows`.
 
     Returns:
         ``[T, num_heads, head_dim]`` fp32, contiguous.
@@ -350,10 +353,12 @@ def paged_attention(
 
 
 def amx_attention_min_rows() -> int:
-    """Query rows from which a bf16-KV chunk's attention runs on AMX tiles in this
-    process (``PAGEDSERVE_CPU_AMX_ATTENTION``: ``0``/``off`` never, ``N`` from N rows,
-    default 16), or 0 where the CPU or the build has no AMX or ``PAGEDSERVE_CPU_AMX`` turns
-    AMX off. Read once per process."""
+    """Query rows from which a bf16-KV chunk's attention runs on tiles in this process
+    (``PAGEDSERVE_CPU_AMX_ATTENTION``: ``0``/``off`` never, ``N`` from N rows, default 16),
+    or 0 where the build does not target AVX512-BF16. The tiles are AMX tiles where
+    :func:`amx_chosen`, else AVX512-BF16 (``VDPBF16PS``) register tiles (no AMX, or
+    ``PAGEDSERVE_CPU_AMX=0``): the same contract, other bits. Read once per process; the
+    :func:`paged_attention` default (``amx_min_rows=None``)."""
     return int(_lib().attention_amx_min_rows())
 
 

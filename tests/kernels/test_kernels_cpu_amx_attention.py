@@ -1,6 +1,7 @@
-"""Prefill attention on AMX tiles (``csrc/cpu_attention_amx.c``) for bf16 KV caches.
+"""Prefill attention on tiles (``csrc/cpu_attention_amx.c``) for bf16 KV caches: AMX tiles
+where :func:`cpu_native.amx_chosen`, else AVX512-BF16 (``VDPBF16PS``) register tiles.
 
-Chunks of at least ``amx_min_rows`` query rows take the AMX path: the queries and the
+Chunks of at least ``amx_min_rows`` query rows take the tile path: the queries and the
 softmax probabilities are rounded to bf16, products summed in fp32, scores and softmax in
 fp32. So its result is compared with the float64 oracle on the bf16-rounded queries (the
 probabilities' rounding is the only error left); the shorter chunks of the same call take
@@ -16,8 +17,8 @@ from paged_kv_testlib import cu_seqlens, dense_prefill, make_paged_case
 from pagedserve.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(
-    not cpu_native.available() or not cpu_native.amx_chosen(),
-    reason="needs the CPU kernels on a CPU with AMX (and PAGEDSERVE_CPU_AMX not off)",
+    not cpu_native.available() or cpu_native.amx_attention_min_rows() == 0,
+    reason="needs the CPU kernels on a CPU with AMX or AVX512-BF16 (and the path not off)",
 )
 
 # P rounded to bf16 (relative 2^-9 per probability) on outputs of magnitude ~1.

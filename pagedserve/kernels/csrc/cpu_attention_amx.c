@@ -1,12 +1,14 @@
 /*
- * Prefill attention on bf16 KV caches with AMX tiles (TDPBF16PS): the chunks of a step that
- * have at least min_rows query rows; decode rows and short chunks stay on
- * paged_attention_kv (cpu_kernels.c), which calls this first.
+ * Prefill attention on bf16 KV caches with bf16 products summed in fp32: the chunks of a
+ * step that have at least min_rows query rows, on AMX tiles (TDPBF16PS) where
+ * gemm_bf16_amx_chosen(), else on AVX512-BF16 register tiles (VDPBF16PS). Decode rows and
+ * short chunks go to cpu_attention_decode_bf16.c (same contract) or paged_attention_kv;
+ * paged_attention_bf16kv_rows (cpu_kernels.c) calls this first.
  *
  * Why: a prefill chunk's attention is two matrix products per KV head (Q K^T and P V) of
  * chunk x context, and on the AVX512 kernel they ran at ~45 GFLOP/s on the 2-core Xeon
  * (the kernel reads each K/V row once per query row); AMX does 16 x 16 x 32 bf16 products
- * per instruction.
+ * per instruction, VDPBF16PS 16 x 2 per instruction on operands held in registers.
  *
  * Method (the two passes of cpu_kernels.c, on tiles). A task is (sequence, KV head, block of
  * QB query rows). It copies the keys its rows see out of the paged cache into two scratch
@@ -14,19 +16,31 @@
  * key group g = dimensions 2kk, 2kk+1 of its 16 keys) and V as B tiles of key pairs (pair
  * row kk = keys 2kk, 2kk+1 of a group of 32, interleaved per dimension). Then per query head
  * of the group and 16-row tile: pass 1, S = Q K^T (Q rounded to bf16, round to nearest
- * even; fp32 sums), 4 key groups per round in 4 C tiles; the softmax per row over the keys
- * its position sees (the causal limit), in fp32, with exp by Cephes' polynomial, and
- * P = bf16(exp(s - max)) (zero past the limit); pass 2, O = P V in D/16 C tiles (64
- * dimensions per round), divided by the fp32 sum of the unrounded exps. So the products
- * are bf16 x bf16 summed in fp32, as FlashAttention-2 does on GPUs (Dao, 2023) and as
- * vLLM's CPU backend does through oneDNN's AMX kernels for bf16 prefill; scores, softmax
+ * even; fp32 sums); the softmax per row over the keys its position sees (the causal
+ * limit), in fp32, with exp by Cephes' polynomial, and P = bf16(exp(s - max)) (zero past
+ * the limit); pass 2, O = P V, divided by the fp32 sum of the unrounded exps. So the
+ * products are bf16 x bf16 summed in fp32, as FlashAttention-2 does on GPUs (Dao, 2023) and
+ * as vLLM's CPU backend does through oneDNN's AMX kernels for bf16 prefill; scores, softmax
  * and sums stay fp32. A row's result depends only on its sequence's data (not on the batch
  * or the task split), but differs from the AVX512 kernel's (Q and P rounded to bf16), so a
  * chunk's rows take this path by the chunk's length only.
  *
- * Built where the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on
- * such a CPU); elsewhere the entry point returns -2 and paged_attention_kv does all.
- * PAGEDSERVE_CPU_AMX_ATTENTION=0 turns the path off; N > 0 sets min_rows (default 16).
+ * The passes come in two variants that share the layouts, the softmax and the task loop.
+ * AMX: pass 1 holds 4 key groups per round in 4 C tiles, pass 2 64 dimensions (4 C tiles).
+ * AVX512-BF16: the layouts are VDPBF16PS's operands as they are: a kt row kk holds, for 16
+ * keys, the pair (dimensions 2kk, 2kk+1) in 16 words, so S[r, 16 keys] += dpbf16(broadcast
+ * of q_r's pair kk, kt row kk); a vt row kk holds, for 16 dimensions, the pair (keys 2kk,
+ * 2kk+1), so O[r, 16 dimensions] += dpbf16(broadcast of P_r's key pair kk, vt row kk). Pass
+ * 1 keeps S1_ROWS rows x S1_GROUPS key groups of accumulators in zmm registers, pass 2
+ * S2_ROWS rows x S2_TILES dimension tiles; each accumulator is one row's, summed over
+ * the pairs in order, so a row's bits do not depend on the rows blocked with it. The two
+ * variants' bits differ (the order of the sums inside an instruction).
+ *
+ * Built where the compiler targets AVX512F and AVX512-BF16 (-march=native on such a CPU),
+ * the AMX variant where it also targets AMX-TILE and AMX-BF16; elsewhere the entry point
+ * returns -2 and paged_attention_kv does all. PAGEDSERVE_CPU_AMX_ATTENTION=0 turns the path
+ * off; N > 0 sets min_rows (default 16). PAGEDSERVE_CPU_AMX=0 (gemm_bf16_amx_chosen() == 0)
+ * picks the AVX512-BF16 variant on an AMX CPU.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,16 +51,27 @@
 
 int64_t gemm_bf16_amx_chosen(void); /* cpu_gemm_bf16.c: AMX granted and not turned off */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #include <omp.h>
 #include <pthread.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATTN_AMX 1 /* the AMX variant is built */
+#else
+#define ATTN_AMX 0
+#endif
 
 #define TR 16           /* rows of a tile; keys of a key group */
 #define QB 64           /* query rows per task */
 #define MAX_HEAD_DIM 256
 #define DEFAULT_MIN_ROWS 16
+/* AVX512-BF16 register blocks, accumulators in zmm registers (on the 2-core EPYC, Zen 4,
+ * these ran prefill 8 x 512 ~10% faster than 4 rows x 4 groups and 4 rows x 4 tiles) */
+#define S1_ROWS 8   /* pass 1: query rows per block (divides TR) */
+#define S1_GROUPS 3 /* and key groups: 24 accumulators, 3 kt rows and a broadcast */
+#define S2_ROWS 8   /* pass 2: query rows per block (divides TR) */
+#define S2_TILES 2  /* and dimension tiles of 16 (divides head_dim / 16): 16 accumulators */
 
 static pthread_once_t amx_attn_once = PTHREAD_ONCE_INIT;
 static int64_t amx_attn_rows;
@@ -63,10 +88,11 @@ static void amx_attn_init(void) {
             rows = 0;
         }
     }
-    amx_attn_rows = gemm_bf16_amx_chosen() ? rows : 0;
+    amx_attn_rows = rows;
 }
 
-/* Chunks of at least this many query rows take the AMX path; 0: the path is off. */
+/* Chunks of at least this many query rows take the tile path (AMX or AVX512-BF16); 0: the
+ * path is off. */
 int64_t attention_amx_min_rows(void) {
     pthread_once(&amx_attn_once, amx_attn_init);
     return amx_attn_rows;
@@ -174,19 +200,12 @@ static void prepare_kv(const scratch_t *sc, const uint16_t *k_cache, const uint1
     }
 }
 
-/* One query head's 16-row tile: rows r < valid at positions pos + r, queries qb (bf16, row
- * stride head_dim), output rows out + r * out_stride. */
-static void tile_attention(const scratch_t *sc, const uint16_t *qb, int64_t valid, int64_t pos,
-                           int64_t n_keys, int64_t head_dim, float scale, float *out,
-                           int64_t out_stride) {
-    const int64_t nb = head_dim / 32, nt = head_dim / 16;
-    int64_t lim = pos + TR; /* keys the tile's last row could see */
-    if (lim > n_keys) lim = n_keys;
-    if (lim < 0) lim = 0;
-    const int64_t groups = (lim + TR - 1) / TR;
-    const int64_t lim32 = (lim + 31) / 32 * 32;
-    const int64_t lds = lim32 > 0 ? lim32 : 32; /* row stride of s and p */
-    /* pass 1: S = Q K^T, 4 key groups per round in C tiles 0-3 */
+#if ATTN_AMX
+/* AMX pass 1: S (16 rows, row stride lds) = Q K^T over key groups [0, groups), 4 groups per
+ * round in C tiles 0-3; every row of the tile, those past the chunk's zero queries too. */
+static void scores_amx(const scratch_t *sc, const uint16_t *qb, int64_t groups,
+                       int64_t head_dim, int64_t lds) {
+    const int64_t nb = head_dim / 32;
     for (int64_t g0 = 0; g0 < groups; g0 += 4) {
         const int64_t gn = groups - g0 < 4 ? groups - g0 : 4;
         _tile_zero(0);
@@ -217,38 +236,13 @@ static void tile_attention(const scratch_t *sc, const uint16_t *qb, int64_t vali
         if (gn > 2) _tile_stored(2, s + 2 * TR, lds * 4);
         if (gn > 3) _tile_stored(3, s + 3 * TR, lds * 4);
     }
-    /* softmax per row over keys [0, pos + r], P in bf16 up to lim32 */
-    for (int64_t r = 0; r < TR; ++r) {
-        float *s = sc->s + r * lds;
-        uint16_t *p = sc->p + r * lds;
-        const int64_t len = r < valid ? (pos + r + 1 < lim ? pos + r + 1 : lim) : 0;
-        if (len <= 0) {
-            memset(p, 0, sizeof(uint16_t) * lds);
-            sc->inv[r] = 0.0f;
-            continue;
-        }
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 m = (__mmask16)(len - j >= 16 ? 0xffff : (1u << (len - j)) - 1);
-            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        const __m512 vs = _mm512_set1_ps(scale);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < lim32; j += 16) {
-            const int64_t left = len - j;
-            const __mmask16 m =
-                (__mmask16)(left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1));
-            __m512 e = _mm512_setzero_ps();
-            if (m) e = _mm512_maskz_mov_ps(m, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), vs)));
-            sum = _mm512_add_ps(sum, e);
-            const __m256bh h = _mm512_cvtneps_pbh(e);
-            memcpy(p + j, &h, sizeof(h));
-        }
-        sc->inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
-    }
-    /* pass 2: O = P V, 64 dimensions (4 C tiles) per round */
-    const int64_t pairs = lim32 / 32;
+}
+
+/* AMX pass 2: rows r < valid of out (row stride out_stride) = (P V) * inv[r], P over key
+ * pairs [0, pairs), 64 dimensions (4 C tiles) per round. */
+static void weighted_sum_amx(const scratch_t *sc, int64_t pairs, int64_t valid,
+                             int64_t head_dim, int64_t lds, float *out, int64_t out_stride) {
+    const int64_t nt = head_dim / 16;
     for (int64_t t0 = 0; t0 < nt; t0 += 4) {
         const int64_t tn = nt - t0 < 4 ? nt - t0 : 4;
         _tile_zero(0);
@@ -285,12 +279,179 @@ static void tile_attention(const scratch_t *sc, const uint16_t *qb, int64_t vali
         }
     }
 }
+#endif
+
+/* AVX512-BF16 pass 1 on a register block: S rows 0 .. S1_ROWS - 1 (row stride lds), keys of
+ * groups 0 .. gn - 1 of kt (each group hw pair rows of 16 words); q: the rows' bf16 pairs,
+ * row stride hw words. gn is a constant at each call, so acc stays in registers. */
+static inline __attribute__((always_inline)) void scores_block(const uint32_t *q, int64_t hw,
+                                                               const uint32_t *kt, float *s,
+                                                               int64_t lds, const int gn) {
+    __m512 acc[S1_ROWS][S1_GROUPS];
+#pragma GCC unroll 16
+    for (int r = 0; r < S1_ROWS; ++r)
+#pragma GCC unroll 16
+        for (int g = 0; g < gn; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < hw; ++kk) {
+        __m512bh b[S1_GROUPS];
+#pragma GCC unroll 16
+        for (int g = 0; g < gn; ++g)
+            b[g] = (__m512bh)_mm512_load_si512((const void *)(kt + (g * hw + kk) * 16));
+#pragma GCC unroll 16
+        for (int r = 0; r < S1_ROWS; ++r) {
+            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)q[r * hw + kk]);
+#pragma GCC unroll 16
+            for (int g = 0; g < gn; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < S1_ROWS; ++r)
+#pragma GCC unroll 16
+        for (int g = 0; g < gn; ++g) _mm512_storeu_ps(s + r * lds + 16 * g, acc[r][g]);
+}
+
+/* AVX512-BF16 pass 1: rows r < valid (rounded up to S1_ROWS: the padding rows' queries are
+ * zeros) of S = Q K^T over key groups [0, groups). */
+static void scores_avx512(const scratch_t *sc, const uint16_t *qb, int64_t valid,
+                          int64_t groups, int64_t head_dim, int64_t lds) {
+    const int64_t hw = head_dim / 2;
+    for (int64_t r0 = 0; r0 < valid; r0 += S1_ROWS) {
+        const uint32_t *q = (const uint32_t *)qb + r0 * hw;
+        float *s = sc->s + r0 * lds;
+        int64_t g = 0;
+        for (; g + S1_GROUPS <= groups; g += S1_GROUPS)
+            scores_block(q, hw, sc->kt + g * hw * 16, s + 16 * g, lds, S1_GROUPS);
+        const uint32_t *kt = sc->kt + g * hw * 16;
+        switch (groups - g) { /* the last 1 .. S1_GROUPS - 1 groups */
+        case 2: scores_block(q, hw, kt, s + 16 * g, lds, 2); break;
+        case 1: scores_block(q, hw, kt, s + 16 * g, lds, 1); break;
+        default: break;
+        }
+    }
+}
+
+/* AVX512-BF16 pass 2 on a register block: rows r < rn (of S2_ROWS) of out (row stride
+ * out_stride), dimension tiles 0 .. tn - 1 of vt (tile t of key pair group g at
+ * vt + (g * nt + t) * 256) = (P V) * inv[r], P over key pair groups [0, pairs); p: the rows'
+ * key pairs, row stride ldp words. tn is a constant at each call. */
+static inline __attribute__((always_inline)) void weighted_sum_block(
+    const uint32_t *p, int64_t ldp, const uint32_t *vt, int64_t nt, int64_t pairs,
+    const float *inv, int64_t rn, float *out, int64_t out_stride, const int tn) {
+    __m512 acc[S2_ROWS][S2_TILES];
+#pragma GCC unroll 16
+    for (int r = 0; r < S2_ROWS; ++r)
+#pragma GCC unroll 16
+        for (int t = 0; t < tn; ++t) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < pairs; ++g) {
+        const uint32_t *v = vt + g * nt * 256;
+        const uint32_t *pg = p + 16 * g;
+        for (int64_t kk = 0; kk < 16; ++kk) {
+            __m512bh b[S2_TILES];
+#pragma GCC unroll 16
+            for (int t = 0; t < tn; ++t)
+                b[t] = (__m512bh)_mm512_load_si512((const void *)(v + t * 256 + kk * 16));
+#pragma GCC unroll 16
+            for (int r = 0; r < S2_ROWS; ++r) {
+                const __m512bh a = (__m512bh)_mm512_set1_epi32((int)pg[r * ldp + kk]);
+#pragma GCC unroll 16
+                for (int t = 0; t < tn; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, b[t]);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < S2_ROWS; ++r) {
+        if (r >= rn) break;
+        const __m512 iv = _mm512_set1_ps(inv[r]);
+#pragma GCC unroll 16
+        for (int t = 0; t < tn; ++t)
+            _mm512_storeu_ps(out + r * out_stride + 16 * t, _mm512_mul_ps(acc[r][t], iv));
+    }
+}
+
+/* AVX512-BF16 pass 2: rows r < valid of out = (P V) * inv[r], P over key pairs
+ * [0, pairs) (rows past valid are zeros). */
+static void weighted_sum_avx512(const scratch_t *sc, int64_t pairs, int64_t valid,
+                                int64_t head_dim, int64_t lds, float *out,
+                                int64_t out_stride) {
+    const int64_t nt = head_dim / 16, ldp = lds / 2;
+    for (int64_t r0 = 0; r0 < valid; r0 += S2_ROWS) {
+        const uint32_t *p = (const uint32_t *)sc->p + r0 * ldp;
+        const int64_t rn = valid - r0 < S2_ROWS ? valid - r0 : S2_ROWS;
+        float *o = out + r0 * out_stride;
+        for (int64_t t = 0; t < nt; t += S2_TILES)
+            weighted_sum_block(p, ldp, sc->vt + t * 256, nt, pairs, sc->inv + r0, rn,
+                               o + 16 * t, out_stride, S2_TILES);
+    }
+}
+
+/* The softmax of rows r < TR of S (row stride lds) over keys [0, pos + r] (up to lim): P in
+ * bf16 up to lim32 (zero past the row's limit, whole rows r >= valid zero), inv[r] = 1 / the
+ * fp32 sum of the unrounded exps. */
+static void softmax_rows(const scratch_t *sc, int64_t valid, int64_t pos, int64_t lim,
+                         int64_t lim32, int64_t lds, float scale) {
+    for (int64_t r = 0; r < TR; ++r) {
+        float *s = sc->s + r * lds;
+        uint16_t *p = sc->p + r * lds;
+        const int64_t len = r < valid ? (pos + r + 1 < lim ? pos + r + 1 : lim) : 0;
+        if (len <= 0) {
+            memset(p, 0, sizeof(uint16_t) * lds);
+            sc->inv[r] = 0.0f;
+            continue;
+        }
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < len; j += 16) {
+            const __mmask16 m = (__mmask16)(len - j >= 16 ? 0xffff : (1u << (len - j)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        const __m512 vs = _mm512_set1_ps(scale);
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < lim32; j += 16) {
+            const int64_t left = len - j;
+            const __mmask16 m =
+                (__mmask16)(left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1));
+            __m512 e = _mm512_setzero_ps();
+            if (m) e = _mm512_maskz_mov_ps(m, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), vs)));
+            sum = _mm512_add_ps(sum, e);
+            const __m256bh h = _mm512_cvtneps_pbh(e);
+            memcpy(p + j, &h, sizeof(h));
+        }
+        sc->inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* One query head's 16-row tile: rows r < valid at positions pos + r, queries qb (bf16, row
+ * stride head_dim, zeros past valid up to TR), output rows out + r * out_stride; on AMX
+ * tiles when amx, else on AVX512-BF16 registers. */
+static void tile_attention(const scratch_t *sc, const uint16_t *qb, int64_t valid, int64_t pos,
+                           int64_t n_keys, int64_t head_dim, float scale, float *out,
+                           int64_t out_stride, int amx) {
+    int64_t lim = pos + TR; /* keys the tile's last row could see */
+    if (lim > n_keys) lim = n_keys;
+    if (lim < 0) lim = 0;
+    const int64_t groups = (lim + TR - 1) / TR;
+    const int64_t lim32 = (lim + 31) / 32 * 32;
+    const int64_t lds = lim32 > 0 ? lim32 : 32; /* row stride of s and p */
+#if ATTN_AMX
+    if (amx) {
+        scores_amx(sc, qb, groups, head_dim, lds);
+        softmax_rows(sc, valid, pos, lim, lim32, lds, scale);
+        weighted_sum_amx(sc, lim32 / 32, valid, head_dim, lds, out, out_stride);
+        return;
+    }
+#else
+    (void)amx;
+#endif
+    scores_avx512(sc, qb, valid, groups, head_dim, lds);
+    softmax_rows(sc, valid, pos, lim, lim32, lds, scale);
+    weighted_sum_avx512(sc, lim32 / 32, valid, head_dim, lds, out, out_stride);
+}
 
 /*
  * The chunks of at least min_rows query rows, as paged_attention_bf16kv's arguments
  * describe them (cpu_kernels.c); other chunks are not touched. Returns 0 when done, -2
- * when the path does not apply (no AMX, head_dim not a multiple of 32 up to 256, min_rows
- * < 1) and -1 when the scratch cannot be allocated; out is untouched unless it returns 0.
+ * when the path does not apply (head_dim not a multiple of 32 up to 256, min_rows < 1) and
+ * -1 when the scratch cannot be allocated; out is untouched unless it returns 0.
  */
 int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
                                    const uint16_t *k_cache, const uint16_t *v_cache,
@@ -299,8 +460,8 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
                                    int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                                    int64_t head_dim, int64_t block_size, float scale, float *out,
                                    int64_t num_threads, int64_t min_rows) {
-    if (min_rows < 1 || head_dim % 32 != 0 || head_dim > MAX_HEAD_DIM || !gemm_bf16_amx_chosen())
-        return -2;
+    if (min_rows < 1 || head_dim % 32 != 0 || head_dim > MAX_HEAD_DIM) return -2;
+    const int amx = ATTN_AMX && gemm_bf16_amx_chosen();
     const int64_t group = num_heads / num_kv_heads;
     const int64_t row = num_kv_heads * head_dim;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
@@ -330,6 +491,7 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
         free(task_start);
         return -1;
     }
+#if ATTN_AMX
     tile_config_t cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette = 1;
@@ -337,11 +499,14 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
         cfg.colsb[t] = 64;
         cfg.rows[t] = TR;
     }
+#endif
 #pragma omp parallel num_threads(threads) if (num_tasks > 1)
     {
         const int tid = omp_get_thread_num();
         const scratch_t sc = scratch_at(pool + words * (size_t)tid, keys_pad, head_dim, group);
-        _tile_loadconfig(&cfg);
+#if ATTN_AMX
+        if (amx) _tile_loadconfig(&cfg);
+#endif
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
@@ -385,17 +550,19 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
                     const int64_t valid = rows - r0 < TR ? rows - r0 : TR;
                     float *o = out + ((q0 + first + r0) * num_heads + kvh * group + g) * head_dim;
                     tile_attention(&sc, qb + (g * QB + r0) * head_dim, valid, pos0 + r0, n_keys,
-                                   head_dim, scale, o, num_heads * head_dim);
+                                   head_dim, scale, o, num_heads * head_dim, amx);
                 }
         }
-        _tile_release();
+#if ATTN_AMX
+        if (amx) _tile_release();
+#endif
     }
     free(pool);
     free(task_start);
     return 0;
 }
 
-#else /* no AMX attention in this build */
+#else /* no AVX512-BF16 in this build: no tile path */
 
 int64_t attention_amx_min_rows(void) { return 0; }
 
