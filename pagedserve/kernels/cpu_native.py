@@ -357,8 +357,11 @@ def amx_attention_min_rows() -> int:
     (``PAGEDSERVE_CPU_AMX_ATTENTION``: ``0``/``off`` never, ``N`` from N rows, default 16),
     or 0 where the build does not target AVX512-BF16. The tiles are AMX tiles where
     :func:`amx_chosen`, else AVX512-BF16 (``VDPBF16PS``) register tiles (no AMX, or
-    ``PAGEDSERVE_CPU_AMX=0``): the same contract, other bits. Read once per process; the
-    :func:`paged_attention` default (``amx_min_rows=None``)."""
+    ``PAGEDSERVE_CPU_AMX=0``): the same contract, other bits. Where it is > 0 the shorter
+    chunks (decode rows included) take the same contract on AVX512-BF16 dot products
+    (``csrc/cpu_attention_decode_bf16.c``); where 0, every chunk runs on the
+    fp32-arithmetic kernel. Read once per process; the :func:`paged_attention` default
+    (``amx_min_rows=None``)."""
     return int(_lib().attention_amx_min_rows())
 
 
