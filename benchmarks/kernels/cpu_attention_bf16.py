@@ -1,10 +1,11 @@
-"""Prefill attention on a bf16 KV cache on CPU: AMX tiles against the fp32-arithmetic kernel.
+"""Prefill attention on a bf16 KV cache on CPU: bf16 tile products against the fp32-arithmetic kernel.
 
 SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim 64, block size 16) over
 a paged bf16 cache, one layer's call per sample, at each case (chunks x rows over a
 context):
 
-* ``amx``: ``paged_attention(amx_min_rows=16)``: chunks of >= 16 rows on AMX tiles
+* ``amx``: ``paged_attention(amx_min_rows=16)``: chunks of >= 16 rows on AMX tiles, or on
+  AVX512-BF16 register tiles where AMX is not chosen
   (``pagedserve/kernels/csrc/cpu_attention_amx.c``: Q and P rounded to bf16, fp32 sums);
 * ``exact``: ``paged_attention(amx_min_rows=0)``: the AVX512 kernel (fp32 arithmetic on the
   widened bf16 K/V), the only path before;

@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -181,8 +182,10 @@ def server_command(
     kv_cache_gib: int,
     max_model_len: int,
     vllm_python: str | None,
+    pagedserve_args: tuple[str, ...] = (),
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and the extra environment that start ``system`` on ``port``.
+    """The command line and the extra environment that start ``system`` on ``port``
+    (``pagedserve_args``: appended to a pagedserve system's command line).
 
     Raises:
         ValueError: for a vLLM system without ``vllm_python``.
@@ -192,7 +195,8 @@ def server_command(
     if system.kind == "pagedserve":
         cli = str(Path(sys.executable).with_name("pagedserve"))
         cmd = [cli, "serve", "--model", model_dir, "--http-port", str(port),
-               "--port", str(free_port()), "--kv-cache-memory", f"{kv_cache_gib}G", *common]  # fmt: skip
+               "--port", str(free_port()), "--kv-cache-memory", f"{kv_cache_gib}G", *common,
+               *pagedserve_args]  # fmt: skip
         return cmd, {}  # prefix caching is on by default (--no-prefix-caching turns it off)
     if vllm_python is None:
         raise ValueError(f"{system.name} needs the vLLM venv's python")
@@ -256,6 +260,7 @@ def run_system(
     cmd, extra_env = server_command(
         system, model_dir=ctx["model_dir"], port=port, kv_cache_gib=args.kv_cache_gib,
         max_model_len=args.max_model_len, vllm_python=ctx["vllm_python"],
+        pagedserve_args=tuple(shlex.split(args.pagedserve_args)),
     )  # fmt: skip
     run_dir = Path(ctx["run_dir"]) / f"round{ctx['round']}-{system.name}"
     log_path = run_dir / "server.log"
@@ -352,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds for /health (vLLM compiles its model at its first start)",
     )
     ap.add_argument("--client-timeout", type=float, default=3600, help="seconds per workload")
+    ap.add_argument(
+        "--pagedserve-args",
+        default="",
+        help="extra `pagedserve serve` flags, e.g. '--max-num-batched-tokens 1024'",
+    )
     ap.add_argument("--out", default=None, help="the JSON (the plot goes next to it)")
     return ap
 

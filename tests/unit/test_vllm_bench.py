@@ -122,6 +122,11 @@ def test_server_commands_match_memory_length_and_precision():
     vb, vb_env = vllm_bench.server_command(by_name["vllm-fp32-both-cores"], **kw)
     assert _flag(vb, "--dtype") == "float32"
     assert vb_env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    extra = ("--max-num-batched-tokens", "1024")
+    pe, _ = vllm_bench.server_command(systems[0], **kw, pagedserve_args=extra)
+    assert pe[-2:] == list(extra) and _flag(pe, "--dtype") == "float32"
+    ve, _ = vllm_bench.server_command(by_name["vllm-auto-default"], **kw, pagedserve_args=extra)
+    assert "--max-num-batched-tokens" not in ve  # pagedserve's flags only
     with pytest.raises(ValueError, match="venv"):
         vllm_bench.server_command(by_name["vllm-auto-default"], **{**kw, "vllm_python": None})
     with pytest.raises(ValueError, match="kind"):
