@@ -126,7 +126,12 @@ def _add_serve(sub: Any) -> None:
         "blocks of float32 at head_dim 64",
     )
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="token budget of one step (default: 1024 on CPU workers, 2048 on GPUs)",
+    )
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument(
         "--routing",

@@ -33,6 +33,7 @@ from pagedserve.cluster.openai_api import OpenAIServer, openapi_components
 from pagedserve.cluster.pipeline import RequestPipeline
 from pagedserve.cluster.request_prep import ModelInfo
 from pagedserve.cluster.tp_group import start_rank_group
+from pagedserve.scheduler.config import SchedulerConfig, default_max_num_batched_tokens
 from pagedserve.scheduler.scheduler import WorkerSpec
 from pagedserve.scheduler.swap import SwapSpec
 
@@ -74,6 +75,19 @@ def init_ray(config: ClusterConfig) -> bool:
     else:
         ray.init(address=config.ray_address, log_to_driver=True, configure_logging=False)
     return True
+
+
+def resolved_scheduler_config(
+    sched: SchedulerConfig, max_model_len: int, devices: list[str]
+) -> SchedulerConfig:
+    """``sched`` with what the workers decide filled in: ``max_model_len`` (the smallest
+    the workers serve) and, where ``None``, the step token budget of the first worker's
+    device (:func:`default_max_num_batched_tokens`; ``devices``: each worker's
+    ``"cpu"`` / ``"cuda:N"``)."""
+    budget = sched.max_num_batched_tokens
+    if budget is None:
+        budget = default_max_num_batched_tokens(devices[0])
+    return dataclasses.replace(sched, max_model_len=max_model_len, max_num_batched_tokens=budget)
 
 
 @dataclass
@@ -192,7 +206,9 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
             WorkerSpec(i.worker_id, i.num_blocks, i.block_size, i.dtype, i.kv_cache_dtype)
             for i in infos
         ]
-        sched_cfg = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        sched_cfg = resolved_scheduler_config(
+            config.scheduler, max_model_len, [i.device for i in infos]
+        )
         # NOTE: a host block of a tensor-parallel worker holds every rank's chunk (each
         # rank's KV heads), so it costs T times a rank's block bytes.
         host_block_bytes = infos[0].block_bytes * infos[0].tensor_parallel_size

@@ -85,6 +85,22 @@ class SpeculativeConfig:
             )
 
 
+# The token budget a step gets by default. CPU: 1,024, measured on the 2-core EPYC VM
+# through `vllm bench serve` (benchmarks/RESULTS.md, "The token budget on CPU"): the same
+# output tok/s as 2,048 on ShareGPT and 32 x 64 at once, TTFT mean 0.92x / 0.88x (prompts
+# finish in more, shorter steps) and ShareGPT TPOT p99 0.78x. Other devices: 2,048.
+CPU_MAX_NUM_BATCHED_TOKENS = 1024
+MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def default_max_num_batched_tokens(device: str) -> int:
+    """The default step token budget for workers on ``device`` (``"cpu"``, ``"cuda:0"``,
+    ...): :data:`CPU_MAX_NUM_BATCHED_TOKENS` on CPU, else :data:`MAX_NUM_BATCHED_TOKENS`."""
+    if device.split(":", 1)[0] == "cpu":
+        return CPU_MAX_NUM_BATCHED_TOKENS
+    return MAX_NUM_BATCHED_TOKENS
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Admission and batching policy.
@@ -92,7 +108,12 @@ class SchedulerConfig:
     Attributes:
         max_num_seqs: most sequences running on one worker in one step.
         max_num_batched_tokens: token budget of one step (decodes count 1, prefill chunks
-            count their length; long prompts are chunked to fit).
+            count their length; long prompts are chunked to fit). ``None``: the serving
+            default of the workers' device (:func:`default_max_num_batched_tokens`), which
+            the launcher fills in once the workers report it (the :class:`Scheduler`
+            requires it set); ``pagedserve serve`` passes ``None`` unless told. The
+            offline ``LLM`` keeps 2,048 (throughput, not first-token latency; vLLM's
+            offline ``LLM`` also takes a larger budget than its server).
         enable_chunked_prefill: split prompts longer than the remaining budget.
         enable_prefix_caching: share full prompt blocks across requests by block hash.
         max_model_len: longest sequence (prompt + output), tokens. ``None`` until the
@@ -157,7 +178,7 @@ class SchedulerConfig:
     """
 
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = 2048
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
@@ -179,7 +200,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )

@@ -176,6 +176,11 @@ class Scheduler:
     ) -> None:
         if config.max_model_len is None:
             raise ValueError("SchedulerConfig.max_model_len must be set for a Scheduler")
+        if config.max_num_batched_tokens is None:
+            raise ValueError(
+                "SchedulerConfig.max_num_batched_tokens must be set for a Scheduler "
+                "(default_max_num_batched_tokens gives a device's default)"
+            )
         self.config = config
         self.max_model_len: int = config.max_model_len
         self.workers: dict[int, WorkerState] = {
@@ -304,6 +309,7 @@ class Scheduler:
         ws = self.workers[worker_id]
         kv = ws.kv
         budget = self.config.max_num_batched_tokens
+        assert budget is not None  # checked in __init__
         num_scheduled: dict[str, int] = {}
         # The step's transfers to and from the host store (SchedulerOutput.swap_plan).
         swap_outs: list[SwapTransfer] = []
