@@ -4,9 +4,10 @@ For SmolLM2-135M's MLP (gate/up 576 -> 2 x 1536, SiLU(gate) * up, down 1536 -> 5
 M (token rows), per layer, from bf16 rows in (what the RMSNorm before it writes) to the fp32
 output, it times:
 
-* ``packed fused``: ``linear_packed_bf16_silu_mul`` (gate/up, SiLU * up and the bf16 rounding
-  in one call, ``pagedserve/kernels/csrc/cpu_gemm_bf16.c``) then the packed down GEMM reading
-  that bf16 product: what the serving path runs;
+* ``packed fused``: ``linear_packed_bf16_silu_mul`` (gate/up, SiLU * up and the bf16
+  rounding in one call, ``pagedserve/kernels/csrc/cpu_gemm_bf16.c``) then the packed down
+  GEMM reading that bf16 product: what serving runs where the fused call applies (on
+  AVX512-BF16 from 65 rows; "-" below, where serving runs the three calls);
 * ``packed 3 calls``: the packed gate/up GEMM to fp32, ``silu_mul`` in fp32, the packed down
   GEMM (which rounds the product to bf16): the same bits, with the fp32 ``[M, 3072]``
   product and ``[M, 1536]`` activation written and read back
@@ -16,8 +17,9 @@ output, it times:
   CPU backend runs (oneDNN GEMMs, a bf16 ``silu_and_mul`` between them).
 
 The weights rotate over ``--layers`` distinct layers (30 = SmolLM2's: 160 MB of bf16 MLP
-weights per method, more than the L2s and the L3, so each pass reads them from memory as a
-real step does), the methods alternating layer by layer; the fastest of the
+weights per method, each method its own copy, more than the L2s and the L3, so each pass
+reads them from memory as a real step does), the methods alternating layer by layer, in
+an order rotated every repeat (the slot after another method measurably helps at small M); the fastest of the
 ``--layers x --repeats`` samples of each is kept. Only ratios within one run are meaningful.
 Writes ``benchmarks/results/cpu_mlp_bf16.json``.
 
@@ -48,6 +50,10 @@ METHODS = ("packed fused", "packed 3 calls", "oneDNN bf16")
 Block = Callable[[torch.Tensor], torch.Tensor]
 
 
+class Declined(Exception):
+    """The fused call does not apply at this M (serving runs the three calls there)."""
+
+
 def build_layers(count: int) -> dict[str, list[Block]]:
     """Per method, one MLP block per layer: bf16 ``[M, HIDDEN]`` -> fp32 ``[M, HIDDEN]``."""
     gen = torch.Generator().manual_seed(0)
@@ -63,10 +69,15 @@ def build_layers(count: int) -> dict[str, list[Block]]:
         def fused(x: torch.Tensor, pgu: torch.Tensor = pgu, pd: torch.Tensor = pd) -> torch.Tensor:
             act = cpu_native.linear_packed_bf16_silu_mul(x, pgu, INTER)
             if act is None:
-                raise RuntimeError("the fused call declined (PAGEDSERVE_CPU_FUSED_MLP=0?)")
+                raise Declined
             return cpu_native.linear_packed_bf16(act, pd, HIDDEN)
 
-        def three(x: torch.Tensor, pgu: torch.Tensor = pgu, pd: torch.Tensor = pd) -> torch.Tensor:
+        # its own copies: a method must not find the weights the previous one just read
+        pgu3, pd3 = pgu.clone(), pd.clone()
+
+        def three(
+            x: torch.Tensor, pgu: torch.Tensor = pgu3, pd: torch.Tensor = pd3
+        ) -> torch.Tensor:
             gate_up = cpu_native.linear_packed_bf16(x, pgu, 2 * INTER)
             return cpu_native.linear_packed_bf16(cpu_native.silu_mul(gate_up), pd, HIDDEN)
 
@@ -95,26 +106,39 @@ def main() -> None:
     blocks = build_layers(args.layers)
     rows_out = []
     print(
-        "| M | packed fused (us) | packed 3 calls | oneDNN bf16 | 3 calls / fused | oneDNN / fused |"
+        "| M | packed fused (us) | packed 3 calls | oneDNN bf16 | 3 calls / fused "
+        "| oneDNN / fused | oneDNN / 3 calls |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, HIDDEN).bfloat16()
             best = {name: float("inf") for name in METHODS}
-            for name in METHODS:  # warm-up: scratch buffers, oneDNN's kernels
+            names = list(METHODS)
+            try:  # warm-up: scratch buffers, oneDNN's kernels; drops what declines
+                blocks["packed fused"][0](x)
+            except Declined:
+                names.remove("packed fused")
+            for name in names[-2:]:
                 blocks[name][0](x)
-            for _ in range(args.repeats):
+            for rep in range(args.repeats):
+                order = names[rep % len(names) :] + names[: rep % len(names)]  # every slot
                 for layer in range(args.layers):
-                    for name in METHODS:
+                    for name in order:
                         t0 = time.perf_counter()
                         blocks[name][layer](x)
                         best[name] = min(best[name], time.perf_counter() - t0)
-            us = {name: best[name] * 1e6 for name in METHODS}
-            fused = us["packed fused"]
+            us = {name: best[name] * 1e6 for name in names}
+            three, onednn = us["packed 3 calls"], us["oneDNN bf16"]
+            fused = us.get("packed fused")
+            cells = (
+                (f"{fused:.0f}", f"{three / fused:.2f}x", f"{onednn / fused:.2f}x")
+                if fused is not None
+                else ("-", "-", "-")
+            )
             print(
-                f"| {m} | {fused:.0f} | {us['packed 3 calls']:.0f} | {us['oneDNN bf16']:.0f} | "
-                f"{us['packed 3 calls'] / fused:.2f}x | {us['oneDNN bf16'] / fused:.2f}x |",
+                f"| {m} | {cells[0]} | {three:.0f} | {onednn:.0f} | {cells[1]} | {cells[2]} | "
+                f"{onednn / three:.2f}x |",
                 flush=True,
             )
             rows_out.append({"m": m, "us_per_layer": us})

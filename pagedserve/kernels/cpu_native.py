@@ -711,8 +711,9 @@ def linear_packed_bf16_silu_mul(
 
     Returns:
         bf16 ``[M, I]``, or None where the fused call does not apply (AMX: M <= 16 or ``I``
-        not a multiple of 32; AVX512-BF16: ``I`` not a multiple of 16; either:
-        ``PAGEDSERVE_CPU_FUSED_MLP=0``): the caller then runs the two calls.
+        not a multiple of 32; AVX512-BF16: M < 65, where the two calls are as fast, or
+        ``I`` not a multiple of 16; either: ``PAGEDSERVE_CPU_FUSED_MLP=0``): the caller
+        then runs the two calls.
 
     Raises:
         ValueError: as :func:`linear_packed_bf16` for ``N = 2 * I``; an unknown ``kernel``.

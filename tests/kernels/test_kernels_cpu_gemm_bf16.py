@@ -370,13 +370,14 @@ def _two_calls(
 
 
 # (m, k, inter, bias): odd K, a partial last K step (K = 40, 130: 20 / 65 pairs), rows not a
-# multiple of the tile heights (16 / 32 on AMX, 4 on AVX512-BF16) nor of the 256-row block
-FUSED_CASES = [(17, 64, 32, False), (33, 40, 64, True), (100, 576, 96, False),
-               (300, 130, 160, True), (64, 31, 32, False)]  # fmt: skip
-# AVX512-BF16 only: any row count, widths that are multiples of 16 but not of 48 (a unit of
-# 1 or 2 column vectors, up columns that start inside a panel), 512+ rows (several blocks)
-FUSED_CASES_AVX512 = [(1, 64, 16, True), (3, 576, 1536, False), (8, 40, 48, True),
-                      (5, 70, 80, False), (2, 96, 112, True), (519, 96, 32, False)]  # fmt: skip
+# multiple of the tile heights (16 / 32 on AMX, 4 on AVX512-BF16) nor of the 256-row block;
+# every count above both kernels' row thresholds (AMX > 16, AVX512-BF16 >= 65)
+FUSED_CASES = [(67, 64, 32, False), (133, 40, 64, True), (100, 576, 96, False),
+               (300, 130, 160, True), (65, 31, 32, False)]  # fmt: skip
+# AVX512-BF16 only: widths that are multiples of 16 but not of 48 (a unit of 1 or 2 column
+# vectors, up columns that start inside a panel), 512+ rows (several row blocks)
+FUSED_CASES_AVX512 = [(66, 64, 16, True), (70, 576, 1536, False), (69, 40, 48, True),
+                      (65, 70, 80, False), (71, 96, 112, True), (519, 96, 32, False)]  # fmt: skip
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -423,7 +424,7 @@ def test_fused_gate_up_avx512_swapped_halves_are_caught() -> None:
     """Gate and up are not interchangeable: silu(up) * gate is a different function, and a
     kernel that paired column vector t of gate with another vector of up would fail here."""
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(9, 64, generator=gen)
+    x = torch.randn(69, 64, generator=gen)
     w = torch.randn(2 * 80, 64, generator=gen)
     packed = cpu_native.pack_bf16_linear_weight(w)
     got = cpu_native.linear_packed_bf16_silu_mul(x, packed, 80, kernel="avx512")
@@ -440,43 +441,35 @@ def test_fused_gate_up_rows_do_not_depend_on_the_batch(kernel: str) -> None:
     x = torch.randn(300, 96, generator=gen)
     packed = cpu_native.pack_bf16_linear_weight(torch.randn(128, 96, generator=gen))
     whole = cpu_native.linear_packed_bf16_silu_mul(x, packed, 64, kernel=kernel)
-    for lo, hi in ((37, 58), (250, 299), (3, 4)):
+    for lo, hi in ((37, 108), (229, 299), (3, 300)):
         part = cpu_native.linear_packed_bf16_silu_mul(x[lo:hi], packed, 64, kernel=kernel)
-        if kernel == "amx" and hi - lo <= 16:
-            assert part is None
-            continue
         assert whole is not None and part is not None
         assert torch.equal(whole[lo:hi].view(torch.int16), part.view(torch.int16))
 
 
 def test_fused_gate_up_declines_what_it_does_not_cover() -> None:
-    """AMX: 16 rows or fewer, or a width not a multiple of 32; AVX512-BF16: a width not a
-    multiple of 16: None (the caller runs two calls); a weight of another shape: ValueError."""
+    """AVX512-BF16: fewer than 65 rows, or a width not a multiple of 16; AMX: 16 rows or
+    fewer, or a width not a multiple of 32: None (the caller runs two calls); a weight of
+    another shape: ValueError; an unknown kernel: ValueError; AMX absent: RuntimeError."""
     gen = torch.Generator().manual_seed(3)
     packed = cpu_native.pack_bf16_linear_weight(torch.randn(96, 64, generator=gen))
-    assert cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed, 48) is not None
-    if cpu_native.has_amx():
-        assert (
-            cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed, 48, kernel="amx")
-            is None
-        )
-        packed64 = cpu_native.pack_bf16_linear_weight(torch.randn(128, 64, generator=gen))
-        assert (
-            cpu_native.linear_packed_bf16_silu_mul(torch.randn(16, 64), packed64, 64, kernel="amx")
-            is None
-        )
+    fused = cpu_native.linear_packed_bf16_silu_mul
+    assert fused(torch.randn(65, 64), packed, 48, kernel="avx512") is not None
+    assert fused(torch.randn(64, 64), packed, 48, kernel="avx512") is None
     packed40 = cpu_native.pack_bf16_linear_weight(torch.randn(80, 64, generator=gen))
-    assert (
-        cpu_native.linear_packed_bf16_silu_mul(torch.randn(4, 64), packed40, 40, kernel="avx512")
-        is None
-    )
-    with pytest.raises(ValueError):
-        cpu_native.linear_packed_bf16_silu_mul(torch.randn(40, 64), packed40, 64)
-    with pytest.raises(ValueError, match="kernel"):
-        cpu_native.linear_packed_bf16_silu_mul(torch.randn(4, 64), packed40, 40, kernel="tiles")
-    if not cpu_native.has_amx():
+    assert fused(torch.randn(70, 64), packed40, 40, kernel="avx512") is None
+    if cpu_native.has_amx():
+        assert fused(torch.randn(70, 64), packed, 48, kernel="amx") is None
+        packed64 = cpu_native.pack_bf16_linear_weight(torch.randn(128, 64, generator=gen))
+        assert fused(torch.randn(16, 64), packed64, 64, kernel="amx") is None
+        assert fused(torch.randn(17, 64), packed64, 64, kernel="amx") is not None
+    else:
         with pytest.raises(RuntimeError, match="AMX"):
-            cpu_native.linear_packed_bf16_silu_mul(torch.randn(4, 64), packed40, 40, kernel="amx")
+            fused(torch.randn(70, 64), packed40, 40, kernel="amx")
+    with pytest.raises(ValueError):
+        fused(torch.randn(70, 64), packed40, 64)
+    with pytest.raises(ValueError, match="kernel"):
+        fused(torch.randn(70, 64), packed40, 40, kernel="tiles")
 
 
 def test_fused_mlp_env_switch_declines(tmp_path):
@@ -486,7 +479,8 @@ def test_fused_mlp_env_switch_declines(tmp_path):
         "import torch\n"
         "from pagedserve.kernels import cpu_native as c\n"
         "p = c.pack_bf16_linear_weight(torch.randn(96, 64))\n"
-        "print(c.linear_packed_bf16_silu_mul(torch.randn(40, 64), p, 48) is None)\n"
+        "x = torch.randn(70, 64)\n"
+        "print(c.linear_packed_bf16_silu_mul(x, p, 48, kernel='avx512') is None)\n"
     )
     env = {**os.environ, "PAGEDSERVE_CPU_FUSED_MLP": "0"}
     done = subprocess.run(
@@ -502,7 +496,7 @@ def test_avx512_bf16_rows_in_place_or_copied_give_the_fp32_rows_bits(k: int) -> 
     and copied otherwise (odd K, a view starting at an odd element): every layout gives the
     bits of the same values passed as fp32, in the GEMM and in the fused gate_up call."""
     gen = torch.Generator().manual_seed(k)
-    wide = torch.randn(23, k + 8, generator=gen).bfloat16()
+    wide = torch.randn(70, k + 8, generator=gen).bfloat16()
     w = torch.randn(2 * 48, k, generator=gen)
     packed = cpu_native.pack_bf16_linear_weight(w)
     layouts = {

@@ -189,13 +189,14 @@ def test_the_mlp_on_bf16_activations_is_the_fp32_chains_bits(rows: int) -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize(("rows", "bias"), [(1, False), (5, True), (41, False), (300, True)])
+@pytest.mark.parametrize(("rows", "bias"), [(1, False), (41, True), (65, False), (300, True)])
 def test_the_packed_mlp_runs_one_fused_call_with_the_three_calls_bits(
     rows: int, bias: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Packed bf16 gate/up and down: mlp_forward computes gate/up, SiLU * up and its bf16
-    rounding in one call where the kernel takes it (AVX512-BF16: every row count; AMX:
-    above 16 rows), and the result is the three-call chain's bits either way."""
+    rounding in one call where the kernel takes it (AVX512-BF16: from 65 rows; AMX: above
+    16 rows with a width a multiple of 32), and the result is the three-call chain's bits
+    either way."""
     torch.manual_seed(rows)
     hidden, inter = 64, 80
     gate_up = PackedLinearBf16(nn.Linear(hidden, 2 * inter, bias=bias), None)
@@ -217,7 +218,7 @@ def test_the_packed_mlp_runs_one_fused_call_with_the_three_calls_bits(
     assert got.dtype == torch.float32 and got.shape == (rows, hidden)
     assert got.abs().max() > 0.01
     assert torch.equal(got, want)
-    takes = not cpu_native.amx_chosen() or (rows > 16 and inter % 32 == 0)
+    takes = rows >= 65 if not cpu_native.amx_chosen() else (rows > 16 and inter % 32 == 0)
     assert fused_calls == [takes]
 
 

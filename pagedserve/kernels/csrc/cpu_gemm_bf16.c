@@ -359,6 +359,11 @@ static int fused_mlp_declined(void) {
 }
 
 #define SMR 4 /* rows of x per fused gate_up micro-kernel call */
+/* Fewer rows decline: there the three calls are as fast or faster (a unit's 6 accumulators
+ * a row leave the VDPBF16PS chains latency-bound; the split GEMM groups up to 4 panels for
+ * small M), measured by benchmarks/kernels/cpu_mlp_bf16.py on the EPYC VM: fused / three
+ * calls 0.51x at 1 row, 0.94x at 32, 1.00x at 64, 1.03x at 128, 1.12-1.15x from 256. */
+#define SILU_MIN_ROWS 65
 #define SNV 3 /* 16-column vectors of act per unit: 3 gate + 3 up accumulators a row */
 
 /*
@@ -457,16 +462,15 @@ static void tile_silu(int64_t mr, int64_t nv, const uint32_t *xb, int64_t ldxb,
  * the same of up: the column vector t (16 columns) of the packed weight is panel t / 3's
  * 32 bf16 at (t % 3) * 32 of each pair row, so the up columns need not start a panel.
  * Tasks (block of MC rows, run of units) are handed out as in linear_packed_bf16_avx512,
- * and a row's result depends only on that row. Returns -3 where it does not apply (inter
- * not a positive multiple of 16, PAGEDSERVE_CPU_FUSED_MLP off), -1 when the activation
- * scratch cannot be allocated, else 0.
+ * and a row's result depends only on that row. Returns -3 where it does not apply (fewer
+ * than SILU_MIN_ROWS rows, inter not a positive multiple of 16, PAGEDSERVE_CPU_FUSED_MLP
+ * off), -1 when the activation scratch cannot be allocated, else 0.
  */
 int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_t m,
                                            int64_t k, int64_t ldx, const uint16_t *packed,
                                            int64_t inter, const float *bias, uint16_t *act,
                                            int64_t ldo, int64_t num_threads) {
-    if (fused_mlp_declined() || inter <= 0 || inter % 16 != 0) return -3;
-    if (m <= 0) return 0;
+    if (fused_mlp_declined() || inter <= 0 || inter % 16 != 0 || m < SILU_MIN_ROWS) return -3;
     const int64_t kp2 = (k + 1) / 2;
     const int64_t threads = num_threads > 0 ? num_threads : 1;
     int64_t ldxb;
