@@ -35,7 +35,11 @@ from typing import Any
 
 from pagedserve.cluster.detokenizer import IncrementalDetokenizer
 from pagedserve.outputs import CompletionOutput, RequestOutput
-from pagedserve.scheduler.config import SchedulerConfig, SpeculativeConfig
+from pagedserve.scheduler.config import (
+    MAX_NUM_BATCHED_TOKENS,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagedserve.scheduler.engine_loop import EngineLoop, InlineWorker, ThreadWorker
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import InvalidRequest, ServingError
@@ -123,6 +127,10 @@ class LLM:
 
         tp = int(engine_options.pop("tensor_parallel_size", 1))
         worker_config, sched_options = split_engine_options(model, engine_options)
+        if sched_options.get("max_num_batched_tokens", 0) is None:
+            # NOTE: None is serving's "the device's default"; offline that is 2,048
+            # (throughput, not first-token latency), checked before the model loads.
+            sched_options["max_num_batched_tokens"] = MAX_NUM_BATCHED_TOKENS
         spec = sched_options.get("speculative_config")
         if isinstance(spec, dict):  # vLLM's form: {"method": "ngram", ...}
             try:

@@ -200,3 +200,22 @@ def test_large_scores_stay_finite_and_close():
     out = attend(query, case, [1, 3], 1.0)
     assert torch.isfinite(out).all()
     check_bf16_contract(out, case, query, [1, 3], 1.0, fp32_on_bf16_q=True)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])  # decode, a short chunk, a tile-path chunk
+def test_a_nan_query_gives_a_nan_row_as_the_exact_kernel_does(rows: int) -> None:
+    """A NaN in one query head's row propagates to that row and head only (exp of a NaN
+    score stays NaN), on both bf16-product paths, as on the fp32-arithmetic kernel."""
+    gen = torch.Generator().manual_seed(rows)
+    heads, kv_heads, head_dim, block = 2, 1, 64, 16
+    kc = torch.randn(3, block, kv_heads, head_dim, generator=gen).bfloat16()
+    vc = torch.randn(3, block, kv_heads, head_dim, generator=gen).bfloat16()
+    table = torch.tensor([[2, 0, 1]], dtype=torch.int32)
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    q[rows - 1, 0, 5] = float("nan")
+    cu = torch.tensor([0, rows], dtype=torch.int32)
+    lens = torch.tensor([40], dtype=torch.int32)
+    for min_rows in (16, 0):
+        out = cpu_native.paged_attention(q, kc, vc, table, cu, lens, 0.125, amx_min_rows=min_rows)
+        assert out[rows - 1, 0].isnan().all(), min_rows
+        assert out[rows - 1, 1].isfinite().all() and out[: rows - 1].isfinite().all(), min_rows

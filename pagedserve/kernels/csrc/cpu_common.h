@@ -62,10 +62,12 @@ typedef struct {
 #include <immintrin.h>
 
 /* exp(x) on 16 lanes, x clamped to [-87, 88]: Cephes' expf, x = n ln2 + r,
- * degree-6 polynomial in r (fused multiply-adds), times 2^n (scalef). ~1-2 ulp. */
+ * degree-6 polynomial in r (fused multiply-adds), times 2^n (scalef). ~1-2 ulp. A NaN
+ * lane stays NaN (VMAXPS/VMINPS return their second operand when either is NaN, so x goes
+ * second): a softmax over a NaN score comes out NaN, not exp(-87). */
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);
     const __m512 fn = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(fn, _mm512_set1_ps(0.693359375f), x);
