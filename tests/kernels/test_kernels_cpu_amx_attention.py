@@ -36,6 +36,13 @@ AMX_ATOL = 1e-2
 CONTRACT_ATOL, CONTRACT_MEAN = 3e-3, 1e-6
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Tests draw queries from torch's global generator: seed it per test, so a test's data
+    do not depend on which tests ran before it in the process."""
+    torch.manual_seed(0)
+
+
 def attend(query, case, q_lens, scale, amx_min_rows):
     return cpu_native.paged_attention(
         query, case.key_cache, case.value_cache, case.block_tables, cu_seqlens(q_lens),

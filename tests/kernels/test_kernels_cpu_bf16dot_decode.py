@@ -22,8 +22,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 MIN_ROWS = 16
-# P rounded to bf16 (relative 2^-9 per probability) on outputs of magnitude ~1.
-FP32_ORACLE_ATOL = 1e-2
+# Against the fp32 oracle on the unrounded queries: Q rounded to bf16 moves a score by up to
+# 2^-9 x sum_d |q_d k_d| x scale (~0.02-0.05 for unit-normal q, k at head_dim 32-256), and P's
+# rounding adds 2^-9 relative per probability, on outputs of magnitude ~1: a sanity bound
+# (a skipped or wrong key moves an output by ~1); the bf16 oracle above is the tight check.
+FP32_ORACLE_ATOL = 3e-2
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Every test draws its queries from torch's global generator: seed it per test, so a
+    test's data do not depend on which tests ran before it in the process."""
+    torch.manual_seed(0)
 
 
 def attend(query, case, q_lens, scale, min_rows=MIN_ROWS):

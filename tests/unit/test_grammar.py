@@ -5,6 +5,8 @@ exactly the grammar's next characters, and an unconstrained batch allocates noth
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import build_char_tokenizer
@@ -54,9 +56,17 @@ def test_lru_is_bounded_and_hits_return_the_same_grammar(tok):
     assert c._cache.keys() == {a.key, d.key}
 
 
-def test_time_and_size_limits(tok):
-    with pytest.raises(ValueError, match=r"^regex: compiling took longer than 1e-09 s"):
-        compiler(tok, compile_timeout_s=1e-9).compile(StructuredOutputs(regex="[a-z]{1,40}x"))
+def test_time_and_size_limits(tok, monkeypatch):
+    slow = compiler(tok, compile_timeout_s=0.05)
+    real = slow._run_compile
+
+    def late(spec, future):  # a compile that takes longer than the limit, whatever the load
+        time.sleep(0.5)
+        real(spec, future)
+
+    monkeypatch.setattr(slow, "_run_compile", late)
+    with pytest.raises(ValueError, match=r"^regex: compiling took longer than 0.05 s"):
+        slow.compile(StructuredOutputs(regex="[a-z]{1,40}x"))
     with pytest.raises(ValueError, match=r"^choice: the compiled grammar takes \d+ bytes"):
         compiler(tok, max_grammar_bytes=1).compile(StructuredOutputs(choice=("yes", "no")))
     with pytest.raises(ValueError, match="compile_timeout_s"):
