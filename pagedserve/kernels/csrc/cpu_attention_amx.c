@@ -390,33 +390,9 @@ static void weighted_sum_avx512(const scratch_t *sc, int64_t pairs, int64_t vali
 static void softmax_rows(const scratch_t *sc, int64_t valid, int64_t pos, int64_t lim,
                          int64_t lim32, int64_t lds, float scale) {
     for (int64_t r = 0; r < TR; ++r) {
-        float *s = sc->s + r * lds;
-        uint16_t *p = sc->p + r * lds;
         const int64_t len = r < valid ? (pos + r + 1 < lim ? pos + r + 1 : lim) : 0;
-        if (len <= 0) {
-            memset(p, 0, sizeof(uint16_t) * lds);
-            sc->inv[r] = 0.0f;
-            continue;
-        }
-        __m512 vmax = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < len; j += 16) {
-            const __mmask16 m = (__mmask16)(len - j >= 16 ? 0xffff : (1u << (len - j)) - 1);
-            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        const __m512 vs = _mm512_set1_ps(scale);
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < lim32; j += 16) {
-            const int64_t left = len - j;
-            const __mmask16 m =
-                (__mmask16)(left >= 16 ? 0xffff : (left <= 0 ? 0 : (1u << left) - 1));
-            __m512 e = _mm512_setzero_ps();
-            if (m) e = _mm512_maskz_mov_ps(m, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), vs)));
-            sum = _mm512_add_ps(sum, e);
-            const __m256bh h = _mm512_cvtneps_pbh(e);
-            memcpy(p + j, &h, sizeof(h));
-        }
-        sc->inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
+        sc->inv[r] = softmax_row_bf16(sc->s + r * lds, sc->p + r * lds, len,
+                                      len > 0 ? lim32 : lds, scale);
     }
 }
 

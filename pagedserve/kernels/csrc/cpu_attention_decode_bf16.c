@@ -148,37 +148,6 @@ static inline int combos_per_block(int64_t nv) {
     return nv == 1 ? 8 : (nv == 2 ? 6 : (nv == 3 ? 4 : (nv == 4 ? 3 : (nv <= 6 ? 2 : 1))));
 }
 
-/* Softmax of one (row, head): s (unscaled scores of keys [0, len)) into p (bf16 weights,
- * zero from len up to pad, a multiple of 16); returns 1 / the sum of the unrounded exps
- * (0 when len <= 0: the row's output is zeros). */
-static inline float softmax_row(const float *s, uint16_t *p, int64_t len, int64_t pad,
-                                float scale) {
-    if (len <= 0) {
-        memset(p, 0, sizeof(uint16_t) * pad);
-        return 0.0f;
-    }
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < len; j += 16) {
-        const __mmask16 m = (__mmask16)(len - j >= 16 ? 0xffff : (1u << (len - j)) - 1);
-        vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
-    }
-    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    const __m512 vs = _mm512_set1_ps(scale);
-    __m512 sum = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j < len; j += 16) {
-        const int64_t left = len - j;
-        const __mmask16 m = (__mmask16)(left >= 16 ? 0xffff : (1u << left) - 1);
-        const __m512 e =
-            _mm512_maskz_mov_ps(m, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), vs)));
-        sum = _mm512_add_ps(sum, e);
-        const __m256bh h = _mm512_cvtneps_pbh(e);
-        memcpy(p + j, &h, sizeof(h));
-    }
-    if (j < pad) memset(p + j, 0, sizeof(uint16_t) * (pad - j));
-    return 1.0f / _mm512_reduce_add_ps(sum);
-}
-
 /*
  * Chunks with 0 < q_len < min_rows of a paged_attention_kv call on bf16 caches (see
  * cpu_kernels.c for the arguments). Returns 0 (done), -2 (refused: min_rows < 1, head_dim
@@ -334,7 +303,7 @@ int64_t paged_attention_decode_bf16kv(const float *q, int64_t q_token_stride,
                 int64_t len = pos0 + r + 1;
                 if (len > n_keys) len = n_keys;
                 for (int64_t g = 0; g < gs; ++g)
-                    inv[r * gs + g] = softmax_row(scores + (r * gs + g) * kst,
+                    inv[r * gs + g] = softmax_row_bf16(scores + (r * gs + g) * kst,
                                                   pw + (r * gs + g) * kst, len, kst, scale);
             }
             /* pass 2: the (r, g) combinations in blocks of cpb, each block over the key

@@ -81,6 +81,43 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, fn);
 }
+
+#if defined(__AVX512BF16__)
+#include <math.h>
+
+/* The softmax of one attention row for the bf16-product paths (cpu_attention_amx.c,
+ * cpu_attention_decode_bf16.c): s (unscaled fp32 scores of keys [0, len)) into p, bf16 of
+ * exp((s - max) * scale) rounded to nearest even, zero from len up to pad (a multiple of
+ * 16); returns 1 / the fp32 sum of the unrounded exps (0 when len <= 0: the row's output is
+ * zeros). */
+static inline float softmax_row_bf16(const float *s, uint16_t *p, int64_t len, int64_t pad,
+                                float scale) {
+    if (len <= 0) {
+        memset(p, 0, sizeof(uint16_t) * pad);
+        return 0.0f;
+    }
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < len; j += 16) {
+        const __mmask16 m = (__mmask16)(len - j >= 16 ? 0xffff : (1u << (len - j)) - 1);
+        vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    const __m512 vs = _mm512_set1_ps(scale);
+    __m512 sum = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j < len; j += 16) {
+        const int64_t left = len - j;
+        const __mmask16 m = (__mmask16)(left >= 16 ? 0xffff : (1u << left) - 1);
+        const __m512 e =
+            _mm512_maskz_mov_ps(m, exp512(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx), vs)));
+        sum = _mm512_add_ps(sum, e);
+        const __m256bh h = _mm512_cvtneps_pbh(e);
+        memcpy(p + j, &h, sizeof(h));
+    }
+    if (j < pad) memset(p + j, 0, sizeof(uint16_t) * (pad - j));
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+#endif
 #endif
 
 #endif
