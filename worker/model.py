@@ -226,10 +226,16 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head alone on final-normed ``hidden [N, hidden]`` -> ``[N, vocab_size]``
-        in the model dtype, fp32 from the packed GEMMs (packed, tied, or batch-invariant
-        tiles as configured)."""
+        in the model dtype (packed, tied, or batch-invariant tiles as configured).
+
+        The packed GEMMs sum in fp32: fp32 heads return those sums; bf16 heads return them
+        rounded to bf16 (in an fp32 tensor; :func:`packed_logits_bf16`), the logits an
+        unpacked bf16 head gives and HF transformers' and vLLM's bf16 heads return (greedy
+        then takes the lowest id of a bf16 tie, as theirs does)."""
         if self.lm_head is not None:
-            if isinstance(self.lm_head, (PackedLinear, PackedLinearBf16)):
+            if isinstance(self.lm_head, PackedLinearBf16):
+                return self.lm_head(hidden, out_dtype=torch.bfloat16).float()
+            if isinstance(self.lm_head, PackedLinear):
                 return self.lm_head(hidden)
             weight = self.lm_head.weight
         elif self.packed_head is not None:

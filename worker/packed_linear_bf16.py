@@ -214,14 +214,16 @@ def pack_head_bf16(weight: torch.Tensor) -> torch.Tensor:
 def packed_logits_bf16(
     hidden: torch.Tensor, packed_head: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """LM-head logits ``bf16(hidden) @ bf16(W).T`` in fp32 from a head packed by
-    :func:`pack_head_bf16`: fp32 or bf16 ``[N, hidden]`` -> fp32 ``[N, vocab_size]``
-    (batch invariant).
+    """LM-head logits ``bf16(bf16(hidden) @ bf16(W).T)`` from a head packed by
+    :func:`pack_head_bf16`: fp32 or bf16 ``[N, hidden]`` -> fp32 ``[N, vocab_size]`` holding
+    bf16 values (batch invariant). The GEMM's fp32 sums are rounded to bf16 in place
+    (:func:`cpu_native.round_to_bf16_`): the logits of a bf16 ``nn.Linear`` head, which
+    HF transformers and vLLM return in bf16.
 
     Raises:
         ValueError: shapes or dtypes that do not match the packed head.
     """
-    return cpu_native.linear_packed_bf16(hidden, packed_head, vocab_size)
+    return cpu_native.round_to_bf16_(cpu_native.linear_packed_bf16(hidden, packed_head, vocab_size))
 
 
 __all__ = [

@@ -194,7 +194,7 @@ def test_pack_linears_refuses_what_it_cannot_take_and_changes_nothing():
         pack_linears(model, dtype=torch.float16)
 
 
-def test_bf16_head_gives_fp32_logits():
+def test_bf16_head_gives_its_fp32_sums_rounded_to_bf16():
     gen = torch.Generator().manual_seed(2)
     vocab, hidden = 1000, 64
     weight = torch.randn(vocab, hidden, generator=gen).bfloat16()
@@ -202,7 +202,10 @@ def test_bf16_head_gives_fp32_logits():
     h = torch.randn(3, hidden, generator=gen)
     logits = packed_logits_bf16(h, packed, vocab)
     assert logits.shape == (3, vocab) and logits.dtype == torch.float32
-    close(logits, h, weight.float(), None)
+    sums = cpu_native.linear_packed_bf16(h, packed, vocab)
+    close(sums, h, weight.float(), None)
+    assert not torch.equal(logits, sums)
+    assert torch.equal(logits, sums.to(torch.bfloat16).float())
 
 
 needs_amx = pytest.mark.skipif(

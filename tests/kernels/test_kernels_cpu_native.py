@@ -182,6 +182,43 @@ def test_silu_mul_refuses_other_dtypes_and_odd_widths():
         cpu_native.silu_mul(torch.zeros(2, 7))
 
 
+@pytest.mark.parametrize("n", [1, 37, (1 << 20) + 17])  # the last one takes the threaded loop
+def test_round_to_bf16_is_torchs_rounding_in_place(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-140, 127, (n,), generator=gen))
+    specials = [
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        0.0,
+        -0.0,
+        3.4e38,
+        -1e-45,
+        1.0 + 2.0**-8,
+        1.0 + 3 * 2.0**-8,
+        1.0 + 2.0**-8 + 2.0**-20,
+    ]  # ties, above
+    k = min(n, len(specials))
+    x[:k] = torch.tensor(specials[:k])
+    want = x.to(torch.bfloat16).float()
+    got = cpu_native.round_to_bf16_(x)
+    assert got is x
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    assert (got[~nan].view(torch.int32) & 0xFFFF).eq(0).all()
+    if n > len(specials):  # ties to even: 1 + 2^-8 -> 1, 1 + 3 * 2^-8 -> 1 + 2^-6; 3.4e38 -> inf
+        assert got[7].item() == 1.0 and got[8].item() == 1.0 + 2.0**-6
+        assert got[5].item() == float("inf") and got[9].item() == 1.0 + 2.0**-7
+
+
+def test_round_to_bf16_refuses_other_tensors():
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_native.round_to_bf16_(torch.zeros(4, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        cpu_native.round_to_bf16_(torch.zeros(4, 4).t())
+
+
 def test_rms_norm_to_bf16_is_the_fp32_result_rounded_bit_for_bit():
     gen = torch.Generator().manual_seed(1)
     x, residual = torch.randn(70, 576, generator=gen), torch.randn(70, 576, generator=gen)

@@ -31,6 +31,7 @@ from pagedserve.worker.packed_linear_bf16 import (
     PackedLinearBf16,
     default_onednn_min_rows,
     onednn_bf16_available,
+    packed_logits_bf16,
 )
 from pagedserve.worker.precision import read_cpu_flags
 from pagedserve.worker.worker import Worker
@@ -284,3 +285,23 @@ def test_without_the_packed_gemm_a_bf16_model_runs_the_generic_path(
     err = (logits.float() - packed).abs().max().item()
     assert 0 < err < 0.1 * packed.abs().max().item()
     assert torch.equal(logits.float().argmax(-1), packed.argmax(-1))
+
+
+def test_a_bf16_model_gives_the_logits_rounded_to_bf16(tiny_llama_dir: Path) -> None:
+    # As an unpacked bf16 head (HF's, vLLM's) returns them: a greedy tie in bf16 then goes
+    # to the lowest id, as theirs does.
+    worker = bf16_worker(tiny_llama_dir)
+    model = worker.runner.model
+    h = torch.randn(5, model.arch.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        got = model.lm_logits(h)
+        if model.lm_head is not None:
+            sums = model.lm_head(h)
+        else:
+            sums = packed_logits_bf16(h, model.packed_head, model.arch.vocab_size)
+    assert got.dtype == torch.float32 and got.shape == (5, model.arch.vocab_size)
+    assert not torch.equal(got, sums)  # the fp32 sums were rounded
+    assert torch.equal(got, sums.to(torch.bfloat16).float())
+    logits, _ = run_step(worker, "cpu-fused")
+    assert logits.abs().max() > 0.5
+    assert (logits.view(torch.int32) & 0xFFFF).eq(0).all()

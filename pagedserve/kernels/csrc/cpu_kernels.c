@@ -1001,6 +1001,16 @@ void silu_mul_rows_f32(const float *g, const float *u, int64_t ld, float *out, i
     for (int64_t i = 0; i < rows; ++i) silu_mul_row(g + i * ld, u + i * ld, out + i * ldo, n);
 }
 
+/* x[i] = (float)bf16(x[i]) in place for n floats: f32_to_bf16's round to nearest even (a NaN
+ * becomes the quiet NaN 0x7fc0), the value of torch's x.to(torch.bfloat16).float(). */
+void round_f32_to_bf16(float *x, int64_t n) {
+#pragma omp parallel for if (n > (1 << 20))
+    for (int64_t i = 0; i < n; ++i) {
+        const uint32_t b = (uint32_t)f32_to_bf16(x[i]) << 16;
+        memcpy(x + i, &b, sizeof(b));
+    }
+}
+
 /* out[i, d] = silu(x[i, d]) * x[i, inter + d] for x [num_rows, 2 * inter]. */
 void silu_mul_f32(const float *x, float *out, int64_t num_rows, int64_t inter) {
 #pragma omp parallel for if (num_rows > 16)
