@@ -486,20 +486,15 @@ int64_t paged_attention_amx_bf16kv(const float *q, int64_t q_token_stride,
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
-            if (task < task_start[s]) s = 0;
-            while (task_start[s + 1] <= task) ++s;
-            const int64_t local = task - task_start[s];
-            const int64_t kvh = local % num_kv_heads;
-            const int64_t q0 = cu_seqlens_q[s];
-            const int64_t q_len = cu_seqlens_q[s + 1] - q0;
+            attn_task_seq(task_start, task, &s);
+            const attn_heads_t hd = attn_heads(task - task_start[s], 1, group, group, num_kv_heads);
+            const int64_t kvh = hd.kvh;
+            const int64_t q_len = cu_seqlens_q[s + 1] - cu_seqlens_q[s];
             /* a sequence's last rows (the most keys) first: the longest tasks start early */
-            const int64_t blk = (q_len + QB - 1) / QB - 1 - local / num_kv_heads;
-            const int64_t first = blk * QB;
-            const int64_t rows = q_len - first < QB ? q_len - first : QB;
-            const int64_t pos0 = seq_lens[s] - q_len + first;
-            int64_t n_keys = pos0 + rows;
-            if (n_keys < 0) n_keys = 0;
-            if (n_keys > seq_lens[s]) n_keys = seq_lens[s];
+            const attn_q_tile_t qt =
+                attn_q_tile(cu_seqlens_q, seq_lens, s, (q_len + QB - 1) / QB - 1 - hd.tile, QB);
+            const int64_t q0 = qt.q0, first = qt.first, rows = qt.rows;
+            const int64_t pos0 = qt.pos0, n_keys = qt.n_keys;
             const int64_t pad = (n_keys + 31) / 32 * 32;
             prepare_kv(&sc, k_cache, v_cache, block_tables + s * bt_stride, n_keys, pad,
                        block_size, row, kvh * head_dim, head_dim);

@@ -1,7 +1,8 @@
 /*
  * Helpers shared by the CPU kernel sources (cpu_kernels.c, cpu_gemm_bf16.c,
- * cpu_attention_amx.c): the 16-lane vector types, the fixed-tree
- * 16 x 16 transpose-sum, the AVX512 exp, the AMX tile configuration and the env switch.
+ * cpu_attention_amx.c, cpu_attention_decode_bf16.c): the 16-lane vector types, the
+ * fixed-tree 16 x 16 transpose-sum, the AVX512 exp, the AMX tile configuration, the env
+ * switch, and the paged-attention kernels' task walk.
  * Everything is static inline: each source gets its own copy, so no symbol is shared.
  */
 #ifndef PAGEDSERVE_CPU_COMMON_H
@@ -119,5 +120,73 @@ static inline float softmax_row_bf16(const float *s, uint16_t *p, int64_t len, i
 }
 #endif
 #endif
+
+/* The paged-attention kernels' task walk (cpu_kernels.c, cpu_attention_amx.c,
+ * cpu_attention_decode_bf16.c): tasks are numbered sequence by sequence, sequence s owning
+ * task_start[s] .. task_start[s + 1] - 1. attn_task_seq returns the task's sequence; *s is
+ * where the search starts and is left there (a thread's tasks mostly increase under a
+ * dynamic schedule; a smaller task restarts it from 0). */
+static inline int64_t attn_task_seq(const int64_t *task_start, int64_t task, int64_t *s) {
+    if (task < task_start[*s]) *s = 0;
+    while (task_start[*s + 1] <= task) ++*s;
+    return *s;
+}
+
+/* Query-row tile `tile` (of tile_rows rows) of sequence s: its rows q0 + first .. q0 +
+ * first + rows - 1 of the flat batch, the position of its row 0, and the keys its last row
+ * sees (causal; clamped to 0 .. seq_len). */
+typedef struct {
+    int64_t q0, q_len, seq_len, first, rows, pos0, n_keys;
+} attn_q_tile_t;
+
+static inline attn_q_tile_t attn_q_tile(const int32_t *cu_seqlens_q, const int32_t *seq_lens,
+                                        int64_t s, int64_t tile, int64_t tile_rows) {
+    attn_q_tile_t t;
+    t.q0 = cu_seqlens_q[s];
+    t.q_len = cu_seqlens_q[s + 1] - t.q0;
+    t.seq_len = seq_lens[s];
+    t.first = tile * tile_rows;
+    t.rows = (t.q_len - t.first < tile_rows) ? t.q_len - t.first : tile_rows;
+    t.pos0 = t.seq_len - t.q_len + t.first;
+    t.n_keys = t.pos0 + t.rows;
+    if (t.n_keys < 0) t.n_keys = 0;
+    if (t.n_keys > t.seq_len) t.n_keys = t.seq_len;
+    return t;
+}
+
+/* A sequence's task `local` as (tile, KV head, head split): local = (tile * num_kv_heads +
+ * kvh) * splits + split; the split's query heads of the KV head's group are g_lo .. g_lo +
+ * gs - 1 (sub a split, the last split shorter). */
+typedef struct {
+    int64_t tile, kvh, g_lo, gs;
+} attn_heads_t;
+
+static inline attn_heads_t attn_heads(int64_t local, int64_t splits, int64_t sub, int64_t group,
+                                      int64_t num_kv_heads) {
+    attn_heads_t h;
+    h.g_lo = (local % splits) * sub;
+    h.gs = (group - h.g_lo) < sub ? (group - h.g_lo) : sub;
+    h.kvh = (local / splits) % num_kv_heads;
+    h.tile = local / (splits * num_kv_heads);
+    return h;
+}
+
+/* A split-head kernel's task (cpu_kernels.c, cpu_attention_decode_bf16.c): its sequence
+ * (attn_task_seq, *s as there), heads (attn_heads) and query tile (attn_q_tile). */
+typedef struct {
+    attn_heads_t h;
+    attn_q_tile_t q;
+} attn_task_t;
+
+static inline attn_task_t attn_task(const int64_t *task_start, int64_t task, int64_t *s,
+                                    int64_t splits, int64_t sub, int64_t group,
+                                    int64_t num_kv_heads, const int32_t *cu_seqlens_q,
+                                    const int32_t *seq_lens, int64_t tile_rows) {
+    attn_task_t t;
+    attn_task_seq(task_start, task, s);
+    t.h = attn_heads(task - task_start[*s], splits, sub, group, num_kv_heads);
+    t.q = attn_q_tile(cu_seqlens_q, seq_lens, *s, t.h.tile, tile_rows);
+    return t;
+}
 
 #endif

@@ -50,6 +50,33 @@
 int64_t gemm_bf16_panel_width(void) { return NR; }
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define GEMM_BF16_BUILT 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GEMM_AMX_BUILT 1
+#endif
+#endif
+
+/* The AVX512-BF16 kernels and the AMX ones: where GEMM_BF16_BUILT / GEMM_AMX_BUILT, else
+ * stubs that decline (all defined below; the dispatchers at the end call them). */
+int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                  int64_t ldx, const uint16_t *packed, int64_t n,
+                                  const float *bias, float *out, int64_t ldo,
+                                  int64_t num_threads);
+int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_t m,
+                                           int64_t k, int64_t ldx, const uint16_t *packed,
+                                           int64_t inter, const float *bias, uint16_t *act,
+                                           int64_t ldo, int64_t num_threads);
+int64_t gemm_bf16_amx_supported(void);
+int64_t gemm_bf16_amx_chosen(void);
+int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+                               const uint16_t *packed, int64_t n, const float *bias, float *out,
+                               int64_t ldo, int64_t num_threads);
+int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
+                                        int64_t ldx, const uint16_t *packed, int64_t inter,
+                                        const float *bias, uint16_t *act, int64_t ldo,
+                                        int64_t num_threads);
+
+#if defined(GEMM_BF16_BUILT)
 #include <immintrin.h>
 
 int64_t gemm_bf16_supported(void) { return 1; }
@@ -533,7 +560,7 @@ int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_
     return 0;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(GEMM_AMX_BUILT)
 #include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -928,7 +955,37 @@ int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m
     return 0;
 }
 
-#else /* no AMX in this build */
+#endif /* the AMX kernels */
+
+#else /* no AVX512-BF16: callers check gemm_bf16_supported() first */
+
+int64_t gemm_bf16_supported(void) { return 0; }
+
+void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64_t ldw,
+                      uint16_t *packed, int64_t num_threads) {
+    (void)w; (void)w_bf16; (void)n; (void)k; (void)ldw; (void)packed; (void)num_threads;
+}
+
+int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
+        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
+        int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
+    (void)out; (void)ldo; (void)num_threads;
+    return -1;
+}
+
+int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_t m,
+                                           int64_t k, int64_t ldx, const uint16_t *packed,
+                                           int64_t inter, const float *bias, uint16_t *act,
+                                           int64_t ldo, int64_t num_threads) {
+    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
+    (void)act; (void)ldo; (void)num_threads;
+    return -3;
+}
+
+#endif
+
+#if !defined(GEMM_AMX_BUILT) /* no AMX in this build: its entry points decline */
 
 int64_t gemm_bf16_amx_supported(void) { return 0; }
 
@@ -984,69 +1041,3 @@ int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, 
     return linear_packed_bf16_avx512(x, x_bf16, m, k, ldx, packed, n, bias, out, ldo,
                                      num_threads);
 }
-
-#else /* no AVX512-BF16: callers check gemm_bf16_supported() first */
-
-int64_t gemm_bf16_supported(void) { return 0; }
-
-void pack_weight_bf16(const void *w, int64_t w_bf16, int64_t n, int64_t k, int64_t ldw,
-                      uint16_t *packed, int64_t num_threads) {
-    (void)w; (void)w_bf16; (void)n; (void)k; (void)ldw; (void)packed; (void)num_threads;
-}
-
-int64_t gemm_bf16_amx_supported(void) { return 0; }
-
-int64_t gemm_bf16_amx_chosen(void) { return 0; }
-
-int64_t linear_packed_bf16(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
-        int64_t num_threads) {
-    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
-    (void)out; (void)ldo; (void)num_threads;
-    return -1;
-}
-
-int64_t linear_packed_bf16_avx512(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
-        int64_t num_threads) {
-    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
-    (void)out; (void)ldo; (void)num_threads;
-    return -1;
-}
-
-int64_t linear_packed_bf16_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k, int64_t ldx,
-        const uint16_t *packed, int64_t n, const float *bias, float *out, int64_t ldo,
-        int64_t num_threads) {
-    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)n; (void)bias;
-    (void)out; (void)ldo; (void)num_threads;
-    return -2;
-}
-
-int64_t linear_packed_bf16_silu_mul_amx(const void *x, int64_t x_bf16, int64_t m, int64_t k,
-                                        int64_t ldx, const uint16_t *packed, int64_t inter,
-                                        const float *bias, uint16_t *act, int64_t ldo,
-                                        int64_t num_threads) {
-    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
-    (void)act; (void)ldo; (void)num_threads;
-    return -3;
-}
-
-int64_t linear_packed_bf16_silu_mul_avx512(const void *x, int64_t x_bf16, int64_t m,
-                                           int64_t k, int64_t ldx, const uint16_t *packed,
-                                           int64_t inter, const float *bias, uint16_t *act,
-                                           int64_t ldo, int64_t num_threads) {
-    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
-    (void)act; (void)ldo; (void)num_threads;
-    return -3;
-}
-
-int64_t linear_packed_bf16_silu_mul(const void *x, int64_t x_bf16, int64_t m, int64_t k,
-                                    int64_t ldx, const uint16_t *packed, int64_t inter,
-                                    const float *bias, uint16_t *act, int64_t ldo,
-                                    int64_t num_threads) {
-    (void)x; (void)x_bf16; (void)m; (void)k; (void)ldx; (void)packed; (void)inter; (void)bias;
-    (void)act; (void)ldo; (void)num_threads;
-    return -3;
-}
-
-#endif

@@ -457,24 +457,11 @@ static inline __attribute__((always_inline)) void paged_attention_kv(
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < num_tasks; ++task) {
-            while (task_start[s + 1] <= task) ++s; /* tasks of a thread only increase */
-            if (task < task_start[s]) {            /* restarted search (dynamic schedule) */
-                s = 0;
-                while (task_start[s + 1] <= task) ++s;
-            }
-            const int64_t local = task - task_start[s];
-            const int64_t g_lo = (local % splits) * sub;
-            const int64_t gs = (group - g_lo) < sub ? (group - g_lo) : sub;
-            const int64_t kvh = (local / splits) % num_kv_heads;
-            const int64_t tile = local / (splits * num_kv_heads);
-            const int64_t q0 = cu_seqlens_q[s];
-            const int64_t q_len = cu_seqlens_q[s + 1] - q0;
-            const int64_t seq_len = seq_lens[s];
-            const int64_t first = tile * QTILE;
-            const int64_t rows = (q_len - first < QTILE) ? q_len - first : QTILE;
-            const int64_t pos0 = seq_len - q_len + first; /* position of the tile's row 0 */
-            int64_t n_keys = pos0 + rows; /* keys the last row sees */
-            if (n_keys < 0) n_keys = 0;
+            const attn_task_t at = attn_task(task_start, task, &s, splits, sub, group,
+                                             num_kv_heads, cu_seqlens_q, seq_lens, QTILE);
+            const int64_t g_lo = at.h.g_lo, gs = at.h.gs, kvh = at.h.kvh, q0 = at.q.q0;
+            const int64_t first = at.q.first, rows = at.q.rows, pos0 = at.q.pos0;
+            const int64_t n_keys = at.q.n_keys;
             const int32_t *table = block_tables + s * bt_stride;
             const float *q_head0 = q + (q0 + first) * q_token_stride + (kvh * group + g_lo) * head_dim;
             /* pass 1: scores[r][g][j] for the task's heads g < gs. Keys go in groups of
