@@ -198,6 +198,43 @@ class _Load:
 Key = tuple[BlockHash, BlockHash | None, tuple[int, ...], tuple[str, ...]]
 
 
+class SpillHitRate:
+    """Blocks loaded from the host tier per block spilled to it, over about the last
+    ``window`` spilled blocks: both counts decay by ``1 - 1 / window`` per block spilled,
+    so the rate follows the workload (a chat phase after a phase of unique prompts). It
+    starts at ``prior`` hits in ``prior`` spills (rate 1: spill until the spills show that
+    nothing comes back). A load counts its blocks as hits whenever the spills were.
+
+    Args:
+        window: spilled blocks the rate covers (the decay's time constant), > 0.
+        prior: the optimistic start, hits and spills alike, >= 0.
+    """
+
+    def __init__(self, window: float = 256.0, prior: float = 8.0) -> None:
+        if not window > 0 or prior < 0:
+            raise ValueError(
+                f"SpillHitRate: window must be > 0 and prior >= 0, got {window}, {prior}"
+            )
+        self._keep = 1.0 - 1.0 / window
+        self.hits = prior
+        self.spilled = prior
+
+    def on_spill(self, num_blocks: int) -> None:
+        """``num_blocks`` more were spilled (their spill answered ok)."""
+        decay = self._keep**num_blocks
+        self.hits *= decay
+        self.spilled = self.spilled * decay + num_blocks
+
+    def on_hit(self, num_blocks: int) -> None:
+        """A load brought ``num_blocks`` back (answered ok)."""
+        self.hits += num_blocks
+
+    @property
+    def rate(self) -> float:
+        """Hits per spilled block (1.0 before any spill with ``prior`` 0)."""
+        return self.hits / self.spilled if self.spilled > 0 else 1.0
+
+
 class HostPrefixTier:
     """The host tier of every store: entries, the spills and loads in flight, counters.
 
@@ -224,6 +261,7 @@ class HostPrefixTier:
         self._counts = dict.fromkeys(keys, 0)
         self._failures = 0
         self._seconds = {"spill": 0.0, "load": 0.0}
+        self.hit_rate = SpillHitRate()
 
     def reclaim(self, store: str, n: int) -> None:
         """Return up to ``n`` of the tier's least recently used blocks of ``store`` to its
@@ -238,19 +276,21 @@ class HostPrefixTier:
         self.pools[store].free(free)
 
     def spill(
-        self, store: str, evicted: list[EvictedBlock], transfer_id: str
+        self, store: str, evicted: list[EvictedBlock], transfer_id: str, limit: int | None = None
     ) -> tuple[list[int], list[int]] | None:
         """Add entries for the blocks ``evicted`` from a device pool (eviction order) that
-        the tier of ``store`` lacks; ``(device block ids, host block ids)`` for the spill
-        ``transfer_id``, None when nothing is spilled. Newest first: a prompt's head block
-        is freed last (evicted last), so when the tier is short the most recently used
-        blocks and the heads of chains win. A host id comes from the pool while the tier
-        is under its capacity, else from the tier's LRU entry; with every entry busy the
-        block is not kept."""
+        the tier of ``store`` lacks, at most ``limit`` (None: all); ``(device block ids,
+        host block ids)`` for the spill ``transfer_id``, None when nothing is spilled.
+        Newest first: a prompt's head block is freed last (evicted last), so when the tier
+        is short, or the limit cuts, the most recently used blocks and the heads of chains
+        win. A host id comes from the pool while the tier is under its capacity, else from
+        the tier's LRU entry; with every entry busy the block is not kept."""
         cache, pool = self.caches[store], self.pools[store]
         block_ids: list[int] = []
         entries: list[HostEntry] = []
         for ev in reversed(evicted):
+            if limit is not None and len(entries) >= limit:
+                break
             if ev.block_hash in cache:
                 cache.touch(ev.block_hash)
                 continue
@@ -317,6 +357,7 @@ class HostPrefixTier:
                 c["spills"] += len(entries)
                 c["spill_bytes"] += nbytes
                 self._seconds["spill"] += seconds
+                self.hit_rate.on_spill(len(entries))
             return []
         load = self._loads.pop(transfer_id)
         for e in load.entries:
@@ -332,6 +373,7 @@ class HostPrefixTier:
         c["load_bytes"] += nbytes
         c["hit_blocks"] += len(load.entries)
         c["hit_tokens"] += load.num_tokens
+        self.hit_rate.on_hit(len(load.entries))
         self._seconds["load"] += seconds
         return []
 

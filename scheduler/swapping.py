@@ -111,6 +111,9 @@ from pagedserve.scheduler.worker_state import WorkerState
 
 _BACKOFF_S = 1.0  # after a worker's failed transfer, it recomputes for this long
 _PULL_EMA = 0.2  # weight of a new pull in its (worker, store) bandwidth
+# while spills do not pay: one block spilled every _PROBE_EVERY steps that evict (keeps the
+# tier's hit rate measured; a spill's fixed cost is milliseconds on the step path)
+_PROBE_EVERY = 8
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -215,6 +218,8 @@ class SwapManager:
             config.host_prefix_cache_fraction,
             config.host_prefix_cache and config.enable_prefix_caching,
         )
+        # worker_id -> evicting steps left before its next probe spill (see plan_spills)
+        self._probe_wait = dict.fromkeys(self.specs, 0)
         keys = ("out_bytes", "in_bytes", "outs", "ins", "failures", "remote_ins", "remote_bytes")
         self._counts = dict.fromkeys(keys, 0)
         # worker_id -> its finished swap-outs, swap-ins and failed transfers
@@ -626,19 +631,42 @@ class SwapManager:
         load_s = num_blocks * self.specs[wid].block_bytes / bandwidth
         return load_s < self.costs[wid].recompute_s(num_blocks * ws.spec.block_size)
 
+    def _spills_pay(self, ws: WorkerState) -> bool:
+        """Under ``auto``: whether a spilled block is worth its copy at the tier's hit rate
+        (:class:`~pagedserve.scheduler.host_prefix.SpillHitRate`). The copy costs
+        ``block_bytes / bandwidth`` on the step path now; a later load of it saves the
+        recompute of its tokens less that load. Spill while ``rate * saving >= copy``."""
+        wid = ws.spec.worker_id
+        cost = self.costs[wid]
+        move_s = self.specs[wid].block_bytes / cost.bandwidth_bytes_per_s
+        saved_s = cost.recompute_s(ws.spec.block_size) - move_s
+        return self.tier.hit_rate.rate * saved_s >= move_s
+
     def plan_spills(self, ws: WorkerState, evicted: list[EvictedBlock]) -> SwapTransfer | None:
         """The transfer copying ``evicted`` (cached blocks the device pool of ``ws``
         evicted while planning this step) to the tier of its store, as a swap-out that
         runs before anything writes them (:meth:`HostPrefixTier.spill`); None when nothing
         is spilled, and under ``auto`` when no load from the own store could beat a
-        recompute at the worker's current rates (the spill would be paid for nothing)."""
+        recompute at the worker's current rates (the spill would be paid for nothing).
+        Under ``auto``, while the tier's hit rate says spills do not pay
+        (:meth:`_spills_pay`: unique prompts, nothing comes back), one step in
+        ``_PROBE_EVERY`` that evicts spills its newest evicted block and the others
+        none, which keeps the rate measured; ``swap`` spills every block, as it swaps
+        every victim."""
         wid = ws.spec.worker_id
         if not evicted or not ws.alive or not self.tier_on(wid) or not self._allowed(wid):
             return None
         if not self._load_wins(ws, 1, self.costs[wid].bandwidth_bytes_per_s):
             return None
+        limit = None
+        if self.config.preemption_mode != "swap" and not self._spills_pay(ws):
+            if self._probe_wait[wid] > 0:
+                self._probe_wait[wid] -= 1
+                return None
+            self._probe_wait[wid] = _PROBE_EVERY - 1
+            limit = 1
         tid = self._transfer_id("spill")
-        planned = self.tier.spill(self.specs[wid].store_id, evicted, tid)
+        planned = self.tier.spill(self.specs[wid].store_id, evicted, tid, limit)
         if planned is None:
             return None
         block_ids, host = planned

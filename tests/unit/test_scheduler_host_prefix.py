@@ -17,10 +17,11 @@ from helpers import drive, swaps_of
 from test_scheduler_swap import BS, PROMPTS, FakeKVWorker, reference
 
 from pagedserve.cluster.metrics import snapshot_families
+from pagedserve.scheduler.block_pool import EvictedBlock
 from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.engine_messages import EngineRequest
 from pagedserve.scheduler.errors import IntegrityError
-from pagedserve.scheduler.host_prefix import HostEntry, HostPrefixCache
+from pagedserve.scheduler.host_prefix import HostEntry, HostPrefixCache, SpillHitRate
 from pagedserve.scheduler.outputs import SchedulerOutput
 from pagedserve.scheduler.sampling_params import SamplingParams
 from pagedserve.scheduler.scheduler import Scheduler, WorkerSpec
@@ -447,3 +448,51 @@ def test_blocks_a_transfer_holds_are_never_reused_before_its_answer() -> None:
     sched.check_integrity()
     drive(sched, [fake.execute])
     sched.check_integrity()
+
+
+def test_spill_hit_rate_decays_per_spilled_block_and_rises_with_hits() -> None:
+    rate = SpillHitRate(window=4.0, prior=2.0)
+    assert rate.rate == 1.0
+    rate.on_spill(2)  # both counts * (3/4)^2, then + 2 spilled
+    assert rate.hits == pytest.approx(2 * 0.5625)
+    assert rate.spilled == pytest.approx(2 * 0.5625 + 2)
+    assert rate.rate == pytest.approx(1.125 / 3.125)
+    rate.on_hit(3)
+    assert rate.rate == pytest.approx(4.125 / 3.125)
+    assert SpillHitRate(prior=0.0).rate == 1.0
+    with pytest.raises(ValueError):
+        SpillHitRate(window=0.0)
+
+
+def test_auto_spills_a_probe_block_every_8_evicting_steps_while_nothing_comes_back() -> None:
+    # A 100-byte block at 1e9 B/s (100 ns) vs its 4 tokens at 1 us: a load would pay, so
+    # auto spills; the tier's hit rate decides how much.
+    def spilled_blocks(sched) -> list[list[int]]:
+        out: list = []
+        fake = FakeKVWorker(NUM_BLOCKS, {})
+        send(sched, [fake], "a0", A)
+        send(sched, [fake], "b0", B, on_plan=lambda s, w, so, c: out.extend(spills_of(so)))
+        return [t.block_ids for t in out]
+
+    assert spilled_blocks(make(prefill=1e-6, mode="auto")) == [[0, 1, 2]]  # optimistic start
+    sched = make(prefill=1e-6, mode="auto")
+    # a 100 ns copy against 4 us - 100 ns saved: spills pay from a rate of 1 / 39
+    rate = sched._swaps.tier.hit_rate
+    rate.hits, rate.spilled = 1.0, 38.0
+    assert sched._swaps._spills_pay(sched.workers[0])
+    rate.spilled = 40.0
+    assert not sched._swaps._spills_pay(sched.workers[0])
+    assert spilled_blocks(sched) == [[0]]  # the newest evicted block: the chain's head
+    # then nothing for 7 steps that evict, and a probe again on the 8th
+    swaps, ws = sched._swaps, sched.workers[0]
+    rate.hits = 0.0
+
+    def evicted(i: int) -> list[EvictedBlock]:
+        return [EvictedBlock(b, bytes([i, b]) * 16, None, (i, b), ()) for b in (5, 6)]
+
+    planned = [swaps.plan_spills(ws, evicted(i)) for i in range(8)]
+    assert [p is None for p in planned] == [True] * 7 + [False]
+    assert planned[7].block_ids == [6] and swaps._probe_wait[0] == 7
+    swap_mode = make(prefill=1e-6, mode="swap")
+    swap_mode._swaps.tier.hit_rate.hits = 0.0
+    assert spilled_blocks(swap_mode) == [[0, 1, 2]]  # swap spills every block
