@@ -205,15 +205,22 @@ class SpillHitRate:
     starts at ``prior`` hits in ``prior`` spills (rate 1: spill until the spills show that
     nothing comes back). A load counts its blocks as hits whenever the spills were.
 
+    One rate serves every store of the tier (a load from another store's tier counts too),
+    and it survives :meth:`HostPrefixTier.clear`: it measures the workload, not the
+    entries.
+
     Args:
-        window: spilled blocks the rate covers (the decay's time constant), > 0.
+        window: spilled blocks the rate covers (the decay's time constant), >= 1.
         prior: the optimistic start, hits and spills alike, >= 0.
+
+    Raises:
+        ValueError: ``window`` below 1 or a negative ``prior``.
     """
 
     def __init__(self, window: float = 256.0, prior: float = 8.0) -> None:
-        if not window > 0 or prior < 0:
+        if not window >= 1 or prior < 0:
             raise ValueError(
-                f"SpillHitRate: window must be > 0 and prior >= 0, got {window}, {prior}"
+                f"SpillHitRate: window must be >= 1 and prior >= 0, got {window}, {prior}"
             )
         self._keep = 1.0 - 1.0 / window
         self.hits = prior

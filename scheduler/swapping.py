@@ -650,8 +650,8 @@ class SwapManager:
         recompute at the worker's current rates (the spill would be paid for nothing).
         Under ``auto``, while the tier's hit rate says spills do not pay
         (:meth:`_spills_pay`: unique prompts, nothing comes back), one step in
-        ``_PROBE_EVERY`` that evicts spills its newest evicted block and the others
-        none, which keeps the rate measured; ``swap`` spills every block, as it swaps
+        ``_PROBE_EVERY`` that evicts (counted per worker) spills its newest evicted block
+        that the tier lacks and the others none, which keeps the rate measured; ``swap`` spills every block, as it swaps
         every victim."""
         wid = ws.spec.worker_id
         if not evicted or not ws.alive or not self.tier_on(wid) or not self._allowed(wid):
@@ -663,12 +663,13 @@ class SwapManager:
             if self._probe_wait[wid] > 0:
                 self._probe_wait[wid] -= 1
                 return None
-            self._probe_wait[wid] = _PROBE_EVERY - 1
             limit = 1
         tid = self._transfer_id("spill")
         planned = self.tier.spill(self.specs[wid].store_id, evicted, tid, limit)
         if planned is None:
             return None
+        if limit is not None:  # a probe went out: the next one in _PROBE_EVERY evicting steps
+            self._probe_wait[wid] = _PROBE_EVERY - 1
         block_ids, host = planned
         self._inflight.setdefault(wid, []).append(
             InFlight("spill", tid, None, host, ws.next_step_id)

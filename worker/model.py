@@ -226,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head alone on final-normed ``hidden [N, hidden]`` -> ``[N, vocab_size]``
-        in the model dtype (packed, tied, or batch-invariant tiles as configured).
+        logits of the model dtype's precision (packed, tied, or batch-invariant tiles as
+        configured; the packed heads return them in an fp32 tensor).
 
         The packed GEMMs sum in fp32: fp32 heads return those sums; bf16 heads return them
         rounded to bf16 (in an fp32 tensor; :func:`packed_logits_bf16`), the logits an

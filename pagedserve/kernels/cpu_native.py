@@ -463,14 +463,18 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def round_to_bf16_(x: torch.Tensor) -> torch.Tensor:
     """Round each element of contiguous fp32 ``x`` to bf16 in place and return ``x``: the
-    values of ``x.to(torch.bfloat16).float()`` (round to nearest even, a NaN as the quiet
-    NaN ``0x7fc0``) without the two copies, in one pass (threaded above 2**20 elements).
+    values of ``x.to(torch.bfloat16).float()`` (round to nearest even; a NaN stays a NaN,
+    written as ``0x7fc0``, where torch's conversion may give another NaN pattern) without
+    the two copies, in one pass (threaded above 2**20 elements).
 
     Raises:
         ValueError: ``x`` not a contiguous fp32 tensor.
     """
     if x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"round_to_bf16_ takes a contiguous fp32 tensor, got {x.dtype}")
+        raise ValueError(
+            f"round_to_bf16_ takes a contiguous fp32 tensor, got {x.dtype} "
+            f"{'contiguous' if x.is_contiguous() else 'non-contiguous'}"
+        )
     if x.numel():
         _lib().round_f32_to_bf16(x.data_ptr(), x.numel())
     return x

@@ -461,7 +461,7 @@ def test_spill_hit_rate_decays_per_spilled_block_and_rises_with_hits() -> None:
     assert rate.rate == pytest.approx(4.125 / 3.125)
     assert SpillHitRate(prior=0.0).rate == 1.0
     with pytest.raises(ValueError):
-        SpillHitRate(window=0.0)
+        SpillHitRate(window=0.5)  # a decay factor below 0 would flip signs
 
 
 def test_auto_spills_a_probe_block_every_8_evicting_steps_while_nothing_comes_back() -> None:
@@ -493,6 +493,12 @@ def test_auto_spills_a_probe_block_every_8_evicting_steps_while_nothing_comes_ba
     planned = [swaps.plan_spills(ws, evicted(i)) for i in range(8)]
     assert [p is None for p in planned] == [True] * 7 + [False]
     assert planned[7].block_ids == [6] and swaps._probe_wait[0] == 7
+    # a probe that finds every evicted block in the tier already spills nothing and waits
+    # for the next evicting step, not 8
+    swaps._probe_wait[0] = 0
+    assert swaps.plan_spills(ws, evicted(7)[1:]) is None and swaps._probe_wait[0] == 0
+    assert swaps.plan_spills(ws, evicted(7)).block_ids == [5]  # the one the tier lacks
+    assert swaps._probe_wait[0] == 7
     swap_mode = make(prefill=1e-6, mode="swap")
     swap_mode._swaps.tier.hit_rate.hits = 0.0
     assert spilled_blocks(swap_mode) == [[0, 1, 2]]  # swap spills every block

@@ -989,7 +989,8 @@ void silu_mul_rows_f32(const float *g, const float *u, int64_t ld, float *out, i
 }
 
 /* x[i] = (float)bf16(x[i]) in place for n floats: f32_to_bf16's round to nearest even (a NaN
- * becomes the quiet NaN 0x7fc0), the value of torch's x.to(torch.bfloat16).float(). */
+ * becomes the quiet NaN 0x7fc0; torch's conversion may give another NaN pattern), the value
+ * of torch's x.to(torch.bfloat16).float(). */
 void round_f32_to_bf16(float *x, int64_t n) {
 #pragma omp parallel for if (n > (1 << 20))
     for (int64_t i = 0; i < n; ++i) {
