@@ -651,8 +651,8 @@ class SwapManager:
         Under ``auto``, while the tier's hit rate says spills do not pay
         (:meth:`_spills_pay`: unique prompts, nothing comes back), one step in
         ``_PROBE_EVERY`` that evicts (counted per worker) spills its newest evicted block
-        that the tier lacks and the others none, which keeps the rate measured; ``swap`` spills every block, as it swaps
-        every victim."""
+        that the tier lacks and the others none, which keeps the rate measured; ``swap``
+        spills every block, as it swaps every victim."""
         wid = ws.spec.worker_id
         if not evicted or not ws.alive or not self.tier_on(wid) or not self._allowed(wid):
             return None

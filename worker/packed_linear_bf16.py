@@ -223,7 +223,8 @@ def packed_logits_bf16(
     Raises:
         ValueError: shapes or dtypes that do not match the packed head.
     """
-    return cpu_native.round_to_bf16_(cpu_native.linear_packed_bf16(hidden, packed_head, vocab_size))
+    logits = cpu_native.linear_packed_bf16(hidden, packed_head, vocab_size)
+    return cpu_native.round_to_bf16_(logits)
 
 
 __all__ = [

@@ -14,7 +14,8 @@ Per burst: output tok/s (64 x 32 over the wall time from the first request sent 
 last token), the time until every request had its first token; per configuration the host
 tier's counters from ``/metrics`` at the end (spilled blocks, the worker's seconds in spills).
 
-    .venv/bin/python benchmarks/serving/burst_after_load.py --json benchmarks/results/burst_after_load.json
+    .venv/bin/python benchmarks/serving/burst_after_load.py \
+        --json benchmarks/results/burst_after_load.json
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def tier_counters(base: str) -> dict[str, float]:
 def run_config(name: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """Start the server with ``name``'s flags, bursts, load, bursts; its figures."""
     port, grpc_port = free_port(), free_port()
-    cmd = [str(ROOT / ".venv" / "bin" / "pagedserve"), "serve", "--model", args.model,
+    cmd = [str(Path(sys.executable).with_name("pagedserve")), "serve", "--model", args.model,
            "--host", "127.0.0.1", "--http-port", str(port), "--port", str(grpc_port),
            "--kv-cache-memory", "1G", "--max-model-len", "2048", "--served-model-name",
            "smollm2", *CONFIGS[name], *shlex.split(args.pagedserve_args)]  # fmt: skip

@@ -4,10 +4,11 @@ The fast path (:mod:`pagedserve.worker.cpu_forward`, chosen for bf16 weights whe
 bf16 GEMM is built) reads bf16 weights and, with ``kv_cache_dtype`` auto, a bf16 KV cache,
 but keeps the residual stream, the norms, rotary, attention arithmetic and the GEMMs'
 accumulation in fp32; HF's bf16 model rounds every hidden state to bf16. Both round the
-logits to bf16 (the LM head's output dtype), so a tie there goes to the lowest id in both. The two round in
-different places, so greedy outputs agree up to near-ties, judged as the generic path's bf16
-test judges them (:mod:`hf_compare`): a first difference only where HF's top-1/top-2 margin
-is at most ``TIE_ULPS`` bf16 ulps, logprobs within ``LOGPROB_ULPS`` ulps until it.
+logits to bf16 (the LM head's output dtype), so a tie there goes to the lowest id in both.
+The two round the rest in different places, so greedy outputs agree up to near-ties,
+judged as the generic path's bf16 test judges them (:mod:`hf_compare`): a first difference
+only where HF's top-1/top-2 margin is at most ``TIE_ULPS`` bf16 ulps, logprobs within
+``LOGPROB_ULPS`` ulps until it.
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ def test_tiny_fast_path_bf16_against_hf_bf16(tiny_llama_dir: Path) -> None:
     ]
     rate = report("tiny Llama, CPU fast path bf16 vs HF bf16", comparisons, TINY_NEW)
     check_bf16(comparisons)
-    # Measured 0.521 (75/144, 2026-12-05; 0.410 while this path's logits were the head's
-    # fp32 sums, which broke HF's exact bf16 ties): the first differences come where HF's
-    # own bf16 logits sit within an ulp or two.
+    # Measured 0.521 (75/144, 2026-12-05): the first differences come where HF's own bf16
+    # logits sit within an ulp or two.
     assert rate >= 0.3
     # It computes with bf16 weights: its first logprobs are off HF fp32's by far more
     # than fp32 rounding.
@@ -101,9 +101,8 @@ def test_smollm2_fast_path_bf16_against_hf_bf16(smollm2_dir: Path) -> None:
     ]
     rate = report("SmolLM2-135M, CPU fast path bf16 vs HF bf16", comparisons, SMOL_NEW)
     check_bf16(comparisons)
-    # Measured 0.598 (153/256 tokens, 3 of 8 prompts equal; 2026-12-05; 0.387 and 2 of 8
-    # with fp32 logits, four of whose first differences were exact ties of HF's bf16
-    # logits). Against HF fp32 (the checkpoint's own precision) see the next test.
+    # Measured 0.598 (153/256 tokens, 3 of 8 prompts equal; 2026-12-05). Against HF fp32
+    # (the checkpoint's own precision) see the next test.
     assert rate >= 0.3
 
 
