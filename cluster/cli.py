@@ -362,6 +362,13 @@ def _add_serve(sub: Any) -> None:
         action="store_true",
         help="keep --cpus-per-worker torch threads even while other processes busy the cores",
     )
+    p.add_argument(
+        "--step-transport",
+        choices=["socket", "ray"],
+        default="socket",
+        help="how the scheduler sends each step to a worker: socket (a TCP step channel "
+        "per worker, on the worker node's address) or ray (one actor call per step)",
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument(
@@ -573,6 +580,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         scheduler_max_restarts=args.scheduler_max_restarts,
         swap_space=int(args.swap_space * (1 << 30)),
         adaptive_threads=not args.no_adaptive_threads,
+        step_transport=getattr(args, "step_transport", "socket"),
         cluster_name=getattr(args, "cluster_name", None),
         prefill_workers=getattr(args, "prefill_workers", 0),
         disagg_min_prompt_tokens=getattr(

@@ -146,6 +146,10 @@ class ClusterConfig:
             preempts by recompute only.
         adaptive_threads: CPU workers use fewer torch threads while other processes keep
             cores busy (see :mod:`pagedserve.worker.cpu_threads`).
+        step_transport: how the scheduler sends each step to a worker: ``"socket"``, a
+            TCP step channel per worker listening on its node's address
+            (:mod:`pagedserve.scheduler.step_channel`), or ``"ray"``, one actor call per
+            step (about a millisecond of CPU more on each side).
         tensor_parallel_size: ranks each worker's model is sharded over (Megatron-style,
             :mod:`pagedserve.worker.sharding`): a worker is then that many rank actors on
             one node (:mod:`pagedserve.cluster.tp_group`), each with ``cpus_per_worker``
@@ -185,6 +189,7 @@ class ClusterConfig:
     scheduler_max_restarts: int = 3
     swap_space: int = 0
     adaptive_threads: bool = True
+    step_transport: str = "socket"
     cluster_name: str | None = None
     tensor_parallel_size: int = 1
     prefill_workers: int = 0
@@ -202,6 +207,10 @@ class ClusterConfig:
             raise ValueError(f"swap_space must be >= 0 bytes, got {self.swap_space}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.step_transport not in ("socket", "ray"):
+            raise ValueError(
+                f"step_transport must be 'socket' or 'ray', got {self.step_transport!r}"
+            )
         if self.cpus_per_worker is not None and self.cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker}")
         if self.cluster_name is not None and not re.fullmatch(

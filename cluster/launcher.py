@@ -241,6 +241,7 @@ async def start_cluster(config: ClusterConfig) -> ClusterHandle:
                 tune_gc=True,
                 namespace=ray.get_runtime_context().namespace,
                 frontend_info=frontend_info(info, tokenizer),
+                step_channel=config.step_transport == "socket",
             )
         )
         await scheduler.ready.remote()

@@ -26,6 +26,7 @@ from typing import Any
 
 from pagedserve.cluster.config import ClusterConfig
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.scheduler.step_channel import StepChannelAddress
 from pagedserve.worker.parallel import GroupBroken
 from pagedserve.worker.worker import Worker as _Worker
 
@@ -291,6 +292,13 @@ class Worker(_Worker):
         except GroupBroken as exc:
             _exit_broken(exc)
             raise
+
+    def open_step_channel(self, host: str | None = None) -> StepChannelAddress:
+        """:meth:`pagedserve.worker.worker.Worker.open_step_channel`, listening on this
+        node's Ray address by default (a scheduler on another node connects there)."""
+        import ray
+
+        return super().open_step_channel(host or ray.util.get_node_ip_address())
 
     def node(self) -> str:
         """``ip (node id prefix)`` of the node this actor runs on."""

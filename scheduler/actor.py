@@ -11,7 +11,10 @@ output path. ``abort`` and ``get_stats`` are plain calls. A step loop per worker
 :class:`Scheduler`, awaits the worker's ``execute_model`` and feeds the answer back; new
 requests join the running batch between steps (continuous batching). The actor adds the
 Ray plumbing only: the worker handles (:class:`RayWorker`), resetting the workers before
-the first step, the liveness probe and revival.
+the first step, the liveness probe and revival. The steps themselves go over each worker's
+step channel (:mod:`pagedserve.scheduler.step_channel`, opened after the reset and again
+after a revival), or as Ray calls with ``step_channel=False`` or where a channel cannot be
+opened.
 
 This module imports Ray but never torch: the scheduler process holds metadata only.
 """
@@ -38,6 +41,7 @@ from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
+from pagedserve.scheduler.step_channel import StepChannelClient
 from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
@@ -60,15 +64,22 @@ class RequestRoute:
 
 class RayWorker:
     """A worker actor as the engine loop's :class:`~pagedserve.scheduler.engine_loop.
-    WorkerHandle`: ``execute_model.remote`` is sent at once to the actor's current handle
-    (the owner's, which a revival may look up again), and a dead or missing actor
-    (``RayActorError``) surfaces as :class:`WorkerDied`."""
+    WorkerHandle`: the step goes at once on the worker's open step channel, else as
+    ``execute_model.remote`` to the actor's current handle (the owner's, which a revival
+    may look up again); a dead or missing actor (``RayActorError``, or the channel's
+    connection lost) surfaces as :class:`WorkerDied`."""
 
     def __init__(self, owner: SchedulerActor, worker_id: int) -> None:
         self._owner = owner
         self._worker_id = worker_id
 
     def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
+        channel = self._owner._channels.get(self._worker_id)
+        if channel is not None:
+            if not channel.closed:
+                return channel.execute(sched_out)
+            # Lost: this step goes through Ray (which tells a dead actor from a live one).
+            del self._owner._channels[self._worker_id]
         actor = self._owner._workers[self._worker_id]
         if actor is None:
             return self._gone()
@@ -113,6 +124,10 @@ class SchedulerActor:
             launcher's model description and tokenizer files), returned as given by
             :meth:`get_frontend_info`; opaque to the scheduler.
         disagg: prefill/decode disaggregation (see :class:`Scheduler`); None: off.
+        step_channel: send the steps over each worker's step channel (the default);
+            False: as Ray calls.
+        channel_timeout_s: how long opening a step channel may take (seconds); a worker
+            whose channel does not open takes its steps as Ray calls.
     """
 
     def __init__(
@@ -127,6 +142,8 @@ class SchedulerActor:
         namespace: str | None = None,
         frontend_info: dict[str, Any] | None = None,
         disagg: DisaggConfig | None = None,
+        step_channel: bool = True,
+        channel_timeout_s: float = 10.0,
     ) -> None:
         if tune_gc:
             log.info("gc thresholds %s", gc_tuning.tune_gc(config.max_num_seqs, len(specs)))
@@ -144,6 +161,9 @@ class SchedulerActor:
         # subscriber -> its stream's queue of (tag, output); request id -> its route
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
         self._routes: dict[str, RequestRoute] = {}
+        self._step_channel = step_channel
+        self._channel_timeout_s = channel_timeout_s
+        self._channels: dict[int, StepChannelClient] = {}
         self._engine = EngineLoop(
             self._scheduler,
             {wid: RayWorker(self, wid) for wid in range(len(self._workers))},
@@ -197,6 +217,7 @@ class SchedulerActor:
             except Exception:
                 log.warning("worker %d did not answer its reset", wid, exc_info=True)
                 return False
+            await self._open_channel(wid, worker)
             return True
 
         answered = await asyncio.gather(*(one(w, h) for w, h in enumerate(self._workers)))
@@ -207,6 +228,25 @@ class SchedulerActor:
         for wid, ws in self._scheduler.workers.items():
             if ws.alive and wid not in self._loops:
                 self._loops[wid] = self._engine.start(wid)
+
+    async def _open_channel(self, worker_id: int, worker: Any) -> None:
+        """Open ``worker``'s step channel (closing the one it had); where it cannot be
+        opened its steps go as Ray calls."""
+        old = self._channels.pop(worker_id, None)
+        if old is not None:
+            await old.close()
+        if not self._step_channel:
+            return
+        timeout_s = self._channel_timeout_s
+        try:
+            address = await asyncio.wait_for(worker.open_step_channel.remote(), timeout_s)
+            self._channels[worker_id] = await StepChannelClient.connect(
+                address, timeout_s, name=f"worker {worker_id}"
+            )
+        except Exception:
+            log.warning(
+                "worker %d: no step channel; its steps go as Ray calls", worker_id, exc_info=True
+            )
 
     def _lookup(self, worker_id: int) -> Any:
         """The handle of a named worker, or None when no actor has that name (anymore)."""
@@ -332,6 +372,9 @@ class SchedulerActor:
                 await task
         self._loops.clear()
         self._monitor = None
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
 
     # ------------------------------------------------------------------ internals
     def _wake_all(self) -> None:
@@ -394,6 +437,9 @@ class SchedulerActor:
             return  # still dead (or restarting)
         if self._scheduler.workers[worker_id].alive:
             return  # revived meanwhile
+        await self._open_channel(worker_id, worker)
+        if self._scheduler.workers[worker_id].alive:
+            return
         task = self._engine.rejoin(worker_id)  # its loop ended at the death (a probe's: idles)
         if task is not None:
             self._loops[worker_id] = task

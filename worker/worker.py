@@ -11,6 +11,10 @@ group before running it; the other ranks sit in :meth:`Worker.follow`, running w
 broadcasts, until :meth:`Worker.leave`. The swap set-up is broadcast too: every rank connects
 its own client to the host block store (:meth:`Worker.connect_host_store`) and takes part in
 the probes (:meth:`Worker.measure_swap_costs`, :meth:`Worker.measure_pull_bandwidth`).
+
+The scheduler sends the steps on the worker's step channel (:meth:`Worker.open_step_channel`,
+a TCP connection served on a thread of its own) and every other call through Ray; the
+calls that touch the model or the sequences take one lock, so they never overlap a step.
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
+from pagedserve.scheduler.step_channel import StepChannelAddress
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.kv_swap import SwapError
 from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
+from pagedserve.worker.step_channel import StepChannelServer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +57,10 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.runner = ModelRunner(config)
+        # The calls that touch the model or the sequences run one at a time: steps come
+        # on the step channel's thread, the others on the caller's (Ray's).
+        self._calls = threading.RLock()
+        self._channel: StepChannelServer | None = None
 
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
         """Run one scheduler step and return the sampled tokens.
@@ -57,8 +68,26 @@ class Worker:
         Raises:
             GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
-        self._tell_followers("execute", so)
-        return self.runner.execute_model(so)
+        with self._calls:
+            self._tell_followers("execute", so)
+            return self.runner.execute_model(so)
+
+    def open_step_channel(self, host: str = "127.0.0.1") -> StepChannelAddress:
+        """Serve :meth:`execute_model` on a new step channel listening on ``host``
+        (:mod:`pagedserve.worker.step_channel`), ending the previous one; returns its
+        address and secret.
+
+        Raises:
+            OSError: ``host`` cannot be bound.
+        """
+        if self._channel is None:
+            self._channel = StepChannelServer(self.execute_model, host)
+        return self._channel.open()
+
+    def close_step_channel(self) -> None:
+        """End the step channel, if one is open (idempotent)."""
+        if self._channel is not None:
+            self._channel.close()
 
     def follow(self) -> None:
         """On a rank other than 0: run the calls rank 0 broadcasts, in order, until it
@@ -95,8 +124,9 @@ class Worker:
     def leave(self) -> None:
         """On rank 0: release the other ranks from :meth:`follow` and leave the group
         (nothing without tensor parallelism)."""
-        self._tell_followers("leave")
-        self.runner.group.leave()
+        with self._calls:
+            self._tell_followers("leave")
+            self.runner.group.leave()
 
     def _tell_followers(self, method: str, *args: object) -> None:
         if self.runner.group.size > 1:
@@ -110,14 +140,16 @@ class Worker:
     def reset(self) -> None:
         """Forget every sequence's state (the KV pool's contents become garbage): a
         restarted scheduler starts empty and reuses none of them."""
-        self._tell_followers("reset")
-        self.runner.seqs.clear()
+        with self._calls:
+            self._tell_followers("reset")
+            self.runner.seqs.clear()
 
     def connect_host_store(self, address: str) -> None:
         """Swap to and from the host block store at ``address`` (``host:port``); under
         tensor parallelism every rank connects (the ranks of a group share one node)."""
-        self._tell_followers("connect", address)
-        self.runner.connect_host_store(address)
+        with self._calls:
+            self._tell_followers("connect", address)
+            self.runner.connect_host_store(address)
 
     def measure_swap_costs(self, prefill_tokens: int = 128) -> tuple[float, float]:
         """``(swap bandwidth in bytes/s, prefill seconds per token)`` measured on this
@@ -130,8 +162,9 @@ class Worker:
             SwapError: the host store is not connected or fails (on any rank).
             GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
-        self._tell_followers("measure_swap", prefill_tokens)
-        return self._measure_swap_costs(prefill_tokens)
+        with self._calls:
+            self._tell_followers("measure_swap", prefill_tokens)
+            return self._measure_swap_costs(prefill_tokens)
 
     def _measure_swap_costs(self, prefill_tokens: int) -> tuple[float, float]:
         bandwidth = self.runner.measure_swap_bandwidth()
@@ -146,8 +179,9 @@ class Worker:
             SwapError: that store cannot be reached, or it fails (on any rank).
             GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
-        self._tell_followers("measure_pull", address)
-        return self.runner.measure_pull_bandwidth(address)
+        with self._calls:
+            self._tell_followers("measure_pull", address)
+            return self.runner.measure_pull_bandwidth(address)
 
     def ping(self) -> str:
         """Liveness check; returns ``"pong"``."""

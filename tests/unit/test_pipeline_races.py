@@ -108,6 +108,7 @@ def make(max_num_seqs: int = 64, transit_s: float = 0.0, **kw: Any):
         [worker],
         [WorkerSpec(0, 64, 8)],
         probe_interval_s=0.05,
+        step_channel=False,  # a fake Ray handle
     )
     info = ModelInfo("tiny", 512, 105, (2,), 512, 8)
     pipe = RequestPipeline(SchedulerHandle(actor, transit_s), build_char_tokenizer(), info, **kw)

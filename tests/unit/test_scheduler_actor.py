@@ -77,6 +77,7 @@ def make_actor(handles, num_blocks=32, block_size=4, budget=64, max_len=256, **k
         handles,
         specs,
         probe_interval_s=0.05,
+        step_channel=False,  # the fakes take steps as Ray calls (test_step_channel.py)
     )
 
 
@@ -367,7 +368,7 @@ def test_a_worker_past_its_step_deadline_is_requeued_and_rejoins_after_the_probe
             routing="round-robin",
             step_deadline_floor_s=0.15,
         )
-        actor = SchedulerActor(cfg, handles, specs, probe_interval_s=0.05)
+        actor = SchedulerActor(cfg, handles, specs, probe_interval_s=0.05, step_channel=False)
         gen = ActorStreams(actor).generate
         streams = [gen(f"r{i}", [1, 2, 3, i + 5], greedy(6)) for i in range(4)]
         results = await asyncio.gather(*(collect(s) for s in streams))
@@ -413,7 +414,9 @@ def test_start_serves_with_the_workers_that_answer_their_reset():
         handles = [dead, HungHandle(), FakeHandle()]
         specs = [WorkerSpec(i, 32, 4) for i in range(3)]
         cfg = SchedulerConfig(max_num_batched_tokens=64, max_model_len=256)
-        actor = SchedulerActor(cfg, handles, specs, probe_interval_s=0.05, reset_timeout_s=0.2)
+        actor = SchedulerActor(
+            cfg, handles, specs, probe_interval_s=0.05, reset_timeout_s=0.2, step_channel=False
+        )
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await actor.ready()

@@ -695,7 +695,9 @@ def test_actor_with_a_host_store_runs_the_overlapped_loop() -> None:
         max_num_seqs=8,
         host_prefix_cache=False,
     )
-    actor = SchedulerActor(config, [handle], [WorkerSpec(0, 10, BS)], 0.05, swap=spec)
+    actor = SchedulerActor(
+        config, [handle], [WorkerSpec(0, 10, BS)], 0.05, swap=spec, step_channel=False
+    )
     assert actor._engine.overlapped
 
     streams = ActorStreams(actor)
