@@ -243,6 +243,9 @@ class SchedulerActor:
             self._channels[worker_id] = await StepChannelClient.connect(
                 address, timeout_s, name=f"worker {worker_id}"
             )
+            log.info(
+                "worker %d: steps on the channel to %s:%d", worker_id, address.host, address.port
+            )
         except Exception:
             log.warning(
                 "worker %d: no step channel; its steps go as Ray calls", worker_id, exc_info=True
