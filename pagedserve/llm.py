@@ -226,13 +226,15 @@ class LLM:
         return self._run(encoded, _params(sampling_params, len(encoded)), use_tqdm)
 
     def close(self) -> None:
-        """Stop the worker thread and the event loop (the model is freed with the object)."""
+        """Stop the worker's threads and the event loop (the model is freed with the
+        object)."""
         self._handle.close()
         self._aio.close()
         if self._ranks is not None:
             self._worker.leave()
             self._ranks.close()
             self._ranks = None
+        self._worker.close()
 
     def __enter__(self) -> LLM:
         return self

@@ -13,8 +13,10 @@ its own client to the host block store (:meth:`Worker.connect_host_store`) and t
 the probes (:meth:`Worker.measure_swap_costs`, :meth:`Worker.measure_pull_bandwidth`).
 
 The scheduler sends the steps on the worker's step channel (:meth:`Worker.open_step_channel`,
-a TCP connection served on a thread of its own) and every other call through Ray; the
-calls that touch the model or the sequences take one lock, so they never overlap a step.
+a TCP connection served on a thread of its own) and every other call through Ray. Every
+call that touches the model or the sequences runs on the worker's model thread
+(:class:`~pagedserve.worker.model_thread.ModelThread`, where the model was built), one at
+a time, whichever thread it came on.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-import threading
 
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.step_channel import StepChannelAddress
 from pagedserve.worker.config import WorkerConfig
 from pagedserve.worker.kv_swap import SwapError
 from pagedserve.worker.model_runner import ModelRunner, WorkerInfo
+from pagedserve.worker.model_thread import ModelThread
 from pagedserve.worker.step_channel import StepChannelServer
 
 log = logging.getLogger(__name__)
@@ -56,21 +58,25 @@ class Worker:
 
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
-        self.runner = ModelRunner(config)
-        # The calls that touch the model or the sequences run one at a time: steps come
-        # on the step channel's thread, the others on the caller's (Ray's).
-        self._calls = threading.RLock()
+        self.model_thread = ModelThread()
+        try:
+            self.runner = self.model_thread.call(ModelRunner, config)
+        except BaseException:
+            self.model_thread.close()
+            raise
         self._channel: StepChannelServer | None = None
 
     def execute_model(self, so: SchedulerOutput) -> RunnerOutput:
-        """Run one scheduler step and return the sampled tokens.
+        """Run one scheduler step (on the model thread) and return the sampled tokens.
 
         Raises:
             GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
-        with self._calls:
-            self._tell_followers("execute", so)
-            return self.runner.execute_model(so)
+        return self.model_thread.call(self._execute_model, so)
+
+    def _execute_model(self, so: SchedulerOutput) -> RunnerOutput:
+        self._tell_followers("execute", so)
+        return self.runner.execute_model(so)
 
     def open_step_channel(self, host: str = "127.0.0.1") -> StepChannelAddress:
         """Serve :meth:`execute_model` on a new step channel listening on ``host``
@@ -89,6 +95,12 @@ class Worker:
         if self._channel is not None:
             self._channel.close()
 
+    def close(self) -> None:
+        """End the step channel and stop the model thread once its calls have run;
+        every model call raises RuntimeError after (idempotent)."""
+        self.close_step_channel()
+        self.model_thread.close()
+
     def follow(self) -> None:
         """On a rank other than 0: run the calls rank 0 broadcasts, in order, until it
         leaves. A step refused with ``ValueError`` is refused on rank 0 too (the same
@@ -99,6 +111,9 @@ class Worker:
             RuntimeError: called on rank 0.
             GroupBroken: rank 0 (or another rank) is gone.
         """
+        self.model_thread.call(self._follow)
+
+    def _follow(self) -> None:
         group = self.runner.group
         if group.is_driver:
             raise RuntimeError("follow() runs on the ranks other than 0")
@@ -124,9 +139,11 @@ class Worker:
     def leave(self) -> None:
         """On rank 0: release the other ranks from :meth:`follow` and leave the group
         (nothing without tensor parallelism)."""
-        with self._calls:
-            self._tell_followers("leave")
-            self.runner.group.leave()
+        self.model_thread.call(self._leave)
+
+    def _leave(self) -> None:
+        self._tell_followers("leave")
+        self.runner.group.leave()
 
     def _tell_followers(self, method: str, *args: object) -> None:
         if self.runner.group.size > 1:
@@ -140,16 +157,20 @@ class Worker:
     def reset(self) -> None:
         """Forget every sequence's state (the KV pool's contents become garbage): a
         restarted scheduler starts empty and reuses none of them."""
-        with self._calls:
-            self._tell_followers("reset")
-            self.runner.seqs.clear()
+        self.model_thread.call(self._reset)
+
+    def _reset(self) -> None:
+        self._tell_followers("reset")
+        self.runner.seqs.clear()
 
     def connect_host_store(self, address: str) -> None:
         """Swap to and from the host block store at ``address`` (``host:port``); under
         tensor parallelism every rank connects (the ranks of a group share one node)."""
-        with self._calls:
-            self._tell_followers("connect", address)
-            self.runner.connect_host_store(address)
+        self.model_thread.call(self._connect_host_store, address)
+
+    def _connect_host_store(self, address: str) -> None:
+        self._tell_followers("connect", address)
+        self.runner.connect_host_store(address)
 
     def measure_swap_costs(self, prefill_tokens: int = 128) -> tuple[float, float]:
         """``(swap bandwidth in bytes/s, prefill seconds per token)`` measured on this
@@ -162,9 +183,11 @@ class Worker:
             SwapError: the host store is not connected or fails (on any rank).
             GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
-        with self._calls:
-            self._tell_followers("measure_swap", prefill_tokens)
-            return self._measure_swap_costs(prefill_tokens)
+        return self.model_thread.call(self._tell_and_measure_swap_costs, prefill_tokens)
+
+    def _tell_and_measure_swap_costs(self, prefill_tokens: int) -> tuple[float, float]:
+        self._tell_followers("measure_swap", prefill_tokens)
+        return self._measure_swap_costs(prefill_tokens)
 
     def _measure_swap_costs(self, prefill_tokens: int) -> tuple[float, float]:
         bandwidth = self.runner.measure_swap_bandwidth()
@@ -179,9 +202,11 @@ class Worker:
             SwapError: that store cannot be reached, or it fails (on any rank).
             GroupBroken: under tensor parallelism, a rank of the group is gone.
         """
-        with self._calls:
-            self._tell_followers("measure_pull", address)
-            return self.runner.measure_pull_bandwidth(address)
+        return self.model_thread.call(self._measure_pull_bandwidth, address)
+
+    def _measure_pull_bandwidth(self, address: str) -> float:
+        self._tell_followers("measure_pull", address)
+        return self.runner.measure_pull_bandwidth(address)
 
     def ping(self) -> str:
         """Liveness check; returns ``"pong"``."""
