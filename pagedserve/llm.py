@@ -164,7 +164,7 @@ class LLM:
         self.scheduler = Scheduler(config, [spec])
         # Overlap needs the model on a thread of its own; serial runs it on this thread.
         self._handle: ThreadWorker | InlineWorker = (
-            ThreadWorker(self._worker.execute_model)
+            ThreadWorker(self._worker.execute_model, self._worker.model_thread.future)
             if config.async_scheduling
             else InlineWorker(self._worker.execute_model)
         )

@@ -40,7 +40,7 @@ import inspect
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
@@ -89,20 +89,31 @@ class ThreadWorker:
 
     Args:
         execute_model: ``Worker.execute_model`` or a fake with the same signature.
+        submit: queues ``execute_model(sched_out)`` on the thread that runs the steps and
+            returns its ``concurrent.futures.Future`` (``Worker.model_thread.future``: the
+            step t+1 sent while t runs is then queued there and starts without a thread
+            switch); None: a thread of this handle's own.
     """
 
-    def __init__(self, execute_model: Callable[[SchedulerOutput], RunnerOutput]) -> None:
+    def __init__(
+        self,
+        execute_model: Callable[[SchedulerOutput], RunnerOutput],
+        submit: Callable[..., Future[RunnerOutput]] | None = None,
+    ) -> None:
         self._execute_model = execute_model
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-worker")
+        self._pool: ThreadPoolExecutor | None = None
+        if submit is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagedserve-worker")
+            submit = self._pool.submit
+        self._submit = submit
 
     def execute(self, sched_out: SchedulerOutput) -> Awaitable[RunnerOutput]:
-        return asyncio.get_running_loop().run_in_executor(
-            self._pool, self._execute_model, sched_out
-        )
+        return asyncio.wrap_future(self._submit(self._execute_model, sched_out))
 
     def close(self) -> None:
-        """Stop the thread (after the step it runs, if any)."""
-        self._pool.shutdown(wait=True)
+        """Stop this handle's thread, if it has one (after the step it runs, if any)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
 
 class InlineWorker:

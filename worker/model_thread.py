@@ -17,10 +17,13 @@ swap probes), one at a time in the order they come.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,9 +51,31 @@ class ModelThread:
             return fn(*args, **kwargs)
         return self._pool.submit(fn, *args, **kwargs).result()
 
+    def future(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        """Queue ``fn(*args, **kwargs)`` on the model thread; its future.
+
+        Raises:
+            RuntimeError: the thread was closed.
+        """
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        """Queue ``fn()`` to run on the model thread after the calls queued before it,
+        without waiting; an exception it raises is logged.
+
+        Raises:
+            RuntimeError: the thread was closed.
+        """
+        self._pool.submit(fn).add_done_callback(_log_failure)
+
     def close(self) -> None:
         """Stop the thread once the calls queued have run (idempotent)."""
         self._pool.shutdown(wait=True)
+
+
+def _log_failure(done: Future[object]) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("model thread call failed", exc_info=done.exception())
 
 
 __all__ = ["ModelThread"]

@@ -87,7 +87,9 @@ class Worker:
             OSError: ``host`` cannot be bound.
         """
         if self._channel is None:
-            self._channel = StepChannelServer(self.execute_model, host)
+            self._channel = StepChannelServer(
+                self.execute_model, host, run_on=self.model_thread.submit
+            )
         return self._channel.open()
 
     def close_step_channel(self) -> None:
@@ -160,6 +162,8 @@ class Worker:
         self.model_thread.call(self._reset)
 
     def _reset(self) -> None:
+        if self._channel is not None:
+            self._channel.invalidate()  # steps of the previous scheduler's view: dropped
         self._tell_followers("reset")
         self.runner.seqs.clear()
 

@@ -219,3 +219,60 @@ def test_logprobs_equal_hf_output_scores(tiny_llama_dir: Path) -> None:
         assert [t for t, _ in lp.top] == top.indices.tolist()
         for (_, v), r in zip(lp.top, top.values.tolist()):
             assert abs(v - r) < 1e-3
+
+
+def test_every_step_runs_on_the_model_thread_over_the_step_channel(
+    tiny_llama_dir: Path, expected
+) -> None:
+    """Steps sent on the step channel, and a direct call from this thread, run on the
+    worker's model thread (where its model was built), with the same greedy tokens as HF."""
+    import asyncio
+    import threading
+
+    from pagedserve.scheduler.engine_loop import EngineLoop
+    from pagedserve.scheduler.step_channel import StepChannelClient
+
+    worker = Worker(
+        WorkerConfig(
+            model=ModelConfig(model=str(tiny_llama_dir), dtype="float32"),
+            cache=CacheConfig(block_size=4, num_blocks=64),
+            device="cpu",
+        )
+    )
+    threads: set[int] = set()
+    run_step = worker.runner.execute_model
+
+    def recorded(so):
+        threads.add(threading.get_ident())
+        return run_step(so)
+
+    worker.runner.execute_model = recorded  # type: ignore[method-assign]
+    info = worker.get_info()
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, max_model_len=info.max_model_len),
+        [WorkerSpec(0, info.num_blocks, info.block_size)],
+    )
+    sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        sched.add_request(EngineRequest(f"r{i}", p, sampling, info.eos_token_ids))
+
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+
+    def sink(outputs):
+        for out in outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+
+    async def over_the_channel():
+        client = await StepChannelClient.connect(worker.open_step_channel("127.0.0.1"))
+        try:
+            await asyncio.wait_for(EngineLoop(sched, {0: client}, sink).run_until_idle(), 120)
+        finally:
+            await client.close()
+
+    asyncio.run(over_the_channel())
+    assert not sched.requests
+    assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == expected
+    assert threads == {worker.model_thread.ident}
+    worker.reset()  # a Ray call's path: on the model thread too
+    assert worker.model_thread.call(threading.get_ident) == worker.model_thread.ident
+    worker.close()

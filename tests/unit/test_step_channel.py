@@ -2,7 +2,9 @@
 
 The client and the server alone: answers in order with two steps in flight, a step that
 raises fails alone, a wrong secret is refused without ending the channel, a closed or
-re-opened channel fails the steps in flight with WorkerDied, a corrupt length ends it.
+re-opened channel fails the steps in flight with WorkerDied, a corrupt length ends it;
+with the worker's model thread (worker/model_thread.py): every step runs there, and a
+reset drops the steps read before it, unrun.
 Then the SchedulerActor over real channels with fake workers: every step goes on the
 channel (no Ray call), and a channel lost mid-run (the worker's end closed) requeues the
 sequences on the other worker; the probe resets the worker, opens a new channel and the
@@ -80,7 +82,7 @@ def test_answers_come_in_order_with_two_steps_in_flight_on_the_channel_thread():
         assert [answer_of(o, i) for i, o in enumerate(outs)] == [[i * 10] for i in range(6)]
         assert echo.seen == list(range(6))
         assert echo.threads == {"pagedserve-steps"}
-        assert server.steps_served == 6 and server.connected
+        assert server.steps_run == 6 and server.connected
         await client.close()
 
     run(scenario())
@@ -288,3 +290,55 @@ def test_without_the_channel_steps_go_as_ray_calls():
         await actor.shutdown()
 
     run(scenario())
+
+
+def test_the_model_thread_runs_calls_in_order_on_one_thread():
+    from pagedserve.worker.model_thread import ModelThread
+
+    mt = ModelThread()
+    seen: list[tuple[str, int]] = []
+
+    def note(tag: str) -> int:
+        seen.append((tag, threading.get_ident()))
+        return len(seen)
+
+    assert mt.call(note, "a") == 1
+    assert mt.call(lambda: mt.call(note, "nested")) == 2  # from its own thread: inline
+    mt.submit(lambda: note("queued"))
+    assert mt.future(note, "b").result(5) == 4
+    assert [t for t, _ in seen] == ["a", "nested", "queued", "b"]
+    assert {ident for _, ident in seen} == {mt.ident} != {threading.get_ident()}
+    with pytest.raises(ZeroDivisionError):
+        mt.call(lambda: 1 // 0)
+    mt.close()
+    with pytest.raises(RuntimeError):
+        mt.call(note, "after close")
+
+
+def test_steps_run_on_the_model_thread_and_a_reset_drops_the_ones_queued():
+    from pagedserve.worker.model_thread import ModelThread
+
+    mt = ModelThread()
+    echo = Echo(hold=0)
+    server = StepChannelServer(echo, "127.0.0.1", run_on=mt.submit)
+
+    async def scenario():
+        client = await StepChannelClient.connect(server.open())
+        running = client.execute(step(0))  # held on the model thread
+        assert await asyncio.to_thread(echo.started.wait, 5)
+        queued = [client.execute(step(i)) for i in (1, 2)]
+        await asyncio.sleep(0.2)  # read and queued behind step 0 (or dropped when read)
+        server.invalidate()  # what Worker.reset does
+        echo.gate.set()
+        assert answer_of(await running, 0) == [0]
+        await asyncio.sleep(0.3)
+        await client.close()
+        for fut in queued:  # never answered
+            with pytest.raises(WorkerDied):
+                await fut
+
+    run(scenario())
+    assert echo.seen == [0]  # steps 1 and 2 never ran
+    assert echo.threads == {mt.call(lambda: threading.current_thread().name)}
+    server.close()
+    mt.close()
