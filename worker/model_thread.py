@@ -6,22 +6,30 @@ such thread, with its own team, is enough on 2 cores), every team waits at a bar
 spinning 100 times and then sleeping in the kernel instead of spinning ~300,000 times
 (libgomp's ``GOMP_SPINCOUNT`` rule), and a CPU step is hundreds of short parallel regions:
 each barrier then pays a futex wake-up. Measured on the EPYC VM (2 cores, SmolLM2 bf16,
-32 x 128 -> 129 greedy tokens, offline): decode steps of 34.1 ms when the model was built
-and run on one thread, 39.0 ms when built on one thread and stepped on another, 34.5 ms
-with both on the stepping thread.
+32 x 128 -> 129 greedy tokens, offline, overlapped): stepped on another thread than the
+one that built the model, 118,000 context switches per run and 46-48 ms decode steps;
+built and stepped on one thread, ~1,400 and 32-34 ms.
 
 :class:`ModelThread` is that one thread: the worker builds its model on it and runs every
-call that touches the model there (steps from the step channel or from Ray, reset, the
-swap probes), one at a time in the order they come.
+call that touches the model there (reset, the swap probes, steps from Ray or from the
+offline API), one at a time in the order they come. It also reads the step channel
+(:mod:`pagedserve.worker.step_channel`) itself: between two calls it waits in ``select``
+on the channel's socket and a wake-up socket, so a step is read, run and answered on this
+thread with no hand-off, and a step sent while the previous one runs waits in the kernel's
+buffer instead of waking a thread in the middle of it.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import select
+import socket
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
+from concurrent.futures import Future
+from typing import Any, ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +38,26 @@ R = TypeVar("R")
 
 
 class ModelThread:
-    """A single thread that runs the calls given to :meth:`call`, one at a time.
+    """A single thread that runs the calls given to it, in order, and serves one watched
+    socket between them.
 
     Args:
-        name: the thread's name (``<name>_0``).
+        name: the thread's name.
     """
 
     def __init__(self, name: str = "pagedserve-model") -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.ident = self._pool.submit(threading.get_ident).result()
+        self._lock = threading.Lock()
+        self._calls: collections.deque[tuple[Future[Any], Callable[..., Any], tuple, dict]] = (
+            collections.deque()
+        )
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._watched: tuple[socket.socket, Callable[[], bool]] | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.ident = self._thread.ident
 
     def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """``fn(*args, **kwargs)`` on the model thread (directly when called from it);
@@ -49,7 +68,7 @@ class ModelThread:
         """
         if threading.get_ident() == self.ident:
             return fn(*args, **kwargs)
-        return self._pool.submit(fn, *args, **kwargs).result()
+        return self.future(fn, *args, **kwargs).result()
 
     def future(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> Future[R]:
         """Queue ``fn(*args, **kwargs)`` on the model thread; its future.
@@ -57,20 +76,94 @@ class ModelThread:
         Raises:
             RuntimeError: the thread was closed.
         """
-        return self._pool.submit(fn, *args, **kwargs)
+        done: Future[R] = Future()
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the model thread is closed")
+            self._calls.append((done, fn, args, kwargs))
+        self._wake()
+        return done
 
     def submit(self, fn: Callable[[], object]) -> None:
-        """Queue ``fn()`` to run on the model thread after the calls queued before it,
-        without waiting; an exception it raises is logged.
+        """Queue ``fn()`` on the model thread without waiting; an exception it raises is
+        logged.
 
         Raises:
             RuntimeError: the thread was closed.
         """
-        self._pool.submit(fn).add_done_callback(_log_failure)
+        self.future(fn).add_done_callback(_log_failure)
 
-    def close(self) -> None:
-        """Stop the thread once the calls queued have run (idempotent)."""
-        self._pool.shutdown(wait=True)
+    def watch(self, sock: socket.socket, on_readable: Callable[[], bool]) -> None:
+        """From the model thread: call ``on_readable()`` there whenever ``sock`` is
+        readable and no call is queued, until it returns False (one socket at a time: a
+        new one replaces the old).
+
+        Raises:
+            RuntimeError: called from another thread.
+        """
+        if threading.get_ident() != self.ident:
+            raise RuntimeError("ModelThread.watch runs on the model thread")
+        self._watched = (sock, on_readable)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the thread once the calls queued have run (idempotent); later calls raise
+        RuntimeError."""
+        with self._lock:
+            self._closing = True
+        self._wake()
+        if threading.get_ident() != self.ident:
+            self._thread.join(timeout_s)
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._run_calls()
+                with self._lock:
+                    if self._closing and not self._calls:
+                        return
+                self._wait_and_serve()
+        finally:
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                done, fn, args, kwargs = self._calls.popleft()
+            if not done.set_running_or_notify_cancel():
+                continue
+            try:
+                done.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # handed to the caller, as a pool would
+                done.set_exception(exc)
+
+    def _wait_and_serve(self) -> None:
+        watched = self._watched
+        readers: list[Any] = [self._wake_r]
+        if watched is not None:
+            if watched[0].fileno() < 0:  # closed elsewhere
+                self._watched = watched = None
+            else:
+                readers.append(watched[0])
+        ready, _, _ = select.select(readers, [], [])
+        if self._wake_r in ready:
+            with contextlib.suppress(BlockingIOError):
+                while self._wake_r.recv(4096):
+                    pass
+        if watched is not None and watched[0] in ready and self._watched is watched:
+            keep = False
+            try:
+                keep = watched[1]()
+            except Exception:
+                log.exception("the watched socket's handler failed; no longer watched")
+            if not keep and self._watched is watched:
+                self._watched = None
 
 
 def _log_failure(done: Future[object]) -> None:

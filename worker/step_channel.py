@@ -1,14 +1,14 @@
 """The worker's end of the step channel (:mod:`pagedserve.scheduler.step_channel`).
 
 :class:`StepChannelServer` listens on one TCP port for one scheduler: the first connection
-that sends the secret is served until it ends. A thread of its own reads each
-:class:`~pagedserve.scheduler.outputs.SchedulerOutput` and hands it to ``run_on`` (the
-worker's model thread), which runs the step and writes its answer; the reader goes back to
-``recv`` at once, so a step sent while the previous one runs (overlapped scheduling) is
-queued on the model thread before that one ends and starts without a thread switch. Each
-:meth:`StepChannelServer.open` makes a new port and secret and ends the previous channel
-(a restarted scheduler opens its own). Ray-free: the worker actor passes the address to
-bind.
+that sends the secret (checked on a short-lived accept thread) is handed to the worker's
+:class:`~pagedserve.worker.model_thread.ModelThread`, which reads each
+:class:`~pagedserve.scheduler.outputs.SchedulerOutput`, runs it and writes the answer,
+between its other calls: one thread, no hand-off per step. A step sent while the previous
+one runs waits in the socket's buffer. Each :meth:`StepChannelServer.open` makes a new port
+and secret and ends the previous channel (a restarted scheduler opens its own); a reset of
+the worker (:meth:`StepChannelServer.invalidate`) ends it too. Ray-free: the worker actor
+passes the address to bind.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ from pagedserve.scheduler.step_channel import (
     encode_frame,
     frame_length,
 )
+from pagedserve.worker.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
+
+FRAME_TIMEOUT_S = 30.0
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -52,37 +55,35 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
 
 
 class StepChannelServer:
-    """Serves steps to one scheduler over TCP.
+    """Serves steps to one scheduler over TCP, on the worker's model thread.
 
     Args:
-        execute: runs one step (``Worker.execute_model``); an exception it raises is
-            answered as a failed step and the channel goes on.
+        execute: runs one step (``Worker.execute_model``), called on ``model_thread``; an
+            exception it raises is answered as a failed step and the channel goes on.
         host: the address to listen on (the node's, so a scheduler on another node can
             connect; ``127.0.0.1`` in single-machine tests).
+        model_thread: the thread that reads, runs and answers the steps.
         accept_timeout_s: how long an opened channel waits for its scheduler (seconds);
             then it closes.
-        run_on: queues a job (run the step, write its answer) on the thread that runs the
-            steps, in order (``ModelThread.submit``); None: run it on the reading thread.
     """
 
     def __init__(
         self,
         execute: Callable[[SchedulerOutput], RunnerOutput],
         host: str,
+        model_thread: ModelThread,
         accept_timeout_s: float = 60.0,
-        run_on: Callable[[Callable[[], None]], None] | None = None,
     ) -> None:
         self._execute = execute
-        self._run_on = run_on
         self._host = host
+        self._model_thread = model_thread
         self._accept_timeout_s = accept_timeout_s
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._conn: socket.socket | None = None
-        # Bumped when the channel is opened, closed or invalidated: a step read before
-        # that and still queued is dropped, not run.
+        # Bumped when the channel is opened, closed or invalidated: a connection of an
+        # earlier generation is no longer read (its unread steps are dropped, unrun).
         self._generation = 0
-        self._thread: threading.Thread | None = None
         self.steps_run = 0  # steps run (answered, or the answer dropped)
 
     def open(self) -> StepChannelAddress:
@@ -92,7 +93,6 @@ class StepChannelServer:
             OSError: the address cannot be bound.
         """
         self.close()
-        generation = self._generation
         secret = secrets.token_bytes(SECRET_BYTES)
         family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
@@ -104,16 +104,15 @@ class StepChannelServer:
             listener.close()
             raise
         port = int(listener.getsockname()[1])
-        thread = threading.Thread(
-            target=self._serve,
-            args=(listener, secret, generation),
-            name="pagedserve-steps",
-            daemon=True,
-        )
         with self._lock:
             self._listener = listener
-            self._thread = thread
-        thread.start()
+            generation = self._generation
+        threading.Thread(
+            target=self._accept,
+            args=(listener, secret, generation),
+            name="pagedserve-step-accept",
+            daemon=True,
+        ).start()
         return StepChannelAddress(self._host, port, secret)
 
     def close(self) -> None:
@@ -123,63 +122,44 @@ class StepChannelServer:
             listener, conn = self._listener, self._conn
             self._listener = self._conn = None
             self._generation += 1
-        for sock in (listener, conn):
-            if sock is None:
-                continue
+        if listener is not None:
+            listener.close()
+        if conn is not None:  # the model thread sees it end and closes it
             with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
+                conn.shutdown(socket.SHUT_RDWR)
 
     def invalidate(self) -> None:
-        """Drop, unrun, every step read so far and not yet run (the worker's state was
-        reset: they belong to the scheduler's previous view)."""
-        with self._lock:
-            self._generation += 1
+        """End the channel without reading the steps it holds (the worker was reset:
+        they belong to the scheduler's previous view)."""
+        self.close()
 
     @property
     def connected(self) -> bool:
         """True while a scheduler is connected."""
         return self._conn is not None
 
-    def _serve(self, listener: socket.socket, secret: bytes, generation: int) -> None:
-        conn = self._accept(listener, secret)
-        if conn is None:
-            return
-        try:
-            self._serve_steps(conn, generation)
-        except OSError as exc:
-            log.info("step channel ended: %s", exc)
-        except Exception:
-            log.exception("step channel broken")
-        finally:
-            with self._lock:
-                if self._conn is conn:
-                    self._conn = None
-            conn.close()
-
-    def _accept(self, listener: socket.socket, secret: bytes) -> socket.socket | None:
-        """The first connection that sends ``secret`` (others are closed), or None when
-        none comes in time or the channel was closed; the listener is closed either way."""
+    def _accept(self, listener: socket.socket, secret: bytes, generation: int) -> None:
+        """On the accept thread: the first connection that sends ``secret`` (others are
+        closed) goes to the model thread; the listener is closed either way."""
         try:
             while True:
                 try:
                     conn, peer = listener.accept()
                 except (TimeoutError, OSError):
-                    return None
+                    return
                 conn.settimeout(10.0)
                 try:
                     got = _recv_exact(conn, SECRET_BYTES)
                     if got is not None and hmac.compare_digest(got, secret):
                         conn.sendall(ACK)
-                        conn.settimeout(None)
+                        # A frame read or an answer written that stalls this long (a
+                        # scheduler cut off mid-frame) ends the channel rather than hold
+                        # the model thread.
+                        conn.settimeout(FRAME_TIMEOUT_S)
                         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        with self._lock:
-                            if self._listener is not listener:  # closed meanwhile
-                                conn.close()
-                                return None
-                            self._conn = conn
-                        return conn
-                except OSError:
+                        self._model_thread.submit(functools.partial(self._attach, conn, generation))
+                        return
+                except (OSError, RuntimeError):
                     pass
                 log.warning("step channel: refused a connection from %s", peer)
                 conn.close()
@@ -189,31 +169,32 @@ class StepChannelServer:
                     self._listener = None
             listener.close()
 
-    def _serve_steps(self, conn: socket.socket, generation: int) -> None:
-        while True:
-            header = _recv_exact(conn, HEADER.size)
-            if header is None:
-                return
-            body = _recv_exact(conn, frame_length(header))
-            if body is None:
-                return
-            sched_out = pickle.loads(body)
-            if generation != self._generation:
-                return  # this channel was closed or invalidated
-            job = functools.partial(self._answer, conn, sched_out, generation)
-            if self._run_on is None:
-                job()
-            else:
-                self._run_on(job)
-
-    def _answer(self, conn: socket.socket, sched_out: SchedulerOutput, generation: int) -> None:
-        """Run one step and write its answer; a step of an earlier generation is dropped
-        unrun, an answer to a closed connection is dropped."""
-        if generation != self._generation:
-            log.info(
-                "step %s dropped: its channel ended or the worker was reset", sched_out.step_id
-            )
+    def _attach(self, conn: socket.socket, generation: int) -> None:
+        """On the model thread: serve ``conn`` unless the channel moved on meanwhile."""
+        with self._lock:
+            current = generation == self._generation
+            if current:
+                self._conn = conn
+        if not current:
+            conn.close()
             return
+        self._model_thread.watch(conn, functools.partial(self._step, conn, generation))
+
+    def _step(self, conn: socket.socket, generation: int) -> bool:
+        """On the model thread, ``conn`` readable: read one step, run it, write its
+        answer. False (stop watching; the connection closed) at its end, on a corrupt
+        stream, or once the channel moved on."""
+        try:
+            if generation != self._generation:
+                return self._end(conn)
+            header = _recv_exact(conn, HEADER.size)
+            body = None if header is None else _recv_exact(conn, frame_length(header))
+            if body is None:
+                return self._end(conn)
+            sched_out = pickle.loads(body)
+        except Exception as exc:  # a corrupt stream (or a reset connection)
+            log.warning("step channel ended: %s: %s", type(exc).__name__, exc)
+            return self._end(conn)
         try:
             frame = encode_frame((OK, self._execute(sched_out)))
         except Exception as exc:
@@ -224,6 +205,15 @@ class StepChannelServer:
             conn.sendall(frame)
         except OSError as exc:
             log.info("step %s: answer dropped, the channel ended (%s)", sched_out.step_id, exc)
+            return self._end(conn)
+        return True
+
+    def _end(self, conn: socket.socket) -> bool:
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        conn.close()
+        return False
 
 
 __all__ = ["StepChannelServer"]

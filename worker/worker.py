@@ -87,9 +87,7 @@ class Worker:
             OSError: ``host`` cannot be bound.
         """
         if self._channel is None:
-            self._channel = StepChannelServer(
-                self.execute_model, host, run_on=self.model_thread.submit
-            )
+            self._channel = StepChannelServer(self.execute_model, host, self.model_thread)
         return self._channel.open()
 
     def close_step_channel(self) -> None:

@@ -36,7 +36,15 @@ from pagedserve.scheduler.step_channel import (
     StepChannelClient,
     StepFailed,
 )
+from pagedserve.worker.model_thread import ModelThread
 from pagedserve.worker.step_channel import StepChannelServer
+
+
+@pytest.fixture
+def mt():
+    thread = ModelThread()
+    yield thread
+    thread.close()
 
 
 def step(i: int) -> SchedulerOutput:
@@ -71,9 +79,9 @@ def answer_of(out: RunnerOutput, i: int) -> list[int]:
     return [out.sampled_token_ids[f"s{i}"]]
 
 
-def test_answers_come_in_order_with_two_steps_in_flight_on_the_channel_thread():
+def test_answers_come_in_order_with_two_steps_in_flight_on_the_model_thread(mt):
     echo = Echo()
-    server = StepChannelServer(echo, "127.0.0.1")
+    server = StepChannelServer(echo, "127.0.0.1", mt)
 
     async def scenario():
         client = await StepChannelClient.connect(server.open())
@@ -81,7 +89,7 @@ def test_answers_come_in_order_with_two_steps_in_flight_on_the_channel_thread():
         outs = await asyncio.gather(*futs)
         assert [answer_of(o, i) for i, o in enumerate(outs)] == [[i * 10] for i in range(6)]
         assert echo.seen == list(range(6))
-        assert echo.threads == {"pagedserve-steps"}
+        assert echo.threads == {"pagedserve-model"}
         assert server.steps_run == 6 and server.connected
         await client.close()
 
@@ -89,8 +97,8 @@ def test_answers_come_in_order_with_two_steps_in_flight_on_the_channel_thread():
     server.close()
 
 
-def test_a_step_that_raises_fails_alone_and_the_channel_goes_on():
-    server = StepChannelServer(Echo(fail=(1,)), "127.0.0.1")
+def test_a_step_that_raises_fails_alone_and_the_channel_goes_on(mt):
+    server = StepChannelServer(Echo(fail=(1,)), "127.0.0.1", mt)
 
     async def scenario():
         client = await StepChannelClient.connect(server.open())
@@ -106,8 +114,8 @@ def test_a_step_that_raises_fails_alone_and_the_channel_goes_on():
     server.close()
 
 
-def test_a_wrong_secret_is_refused_and_the_right_one_still_connects():
-    server = StepChannelServer(Echo(), "127.0.0.1")
+def test_a_wrong_secret_is_refused_and_the_right_one_still_connects(mt):
+    server = StepChannelServer(Echo(), "127.0.0.1", mt)
     address = server.open()
 
     async def scenario():
@@ -122,9 +130,9 @@ def test_a_wrong_secret_is_refused_and_the_right_one_still_connects():
     server.close()
 
 
-def test_closing_the_worker_end_fails_the_steps_in_flight_and_later_ones_with_worker_died():
+def test_closing_the_worker_end_fails_the_steps_in_flight_and_later_ones_with_worker_died(mt):
     echo = Echo(hold=1)
-    server = StepChannelServer(echo, "127.0.0.1")
+    server = StepChannelServer(echo, "127.0.0.1", mt)
 
     async def scenario():
         client = await StepChannelClient.connect(server.open())
@@ -146,8 +154,8 @@ def test_closing_the_worker_end_fails_the_steps_in_flight_and_later_ones_with_wo
     run(scenario())
 
 
-def test_reopening_ends_the_old_channel_and_serves_the_new_one():
-    server = StepChannelServer(Echo(), "127.0.0.1")
+def test_reopening_ends_the_old_channel_and_serves_the_new_one(mt):
+    server = StepChannelServer(Echo(), "127.0.0.1", mt)
 
     async def scenario():
         old = await StepChannelClient.connect(server.open())
@@ -163,8 +171,8 @@ def test_reopening_ends_the_old_channel_and_serves_the_new_one():
     server.close()
 
 
-def test_a_length_past_the_limit_ends_the_channel_on_the_worker():
-    server = StepChannelServer(Echo(), "127.0.0.1")
+def test_a_length_past_the_limit_ends_the_channel_on_the_worker(mt):
+    server = StepChannelServer(Echo(), "127.0.0.1", mt)
     address = server.open()
     with socket.create_connection((address.host, address.port), timeout=5) as sock:
         sock.sendall(address.secret)
@@ -174,8 +182,8 @@ def test_a_length_past_the_limit_ends_the_channel_on_the_worker():
     server.close()
 
 
-def test_an_unopened_channel_times_out_and_closes():
-    server = StepChannelServer(Echo(), "127.0.0.1", accept_timeout_s=0.2)
+def test_an_unopened_channel_times_out_and_closes(mt):
+    server = StepChannelServer(Echo(), "127.0.0.1", mt, accept_timeout_s=0.2)
     address = server.open()
 
     async def scenario():
@@ -192,7 +200,8 @@ class ChannelHandle(FakeHandle):
 
     def __init__(self) -> None:
         super().__init__()
-        self.server = StepChannelServer(self._run, "127.0.0.1")
+        self.model_thread = ModelThread()
+        self.server = StepChannelServer(self._run, "127.0.0.1", self.model_thread)
         self.opened = 0
         self.ray_steps = 0
         self.channel_steps = 0
@@ -310,25 +319,27 @@ def test_the_model_thread_runs_calls_in_order_on_one_thread():
     assert {ident for _, ident in seen} == {mt.ident} != {threading.get_ident()}
     with pytest.raises(ZeroDivisionError):
         mt.call(lambda: 1 // 0)
+    with socket.socket() as sock, pytest.raises(RuntimeError, match="model thread"):
+        mt.watch(sock, lambda: True)  # only from the model thread
     mt.close()
     with pytest.raises(RuntimeError):
         mt.call(note, "after close")
 
 
-def test_steps_run_on_the_model_thread_and_a_reset_drops_the_ones_queued():
+def test_a_reset_queued_during_a_step_runs_before_the_steps_sent_after_and_drops_them():
     from pagedserve.worker.model_thread import ModelThread
 
     mt = ModelThread()
     echo = Echo(hold=0)
-    server = StepChannelServer(echo, "127.0.0.1", run_on=mt.submit)
+    server = StepChannelServer(echo, "127.0.0.1", mt)
 
     async def scenario():
         client = await StepChannelClient.connect(server.open())
         running = client.execute(step(0))  # held on the model thread
         assert await asyncio.to_thread(echo.started.wait, 5)
         queued = [client.execute(step(i)) for i in (1, 2)]
-        await asyncio.sleep(0.2)  # read and queued behind step 0 (or dropped when read)
-        server.invalidate()  # what Worker.reset does
+        await asyncio.sleep(0.2)  # in the socket's buffer, behind step 0
+        mt.submit(server.invalidate)  # Worker.reset's place: a call queued meanwhile
         echo.gate.set()
         assert answer_of(await running, 0) == [0]
         await asyncio.sleep(0.3)
