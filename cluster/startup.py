@@ -293,12 +293,18 @@ class Worker(_Worker):
             _exit_broken(exc)
             raise
 
-    def open_step_channel(self, host: str | None = None) -> StepChannelAddress:
-        """:meth:`pagedserve.worker.worker.Worker.open_step_channel`, listening on this
-        node's Ray address by default (a scheduler on another node connects there)."""
+    def open_step_channel(
+        self, host: str | None = None, peer_node_id: str | None = None
+    ) -> StepChannelAddress:
+        """:meth:`pagedserve.worker.worker.Worker.open_step_channel` on ``host``; by
+        default 127.0.0.1 when the scheduler runs on this node (``peer_node_id``, its Ray
+        node id, is this one's), else this node's Ray address."""
         import ray
 
-        return super().open_step_channel(host or ray.util.get_node_ip_address())
+        if host is None:
+            same_node = peer_node_id == ray.get_runtime_context().get_node_id()
+            host = "127.0.0.1" if same_node else ray.util.get_node_ip_address()
+        return super().open_step_channel(host)
 
     def node(self) -> str:
         """``ip (node id prefix)`` of the node this actor runs on."""

@@ -239,7 +239,10 @@ class SchedulerActor:
             return
         timeout_s = self._channel_timeout_s
         try:
-            address = await asyncio.wait_for(worker.open_step_channel.remote(), timeout_s)
+            here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+            address = await asyncio.wait_for(
+                worker.open_step_channel.remote(peer_node_id=here), timeout_s
+            )
             self._channels[worker_id] = await StepChannelClient.connect(
                 address, timeout_s, name=f"worker {worker_id}"
             )

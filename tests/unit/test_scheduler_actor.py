@@ -29,8 +29,8 @@ class Remote:
     def __init__(self, fn):
         self._fn = fn
 
-    def remote(self, *args):
-        return self._fn(*args)
+    def remote(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
 
 
 class FakeHandle:

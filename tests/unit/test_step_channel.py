@@ -215,7 +215,7 @@ class ChannelHandle(FakeHandle):
 
         self.execute_model = Remote(counted)
 
-    async def _open(self):
+    async def _open(self, peer_node_id=None):
         self.opened += 1
         return self.server.open()
 
