@@ -6,9 +6,10 @@ such thread, with its own team, is enough on 2 cores), every team waits at a bar
 spinning 100 times and then sleeping in the kernel instead of spinning ~300,000 times
 (libgomp's ``GOMP_SPINCOUNT`` rule), and a CPU step is hundreds of short parallel regions:
 each barrier then pays a futex wake-up. Measured on the EPYC VM (2 cores, SmolLM2 bf16,
-32 x 128 -> 129 greedy tokens, offline, overlapped): stepped on another thread than the
-one that built the model, 118,000 context switches per run and 46-48 ms decode steps;
-built and stepped on one thread, ~1,400 and 32-34 ms.
+32 x 128 -> 129 greedy tokens, offline, overlapped; benchmarks/engine/model_thread.py):
+stepped on another thread than the one that built the model, 110,000-118,000 context
+switches per run and 40-48 ms decode steps; built and stepped on one thread, 1,100-1,700
+and 32-40 ms.
 
 :class:`ModelThread` is that one thread: the worker builds its model on it and runs every
 call that touches the model there (reset, the swap probes, steps from Ray or from the
