@@ -403,8 +403,8 @@ class SchedulerActor:
         """Ping idle live workers so a worker that dies between steps is noticed, and
         dead ones so a worker Ray restarted rejoins (:meth:`_try_revive`).
 
-        A busy worker is checked by its own step call instead (a ping would queue behind
-        the step on the single-threaded worker actor).
+        A busy worker is checked by its own step instead (over Ray calls, a ping would
+        queue behind the step on the single-threaded worker actor).
         """
         while True:
             await asyncio.sleep(interval_s)

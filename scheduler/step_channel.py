@@ -6,8 +6,8 @@ next task. On a CPU node those milliseconds come out of the cores the model runs
 every step. As vLLM's workers take their steps from a message queue and SGLang's from a
 ZMQ socket, a worker here serves one connection (:mod:`pagedserve.worker.step_channel`)
 and the scheduler keeps it open (:class:`StepChannelClient`): each step is one pickled
-frame each way, the worker's thread waits in ``recv`` for the next one and starts it as
-soon as the previous answer is written. Ray still creates, places, probes and restarts
+frame each way; the worker's model thread waits in ``select`` for the next one and starts
+it as soon as the previous answer is written. Ray still creates, places, probes and restarts
 the workers, and carries every other call.
 
 Wire format, each direction: frames of an 8-byte big-endian length then that many bytes
@@ -127,7 +127,8 @@ class StepChannelClient:
         """Open the channel at ``address`` and pass its handshake.
 
         Raises:
-            ConnectionError: refused, or the worker did not acknowledge the secret.
+            ConnectionError: refused, or the worker closed without acknowledging the secret
+                (a wrong secret).
             TimeoutError: no connection or acknowledgement within ``timeout_s`` seconds.
             OSError: the address cannot be reached.
         """
@@ -140,6 +141,11 @@ class StepChannelClient:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             writer.write(address.secret)
             ack = await asyncio.wait_for(reader.readexactly(len(ACK)), timeout_s)
+        except asyncio.IncompleteReadError:
+            writer.close()
+            raise ConnectionError(
+                f"step channel {address.host}:{address.port} closed at the handshake"
+            ) from None
         except BaseException:
             writer.close()
             raise

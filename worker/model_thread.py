@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import select
+import selectors
 import socket
 import threading
 from collections.abc import Callable
@@ -96,8 +96,8 @@ class ModelThread:
 
     def watch(self, sock: socket.socket, on_readable: Callable[[], bool]) -> None:
         """From the model thread: call ``on_readable()`` there whenever ``sock`` is
-        readable and no call is queued, until it returns False (one socket at a time: a
-        new one replaces the old).
+        readable, between the queued calls, until it returns False (one socket at a time:
+        a new one replaces the old).
 
         Raises:
             RuntimeError: called from another thread.
@@ -107,8 +107,8 @@ class ModelThread:
         self._watched = (sock, on_readable)
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Stop the thread once the calls queued have run (idempotent); later calls raise
-        RuntimeError."""
+        """Stop the thread once the calls queued have run (idempotent); later calls from
+        other threads raise RuntimeError."""
         with self._lock:
             self._closing = True
         self._wake()
@@ -120,14 +120,27 @@ class ModelThread:
             self._wake_w.send(b"\0")
 
     def _run(self) -> None:
+        selector = selectors.DefaultSelector()  # epoll: no FD_SETSIZE limit
         try:
+            selector.register(self._wake_r, selectors.EVENT_READ)
             while True:
                 self._run_calls()
                 with self._lock:
                     if self._closing and not self._calls:
                         return
-                self._wait_and_serve()
+                self._wait_and_serve(selector)
+        except BaseException:
+            log.exception("the model thread failed; its calls are refused from now on")
+            raise
         finally:
+            with self._lock:
+                self._closing = True
+                left = list(self._calls)
+                self._calls.clear()
+            for done, *_ in left:
+                if done.set_running_or_notify_cancel():
+                    done.set_exception(RuntimeError("the model thread stopped"))
+            selector.close()
             self._wake_r.close()
             self._wake_w.close()
 
@@ -144,15 +157,19 @@ class ModelThread:
             except BaseException as exc:  # handed to the caller, as a pool would
                 done.set_exception(exc)
 
-    def _wait_and_serve(self) -> None:
+    def _wait_and_serve(self, selector: selectors.BaseSelector) -> None:
         watched = self._watched
-        readers: list[Any] = [self._wake_r]
+        registered = [key.fileobj for key in selector.get_map().values()]
+        for sock in registered:
+            if sock is not self._wake_r and (watched is None or sock is not watched[0]):
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(sock)
         if watched is not None:
             if watched[0].fileno() < 0:  # closed elsewhere
                 self._watched = watched = None
-            else:
-                readers.append(watched[0])
-        ready, _, _ = select.select(readers, [], [])
+            elif watched[0] not in registered:
+                selector.register(watched[0], selectors.EVENT_READ)
+        ready = {key.fileobj for key, _ in selector.select()}
         if self._wake_r in ready:
             with contextlib.suppress(BlockingIOError):
                 while self._wake_r.recv(4096):
@@ -165,6 +182,8 @@ class ModelThread:
                 log.exception("the watched socket's handler failed; no longer watched")
             if not keep and self._watched is watched:
                 self._watched = None
+                with contextlib.suppress(KeyError, ValueError):
+                    selector.unregister(watched[0])
 
 
 def _log_failure(done: Future[object]) -> None:

@@ -1,7 +1,8 @@
 """The worker's end of the step channel (:mod:`pagedserve.scheduler.step_channel`).
 
 :class:`StepChannelServer` listens on one TCP port for one scheduler: the first connection
-that sends the secret (checked on a short-lived accept thread) is handed to the worker's
+that sends the secret within 2 s (checked on an accept thread that ends with the channel's
+listener) is handed to the worker's
 :class:`~pagedserve.worker.model_thread.ModelThread`, which reads each
 :class:`~pagedserve.scheduler.outputs.SchedulerOutput`, runs it and writes the answer,
 between its other calls: one thread, no hand-off per step. A step sent while the previous
@@ -21,6 +22,7 @@ import pickle
 import secrets
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
@@ -39,14 +41,26 @@ from pagedserve.worker.model_thread import ModelThread
 log = logging.getLogger(__name__)
 
 FRAME_TIMEOUT_S = 30.0
+# The whole secret must come within this (a peer trickling bytes cannot hold the accept).
+HANDSHAKE_TIMEOUT_S = 2.0
 
 
-def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
-    """``n`` bytes from ``conn``, or None when it ends first."""
+def _recv_exact(conn: socket.socket, n: int, deadline_s: float | None = None) -> bytes | None:
+    """``n`` bytes from ``conn``, or None when it ends first.
+
+    Raises:
+        TimeoutError: ``deadline_s`` seconds passed first (or the socket's own timeout).
+    """
+    end = None if deadline_s is None else time.monotonic() + deadline_s
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if end is not None:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{n} bytes not received in {deadline_s} s")
+            conn.settimeout(left)
         k = conn.recv_into(view[got:])
         if k == 0:
             return None
@@ -86,18 +100,20 @@ class StepChannelServer:
         self._generation = 0
         self.steps_run = 0  # steps run (answered, or the answer dropped)
 
-    def open(self) -> StepChannelAddress:
-        """End the current channel (if any) and listen on a new port with a new secret.
+    def open(self, host: str | None = None) -> StepChannelAddress:
+        """End the current channel (if any) and listen on a new port of ``host`` (None:
+        the constructor's) with a new secret.
 
         Raises:
             OSError: the address cannot be bound.
         """
         self.close()
+        host = host or self._host
         secret = secrets.token_bytes(SECRET_BYTES)
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            listener.bind((self._host, 0))
+            listener.bind((host, 0))
             listener.listen(4)
             listener.settimeout(self._accept_timeout_s)
         except BaseException:
@@ -113,7 +129,7 @@ class StepChannelServer:
             name="pagedserve-step-accept",
             daemon=True,
         ).start()
-        return StepChannelAddress(self._host, port, secret)
+        return StepChannelAddress(host, port, secret)
 
     def close(self) -> None:
         """Stop listening and end the connection (the scheduler's steps then raise
@@ -123,6 +139,8 @@ class StepChannelServer:
             self._listener = self._conn = None
             self._generation += 1
         if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes the accept thread
             listener.close()
         if conn is not None:  # the model thread sees it end and closes it
             with contextlib.suppress(OSError):
@@ -147,9 +165,8 @@ class StepChannelServer:
                     conn, peer = listener.accept()
                 except (TimeoutError, OSError):
                     return
-                conn.settimeout(10.0)
                 try:
-                    got = _recv_exact(conn, SECRET_BYTES)
+                    got = _recv_exact(conn, SECRET_BYTES, deadline_s=HANDSHAKE_TIMEOUT_S)
                     if got is not None and hmac.compare_digest(got, secret):
                         conn.sendall(ACK)
                         # A frame read or an answer written that stalls this long (a

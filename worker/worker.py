@@ -13,7 +13,7 @@ its own client to the host block store (:meth:`Worker.connect_host_store`) and t
 the probes (:meth:`Worker.measure_swap_costs`, :meth:`Worker.measure_pull_bandwidth`).
 
 The scheduler sends the steps on the worker's step channel (:meth:`Worker.open_step_channel`,
-a TCP connection served on a thread of its own) and every other call through Ray. Every
+a TCP connection the model thread serves) and every other call through Ray. Every
 call that touches the model or the sequences runs on the worker's model thread
 (:class:`~pagedserve.worker.model_thread.ModelThread`, where the model was built), one at
 a time, whichever thread it came on.
@@ -88,7 +88,7 @@ class Worker:
         """
         if self._channel is None:
             self._channel = StepChannelServer(self.execute_model, host, self.model_thread)
-        return self._channel.open()
+        return self._channel.open(host)
 
     def close_step_channel(self) -> None:
         """End the step channel, if one is open (idempotent)."""

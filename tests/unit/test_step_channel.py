@@ -353,3 +353,26 @@ def test_a_reset_queued_during_a_step_runs_before_the_steps_sent_after_and_drops
     assert echo.threads == {mt.call(lambda: threading.current_thread().name)}
     server.close()
     mt.close()
+
+
+def test_each_open_binds_the_host_it_is_given(mt):
+    server = StepChannelServer(Echo(), "127.0.0.1", mt)
+    assert server.open().host == "127.0.0.1"
+    assert server.open("0.0.0.0").host == "0.0.0.0"  # a scheduler on another node
+    assert server.open("127.0.0.1").host == "127.0.0.1"
+    server.close()
+
+
+def test_a_peer_trickling_bytes_holds_the_accept_no_longer_than_the_handshake_deadline(mt):
+    server = StepChannelServer(Echo(), "127.0.0.1", mt)
+    address = server.open()
+    with socket.create_connection((address.host, address.port), timeout=5) as slow:
+        slow.sendall(b"x")  # then nothing: refused after 2 s, not held
+
+        async def scenario():
+            client = await StepChannelClient.connect(address, timeout_s=8)
+            assert answer_of(await client.execute(step(5)), 5) == [50]
+            await client.close()
+
+        run(scenario())
+    server.close()
