@@ -367,7 +367,7 @@ def _add_serve(sub: Any) -> None:
         choices=["socket", "ray"],
         default="socket",
         help="how the scheduler sends each step to a worker: socket (a TCP step channel "
-        "per worker, on the worker node's address) or ray (one actor call per step)",
+        "per worker) or ray (one actor call per step)",
     )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")

@@ -147,8 +147,8 @@ class ClusterConfig:
         adaptive_threads: CPU workers use fewer torch threads while other processes keep
             cores busy (see :mod:`pagedserve.worker.cpu_threads`).
         step_transport: how the scheduler sends each step to a worker: ``"socket"``, a
-            TCP step channel per worker listening on its node's address
-            (:mod:`pagedserve.scheduler.step_channel`), or ``"ray"``, one actor call per
+            TCP step channel per worker (on 127.0.0.1 when the scheduler shares its node,
+            else on its node's address; :mod:`pagedserve.scheduler.step_channel`), or ``"ray"``, one actor call per
             step (about a millisecond of CPU more on each side).
         tensor_parallel_size: ranks each worker's model is sharded over (Megatron-style,
             :mod:`pagedserve.worker.sharding`): a worker is then that many rank actors on

@@ -162,7 +162,8 @@ class LLM:
         config = SchedulerConfig(max_model_len=info.max_model_len, **sched_options)
         spec = WorkerSpec(0, info.num_blocks, info.block_size, info.dtype, info.kv_cache_dtype)
         self.scheduler = Scheduler(config, [spec])
-        # Overlap needs the model on a thread of its own; serial runs it on this thread.
+        # Overlap queues each step on the worker's model thread and plans the next one
+        # meanwhile; serial waits for each step here.
         self._handle: ThreadWorker | InlineWorker = (
             ThreadWorker(self._worker.execute_model, self._worker.model_thread.future)
             if config.async_scheduling

@@ -90,15 +90,11 @@ class Worker:
             self._channel = StepChannelServer(self.execute_model, host, self.model_thread)
         return self._channel.open(host)
 
-    def close_step_channel(self) -> None:
-        """End the step channel, if one is open (idempotent)."""
-        if self._channel is not None:
-            self._channel.close()
-
     def close(self) -> None:
         """End the step channel and stop the model thread once its calls have run;
         every model call raises RuntimeError after (idempotent)."""
-        self.close_step_channel()
+        if self._channel is not None:
+            self._channel.close()
         self.model_thread.close()
 
     def follow(self) -> None:
