@@ -173,6 +173,13 @@ def _add_serve(sub: Any) -> None:
         help="outputs held for a client that stops reading before its request is aborted",
     )
     p.add_argument(
+        "--output-transport",
+        choices=["socket", "ray"],
+        default="socket",
+        help="how the scheduler's outputs reach this frontend: socket (one TCP connection "
+        "the frontend listens on) or ray (a Ray streaming generator)",
+    )
+    p.add_argument(
         "--worker-max-restarts",
         type=int,
         default=3,
@@ -565,6 +572,7 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
+            output_transport=getattr(args, "output_transport", "socket"),
         ),
         ray_address=args.address,
         num_workers=args.workers,

@@ -555,7 +555,11 @@ async def _start_frontend(
     HTTP server: ``(pipeline, servicer, http or None, grpc server, grpc port)``. The HTTP
     server is stopped again when the gRPC one cannot start."""
     pipeline = RequestPipeline(
-        scheduler, tokenizer, info, max_buffered_outputs=config.server.max_stream_buffer
+        scheduler,
+        tokenizer,
+        info,
+        max_buffered_outputs=config.server.max_stream_buffer,
+        output_transport=config.server.output_transport,
     )
     servicer = GenerationServicer(pipeline)
     http = await _start_http(config, pipeline)

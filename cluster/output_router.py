@@ -1,13 +1,16 @@
-"""The frontend's end of the scheduler's output stream: one Ray stream per frontend,
+"""The frontend's end of the scheduler's output stream: one stream per frontend,
 demultiplexed into one local queue per request.
 
-A Ray streaming-generator item costs a few hundred microseconds of CPU across the
-scheduler, the frontend and Ray's own threads; with one stream per request a step of 64
-sequences cost 64 of them, taken from the cores the worker's matmuls run on. Here the
-scheduler actor (:meth:`SchedulerActor.subscribe`) sends each step's outputs for all of
-this frontend's requests as one item, and :class:`OutputRouter` puts each output into its
-request's queue by tag (a number per :meth:`register` call, so late outputs of a finished
-request never reach a newer request that reuses its id).
+Every output costs CPU across the scheduler, the frontend and the transport's threads;
+with one stream per request a step of 64 sequences would pay that 64 times, from the
+cores the worker's matmuls run on. Here the scheduler actor sends each step's outputs for
+all of this frontend's requests as one batch, and :class:`OutputRouter` puts each output
+into its request's queue by tag (a number per :meth:`register` call, so late outputs of a
+finished request never reach a newer request that reuses its id). The batches come over
+the frontend's output channel (``transport="socket"``, the default: one TCP connection
+this frontend listens on, :mod:`pagedserve.scheduler.output_channel`) or as items of a Ray
+streaming generator (``"ray"``, and where the channel cannot be opened), which costs a
+couple of milliseconds more CPU per step across the two processes' Ray threads.
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import contextlib
 import itertools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import ray
 
 from pagedserve.scheduler.engine_messages import SequenceOutput
 from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
+from pagedserve.scheduler.output_channel import OutputChannelListener, OutputChannelReader
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +40,28 @@ class OutputRouter:
         max_buffered: most outputs held for one request whose consumer has not taken
             them; past it :meth:`register`'s ``on_overflow`` is called and the request's
             queue gets ``too_slow()`` instead of outputs.
+        transport: ``"socket"`` (the output channel; a Ray stream where it cannot be
+            opened) or ``"ray"`` (a Ray streaming generator).
+        open_timeout_s: how long opening the output channel may take (seconds).
+
+    Raises:
+        ValueError: an unknown ``transport``.
     """
 
-    def __init__(self, scheduler: Any, max_buffered: int) -> None:
+    def __init__(
+        self,
+        scheduler: Any,
+        max_buffered: int,
+        transport: str = "socket",
+        open_timeout_s: float = 10.0,
+    ) -> None:
+        if transport not in ("socket", "ray"):
+            raise ValueError(f"transport must be 'socket' or 'ray', got {transport!r}")
         self.scheduler = scheduler
+        self.transport = transport
+        self._open_timeout_s = open_timeout_s
+        # what the open subscription runs on: "socket" or "ray" (None: none open yet)
+        self.subscribed_over: str | None = None
         self.subscriber = f"frontend-{uuid.uuid4().hex[:12]}"
         self._max_buffered = max_buffered
         self._tags = itertools.count(1)
@@ -84,15 +106,58 @@ class OutputRouter:
             with contextlib.suppress(BaseException):  # cancelled, or already failed
                 await self._task
 
+    async def _subscribe(self) -> AsyncGenerator[list[tuple[int, SequenceOutput]], None]:
+        """Subscribe (returns once the scheduler has the subscription); the batches."""
+        if self.transport == "socket":
+            try:
+                reader = await self._open_channel()
+            except (ray.exceptions.RayActorError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                log.warning(
+                    "no output channel to the scheduler (%s: %s); its outputs come as a Ray stream",
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                self.subscribed_over = "socket"
+                log.info("outputs of %s on the output channel", self.subscriber)
+                return reader.batches()
+        stream = self.scheduler.subscribe.remote(self.subscriber)
+        await (await stream.__anext__())  # the empty first item: subscribed
+        self.subscribed_over = "ray"
+        return _resolved(stream)
+
+    async def _open_channel(self) -> OutputChannelReader:
+        """Listen, have the scheduler connect, and return the accepted connection."""
+        node_id, _ = await self.scheduler.process_id.remote()
+        here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else node_id
+        host = "127.0.0.1" if node_id == here else ray.util.get_node_ip_address()
+        listener = await OutputChannelListener.open(host)
+        try:
+            accepted = asyncio.ensure_future(listener.accept(self._open_timeout_s))
+            try:
+                await asyncio.wait_for(
+                    self.scheduler.attach_output_channel.remote(self.subscriber, listener.address),
+                    self._open_timeout_s,
+                )
+            except BaseException:
+                accepted.cancel()
+                with contextlib.suppress(BaseException):
+                    (await accepted).close()  # connected all the same: end it
+                raise
+            return await accepted
+        finally:
+            listener.close()
+
     async def _run(self, ready: asyncio.Future[None]) -> None:
         try:
-            stream = self.scheduler.subscribe.remote(self.subscriber)
-            await (await stream.__anext__())  # the empty first item: subscribed
+            batches = await self._subscribe()
             ready.set_result(None)
-            async for ref in stream:
-                batch: list[tuple[int, SequenceOutput]] = await ref
-                for tag, out in batch:
-                    self._route(tag, out)
+            async with contextlib.aclosing(batches):  # a cancel ends the connection now
+                async for batch in batches:
+                    for tag, out in batch:
+                        self._route(tag, out)
             raise ClusterUnavailable("the scheduler closed its output stream")
         except asyncio.CancelledError:
             if not ready.done():
@@ -120,6 +185,12 @@ class OutputRouter:
             queue.put_nowait(on_overflow())
             return
         queue.put_nowait(out)
+
+
+async def _resolved(stream: Any) -> AsyncGenerator[list[tuple[int, SequenceOutput]], None]:
+    """The items of a Ray streaming generator, resolved."""
+    async for ref in stream:
+        yield await ref
 
 
 def _as_serving_error(exc: BaseException) -> ServingError:

@@ -131,6 +131,8 @@ class RequestPipeline:
             before it fails with UNAVAILABLE (seconds).
         flight_config: id reuse wait and the memory of early aborts (None: the defaults)
             (:class:`~pagedserve.cluster.flights.FlightConfig`).
+        output_transport: how the scheduler's outputs reach this frontend: ``"socket"``
+            (its output channel) or ``"ray"`` (:class:`OutputRouter`).
     """
 
     def __init__(
@@ -141,6 +143,7 @@ class RequestPipeline:
         max_buffered_outputs: int = 4096,
         scheduler_timeout_s: float = 10.0,
         flight_config: FlightConfig | None = None,
+        output_transport: str = "socket",
     ) -> None:
         if max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs must be >= 1, got {max_buffered_outputs}")
@@ -151,7 +154,9 @@ class RequestPipeline:
         self.scheduler_timeout_s = scheduler_timeout_s
         self.preparer = RequestPreparer(tokenizer, info)
         self.flights = FlightTable(flight_config or FlightConfig())
-        self.router = OutputRouter(scheduler, max_buffered_outputs)
+        self.router = OutputRouter(
+            scheduler, max_buffered_outputs, output_transport, scheduler_timeout_s
+        )
         self._background: set[asyncio.Future[None]] = set()  # aborts still on their way
 
     @contextlib.asynccontextmanager

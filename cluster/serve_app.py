@@ -185,7 +185,11 @@ class PagedServeDeployment:
         self._scheduler, info, tokenizer = await find_cluster(self._config, ATTACH_WAIT_S)
         server = self._config.server
         self._pipeline = RequestPipeline(
-            self._scheduler, tokenizer, info, max_buffered_outputs=server.max_stream_buffer
+            self._scheduler,
+            tokenizer,
+            info,
+            max_buffered_outputs=server.max_stream_buffer,
+            output_transport=server.output_transport,
         )
         self._watch = asyncio.get_running_loop().create_task(
             watch_scheduler(self._scheduler, self._pipeline.flights)

@@ -1,10 +1,12 @@
 """The scheduler Ray actor: one per cluster, drives one step loop per worker.
 
-The actor is async (asyncio). A frontend opens one output stream with ``subscribe`` (a
-Ray streaming generator) and adds requests with ``add_request`` (an
+The actor is async (asyncio). A frontend opens one output stream, over its output channel
+(:meth:`SchedulerActor.attach_output_channel`: one TCP connection the frontend listens on,
+:mod:`pagedserve.scheduler.output_channel`) or as a Ray streaming generator
+(:meth:`SchedulerActor.subscribe`), and adds requests with ``add_request`` (an
 :class:`~pagedserve.scheduler.engine_messages.EngineRequest` naming that stream): every
-step's outputs for all of that frontend's requests travel as one item of that stream,
-tagged, so the Ray cost per step does not grow with the number of requests (vLLM v1's
+step's outputs for all of that frontend's requests travel as one frame or item of that
+stream, tagged, so the cost per step does not grow with the number of requests (vLLM v1's
 engine core likewise sends one message of outputs per step). That stream is the only
 output path. ``abort`` and ``get_stats`` are plain calls. A step loop per worker,
 :class:`~pagedserve.scheduler.engine_loop.EngineLoop`'s, plans each step with the
@@ -38,10 +40,11 @@ from pagedserve.scheduler.engine_loop import EngineLoop, WorkerDied
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
 from pagedserve.scheduler.errors import ClusterUnavailable
 from pagedserve.scheduler.metrics import MetricsSnapshot
+from pagedserve.scheduler.output_channel import OutputChannelSender
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
 from pagedserve.scheduler.request import FinishReason
 from pagedserve.scheduler.scheduler import Scheduler, SchedulerStats, WorkerSpec
-from pagedserve.scheduler.step_channel import StepChannelClient
+from pagedserve.scheduler.step_channel import StepChannelAddress, StepChannelClient
 from pagedserve.scheduler.swap import SwapSpec
 
 log = logging.getLogger(__name__)
@@ -160,6 +163,7 @@ class SchedulerActor:
                 self._workers[wid] = self._lookup(wid)
         # subscriber -> its stream's queue of (tag, output); request id -> its route
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
+        self._output_channels: set[asyncio.Task[None]] = set()  # their pumps
         self._routes: dict[str, RequestRoute] = {}
         self._step_channel = step_channel
         self._channel_timeout_s = channel_timeout_s
@@ -271,7 +275,8 @@ class SchedulerActor:
         return self._frontend_info
 
     async def subscribe(self, subscriber: str) -> AsyncIterator[list[tuple[int, SequenceOutput]]]:
-        """The output stream of every request ``subscriber`` adds with :meth:`add_request`.
+        """The output stream of every request ``subscriber`` adds with :meth:`add_request`,
+        as a Ray streaming generator (:meth:`attach_output_channel` is the TCP one).
 
         The first item is an empty list (the subscription exists from then on); every later
         one is a non-empty list of ``(tag, output)``, all outputs queued since the last
@@ -285,19 +290,66 @@ class SchedulerActor:
         try:
             yield []
             while True:
-                batch = [await queue.get()]
-                while not queue.empty():
-                    batch.append(queue.get_nowait())
-                yield batch
+                yield await _next_batch(queue)
         finally:
-            if self._subscribers.get(subscriber) is queue:
-                del self._subscribers[subscriber]
-                orphans = [r for r, e in self._routes.items() if e.subscriber == subscriber]
-                for request_id in orphans:
-                    self._dispatch(self._scheduler.abort_request(request_id))
-                    self._routes.pop(request_id, None)
-                if orphans:
-                    self._wake_all()
+            self._unsubscribe(subscriber, queue)
+
+    async def attach_output_channel(self, subscriber: str, address: StepChannelAddress) -> bool:
+        """Send the outputs of every request ``subscriber`` adds with :meth:`add_request`
+        over the frontend's output channel at ``address``
+        (:mod:`pagedserve.scheduler.output_channel`); returns True once connected (the
+        subscription exists from then on).
+
+        Each frame is a non-empty list of ``(tag, output)``, as :meth:`subscribe`'s items.
+        A new subscription under the same name replaces the old one. When the connection
+        ends, every request the subscriber added that has not finished is aborted.
+
+        Raises:
+            ConnectionError / TimeoutError / OSError: the channel did not open within the
+                channel timeout (nothing is subscribed).
+        """
+        await self.ready()
+        queue: asyncio.Queue[tuple[int, SequenceOutput]] = asyncio.Queue()
+        pump: list[asyncio.Task[None]] = []
+
+        def on_close() -> None:
+            if pump:
+                pump[0].cancel()
+
+        sender = await OutputChannelSender.connect(address, self._channel_timeout_s, on_close)
+        self._subscribers[subscriber] = queue
+
+        async def run() -> None:
+            try:
+                while True:
+                    await sender.send(await _next_batch(queue))
+            except (asyncio.CancelledError, ConnectionError):
+                pass
+            except Exception:
+                log.exception("output channel of %s failed", subscriber)
+            finally:
+                await sender.close()
+                self._unsubscribe(subscriber, queue)
+
+        pump.append(asyncio.get_running_loop().create_task(run()))
+        self._output_channels.add(pump[0])
+        pump[0].add_done_callback(self._output_channels.discard)
+        if sender.closed:  # ended during the handshake's last step
+            pump[0].cancel()
+        return True
+
+    def _unsubscribe(self, subscriber: str, queue: asyncio.Queue[Any]) -> None:
+        """End ``subscriber``'s subscription (unless a newer one replaced it) and abort
+        the requests it added that have not finished."""
+        if self._subscribers.get(subscriber) is not queue:
+            return
+        del self._subscribers[subscriber]
+        orphans = [r for r, e in self._routes.items() if e.subscriber == subscriber]
+        for request_id in orphans:
+            self._dispatch(self._scheduler.abort_request(request_id))
+            self._routes.pop(request_id, None)
+        if orphans:
+            self._wake_all()
 
     async def add_request(self, request: EngineRequest) -> None:
         """Add a request whose outputs go to ``request.subscriber``'s stream, tagged
@@ -451,6 +503,14 @@ class SchedulerActor:
             self._loops[worker_id] = task
         log.warning("worker %d is back in service (empty pool)", worker_id)
         self._wake_all()
+
+
+async def _next_batch(queue: asyncio.Queue[Any]) -> list[Any]:
+    """Wait for one item of ``queue``, then take every item queued behind it."""
+    batch = [await queue.get()]
+    while not queue.empty():
+        batch.append(queue.get_nowait())
+    return batch
 
 
 __all__ = ["RequestRoute", "SchedulerActor"]

@@ -1,7 +1,9 @@
-"""How the scheduler's steps reach the worker: the step channel against a Ray call per step.
+"""How the scheduler's steps reach the worker (the step channel against a Ray call per
+step), or how its outputs reach the frontend (the output channel against a Ray streaming
+generator): ``--compare step`` (the default) or ``--compare output``.
 
-For each round and each transport (``--step-transport socket`` and ``ray``, alternating)
-it starts ``pagedserve serve`` (SmolLM2, 1 GiB of KV, its defaults otherwise), sends a
+For each round and each transport (``--step-transport socket`` and ``ray``, alternating;
+``--output-transport`` with ``--compare output``) it starts ``pagedserve serve`` (SmolLM2, 1 GiB of KV, its defaults otherwise), sends a
 warm-up burst, then ``--bursts`` bursts of 32 streaming completions of 128 random token
 ids -> ``--max-tokens`` greedy tokens (``ignore_eos``; every burst its own prompts). Per
 burst: output tok/s (over the wall time from the first request sent to the last token)
@@ -14,6 +16,8 @@ server runs at a time).
 
     .venv/bin/python benchmarks/serving/step_transport.py \
         --json benchmarks/results/step_transport.json
+    .venv/bin/python benchmarks/serving/step_transport.py --compare output \
+        --json benchmarks/results/output_transport.json
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ def run_server(transport: str, args: argparse.Namespace, seed: int) -> dict[str,
     cmd = [str(Path(sys.executable).with_name("pagedserve")), "serve", "--model", args.model,
            "--host", "127.0.0.1", "--http-port", str(port), "--port", str(grpc_port),
            "--kv-cache-memory", "1G", "--max-model-len", "2048", "--served-model-name",
-           "smollm2", "--step-transport", transport]  # fmt: skip
+           "smollm2", f"--{args.compare}-transport", transport]  # fmt: skip
     base = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory() as cwd:
         proc = start_server(cmd, dict(os.environ), Path(cwd), Path(cwd) / "server.log")
@@ -153,7 +157,7 @@ def run_server(transport: str, args: argparse.Namespace, seed: int) -> dict[str,
         "step_gap_mean_ms": round(1000 * (gap1[0] - gap0[0]) / max(1.0, gap1[1] - gap0[1]), 3),
         "cpu_ms_per_decode_step": {k: round(1000 * (cpu1[k] - cpu0[k]) / steps, 2) for k in pids},
     }
-    print(f"{transport}: {[b['tok_s'] for b in bursts]} tok/s, decode "
+    print(f"{args.compare} {transport}: {[b['tok_s'] for b in bursts]} tok/s, decode "
           f"{[b['decode_step_ms'] for b in bursts]} ms/step, gap {out['step_gap_mean_ms']} ms, "
           f"cpu ms/step {out['cpu_ms_per_decode_step']}", flush=True)  # fmt: skip
     return out
@@ -162,6 +166,8 @@ def run_server(transport: str, args: argparse.Namespace, seed: int) -> dict[str,
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--model", default="default")
+    ap.add_argument("--compare", choices=("step", "output"), default="step",
+                    help="which transport flag the servers differ in")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2, help="servers per transport, alternating")
     ap.add_argument("--bursts", type=int, default=3, help="bursts per server")
     ap.add_argument("--max-tokens", type=int, default=256, help="output tokens per request")
@@ -192,7 +198,7 @@ def main() -> None:
         print(f"| {t} | {s['tok_s']} | {s['decode_step_ms']} | {s['step_gap_mean_ms']} | "
               f"{cpu['frontend']:.2f} / {cpu['scheduler']:.2f} / {cpu['worker']:.1f} |")  # fmt: skip
     ratio = summary["socket"]["tok_s"] / summary["ray"]["tok_s"]
-    print(f"socket / ray output tok/s: {ratio:.3f}")
+    print(f"{args.compare} transport socket / ray output tok/s: {ratio:.3f}")
     if args.json:
         payload = {"date": time.strftime("%Y-%m-%d %H:%M"), "commit": commit,
                    "command": " ".join(sys.argv), "summary": summary, "runs": runs}  # fmt: skip
