@@ -201,6 +201,10 @@ def _as_serving_error(exc: BaseException) -> ServingError:
         return ClusterUnavailable(
             f"scheduler unavailable: the scheduler actor died ({type(exc).__name__})"
         )
+    if isinstance(exc, ConnectionError):  # the output channel ended
+        return ClusterUnavailable(
+            f"scheduler unavailable: the scheduler actor died or closed the output channel ({exc})"
+        )
     cause = getattr(exc, "cause", exc)
     if isinstance(cause, ServingError):
         return cause

@@ -60,7 +60,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_cleanly(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [str(BIN / "pagedserve"), "serve", "--model", str(model), "--port", str(port)]
     cmd += ["--http-port", str(http_port), "--num-blocks", "512", "--max-model-len", "4096"]
-    cmd += ["--device", "cpu", "--cpus-per-worker", "1", "--drain-timeout", "3"]
+    cmd += ["--device", "cpu", "--cpus-per-worker", "1", "--drain-timeout", "1.5"]
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     seen: dict[int, psutil.Process] = {}
