@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_pipeline_races import PROMPT, TOKEN, Remote, SchedulerHandle, drain, idle, make, stream
+from test_pipeline_races import TOKEN, Remote, SchedulerHandle, drain, idle, make, stream
 
 from pagedserve.cluster.output_router import OutputRouter
 from pagedserve.scheduler import output_channel
