@@ -40,7 +40,11 @@ from pagedserve.worker.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
 
-FRAME_TIMEOUT_S = 30.0
+# A frame read or an answer written that stalls this long ends the channel. A step is a
+# few kilobytes sent in one write, so only a scheduler cut off mid-frame stalls; kept under
+# the scheduler's default reset timeout (10 s), so a reset queued behind such a read
+# still runs in time.
+FRAME_TIMEOUT_S = 5.0
 # The whole secret must come within this (a peer trickling bytes cannot hold the accept).
 HANDSHAKE_TIMEOUT_S = 2.0
 
@@ -169,10 +173,7 @@ class StepChannelServer:
                     got = _recv_exact(conn, SECRET_BYTES, deadline_s=HANDSHAKE_TIMEOUT_S)
                     if got is not None and hmac.compare_digest(got, secret):
                         conn.sendall(ACK)
-                        # A frame read or an answer written that stalls this long (a
-                        # scheduler cut off mid-frame) ends the channel rather than hold
-                        # the model thread.
-                        conn.settimeout(FRAME_TIMEOUT_S)
+                        conn.settimeout(FRAME_TIMEOUT_S)  # no stall holds the model thread
                         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                         self._model_thread.submit(functools.partial(self._attach, conn, generation))
                         return

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 
 import pytest
 from helpers import ActorStreams, ScriptedWorker
@@ -375,4 +376,32 @@ def test_a_peer_trickling_bytes_holds_the_accept_no_longer_than_the_handshake_de
             await client.close()
 
         run(scenario())
+    server.close()
+
+
+def test_a_scheduler_cut_off_mid_frame_frees_the_model_thread_after_the_frame_timeout(
+    mt, monkeypatch
+):
+    """Half a frame, then nothing: the model thread gives the channel up after
+    FRAME_TIMEOUT_S (kept under the reset timeout) and runs the call queued behind it."""
+    from pagedserve.worker import step_channel as worker_channel
+
+    assert worker_channel.FRAME_TIMEOUT_S < 10.0  # SchedulerActor's default reset timeout
+    monkeypatch.setattr(worker_channel, "FRAME_TIMEOUT_S", 0.3)
+    server = StepChannelServer(Echo(), "127.0.0.1", mt)
+    address = server.open()
+    with socket.create_connection((address.host, address.port), timeout=5) as sock:
+        sock.sendall(address.secret)
+        assert sock.recv(64)  # the acknowledgement
+        sock.sendall(HEADER.pack(400) + b"\x80")  # a frame that never completes
+        for _ in range(200):
+            if server.connected:
+                break
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.05)  # the model thread is in the frame's read
+        t0 = time.monotonic()
+        assert mt.call(lambda: 7) == 7
+        assert time.monotonic() - t0 < 3.0
+        assert sock.recv(64) == b""  # the worker ended the channel
+    assert not server.connected
     server.close()
