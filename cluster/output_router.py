@@ -42,7 +42,9 @@ class OutputRouter:
             queue gets ``too_slow()`` instead of outputs.
         transport: ``"socket"`` (the output channel; a Ray stream where it cannot be
             opened) or ``"ray"`` (a Ray streaming generator).
-        open_timeout_s: how long opening the output channel may take (seconds).
+        open_timeout_s: how long opening the output channel may take (seconds), before
+            a Ray stream is taken instead; keep it well under the time a request waits for
+            the scheduler, which it delays.
 
     Raises:
         ValueError: an unknown ``transport``.
@@ -53,7 +55,7 @@ class OutputRouter:
         scheduler: Any,
         max_buffered: int,
         transport: str = "socket",
-        open_timeout_s: float = 10.0,
+        open_timeout_s: float = 3.0,
     ) -> None:
         if transport not in ("socket", "ray"):
             raise ValueError(f"transport must be 'socket' or 'ray', got {transport!r}")
@@ -101,10 +103,28 @@ class OutputRouter:
 
     async def close(self) -> None:
         """Close the subscription (the scheduler aborts what is left of its requests)."""
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
+        task = self._task
+        # NOTE: cancel until done: a cancel that lands as an awaited call completes can be
+        # lost (asyncio.wait_for on Python 3.11), and the subscription would stay open.
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        if task is not None:
             with contextlib.suppress(BaseException):  # cancelled, or already failed
-                await self._task
+                await task
+
+    @property
+    def subscription(self) -> object | None:
+        """A token of the current subscription, for :meth:`reset`."""
+        return self._task
+
+    async def reset(self, subscription: object | None) -> None:
+        """End ``subscription`` (a :attr:`subscription` token) if it is still the current
+        one, so the next :meth:`ensure` subscribes again: the scheduler no longer has it
+        (it was restarted while the old connection looked open). Routes stay registered.
+        """
+        if subscription is not None and subscription is self._task:
+            await self.close()
 
     async def _subscribe(self) -> AsyncGenerator[list[tuple[int, SequenceOutput]], None]:
         """Subscribe (returns once the scheduler has the subscription); the batches."""
@@ -129,26 +149,31 @@ class OutputRouter:
         return _resolved(stream)
 
     async def _open_channel(self) -> OutputChannelReader:
-        """Listen, have the scheduler connect, and return the accepted connection."""
-        node_id, _ = await self.scheduler.process_id.remote()
-        here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else node_id
-        host = "127.0.0.1" if node_id == here else ray.util.get_node_ip_address()
-        listener = await OutputChannelListener.open(host)
-        try:
-            accepted = asyncio.ensure_future(listener.accept(self._open_timeout_s))
+        """Listen, have the scheduler connect, and return the accepted connection, all
+        within ``open_timeout_s``.
+
+        Raises:
+            TimeoutError: not within ``open_timeout_s`` seconds.
+            RayActorError: the scheduler actor is gone.
+            Exception: the scheduler could not connect (RayTaskError) or the address
+                cannot be bound.
+        """
+        async with asyncio.timeout(self._open_timeout_s):
+            node_id, _ = await self.scheduler.process_id.remote()
+            here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else node_id
+            host = "127.0.0.1" if node_id == here else ray.util.get_node_ip_address()
+            listener = await OutputChannelListener.open(host)
             try:
-                await asyncio.wait_for(
-                    self.scheduler.attach_output_channel.remote(self.subscriber, listener.address),
-                    self._open_timeout_s,
-                )
-            except BaseException:
-                accepted.cancel()
-                with contextlib.suppress(BaseException):
-                    (await accepted).close()  # connected all the same: end it
-                raise
-            return await accepted
-        finally:
-            listener.close()
+                accepted = asyncio.ensure_future(listener.accept(self._open_timeout_s))
+                try:
+                    await self.scheduler.attach_output_channel.remote(
+                        self.subscriber, listener.address
+                    )
+                    return await accepted
+                finally:
+                    accepted.cancel()  # a no-op once it returned
+            finally:
+                listener.close()  # a connection accepted but not returned is closed
 
     async def _run(self, ready: asyncio.Future[None]) -> None:
         try:
@@ -203,7 +228,7 @@ def _as_serving_error(exc: BaseException) -> ServingError:
         )
     if isinstance(exc, ConnectionError):  # the output channel ended
         return ClusterUnavailable(
-            f"scheduler unavailable: the scheduler actor died or closed the output channel ({exc})"
+            f"scheduler unavailable: the scheduler actor died or ended the output channel ({exc})"
         )
     cause = getattr(exc, "cause", exc)
     if isinstance(cause, ServingError):

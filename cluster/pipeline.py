@@ -44,7 +44,7 @@ from pagedserve.cluster.request_prep import (
     SamplingRequest,
 )
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
-from pagedserve.scheduler.errors import ClusterUnavailable, ServingError
+from pagedserve.scheduler.errors import ClusterUnavailable, NoOutputStream, ServingError
 from pagedserve.scheduler.outputs import SampleLogprobs
 from pagedserve.scheduler.request import FinishReason
 
@@ -155,7 +155,7 @@ class RequestPipeline:
         self.preparer = RequestPreparer(tokenizer, info)
         self.flights = FlightTable(flight_config or FlightConfig())
         self.router = OutputRouter(
-            scheduler, max_buffered_outputs, output_transport, scheduler_timeout_s
+            scheduler, max_buffered_outputs, output_transport, min(3.0, scheduler_timeout_s / 3)
         )
         self._background: set[asyncio.Future[None]] = set()  # aborts still on their way
 
@@ -340,10 +340,25 @@ class RequestPipeline:
 
     async def _add(self, req: EngineRequest, tag: int) -> None:
         """Send the request to the scheduler, on this frontend's output stream (subscribing
-        first when needed)."""
-        await self.router.ensure()
-        routed = dataclasses.replace(req, subscriber=self.router.subscriber, tag=tag)
-        await self.scheduler.add_request.remote(routed)
+        first when needed, and again once when the scheduler no longer has the stream: it
+        was restarted while the old connection looked open)."""
+        for attempt in range(2):
+            await self.router.ensure()
+            subscription = self.router.subscription
+            routed = dataclasses.replace(req, subscriber=self.router.subscriber, tag=tag)
+            try:
+                await self.scheduler.add_request.remote(routed)
+                return
+            except Exception as exc:
+                lost = isinstance(exc, NoOutputStream) or isinstance(
+                    getattr(exc, "cause", None), NoOutputStream
+                )
+                if attempt or not lost:
+                    raise
+                log.warning(
+                    "the scheduler has no output stream of this frontend: subscribing again"
+                )
+                await self.router.reset(subscription)
 
     async def _abort_when_added(self, ack: asyncio.Future[Any] | None, request_id: str) -> None:
         """Abort a request once the scheduler has it (never before: the abort could

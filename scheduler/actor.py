@@ -38,7 +38,7 @@ from pagedserve.scheduler.config import SchedulerConfig
 from pagedserve.scheduler.disagg import DisaggConfig
 from pagedserve.scheduler.engine_loop import EngineLoop, WorkerDied
 from pagedserve.scheduler.engine_messages import EngineRequest, SequenceOutput
-from pagedserve.scheduler.errors import ClusterUnavailable
+from pagedserve.scheduler.errors import NoOutputStream
 from pagedserve.scheduler.metrics import MetricsSnapshot
 from pagedserve.scheduler.output_channel import OutputChannelSender
 from pagedserve.scheduler.outputs import RunnerOutput, SchedulerOutput
@@ -163,7 +163,7 @@ class SchedulerActor:
                 self._workers[wid] = self._lookup(wid)
         # subscriber -> its stream's queue of (tag, output); request id -> its route
         self._subscribers: dict[str, asyncio.Queue[tuple[int, SequenceOutput]]] = {}
-        self._output_channels: set[asyncio.Task[None]] = set()  # their pumps
+        self._output_channels: dict[str, asyncio.Task[None]] = {}  # subscriber -> pump
         self._routes: dict[str, RequestRoute] = {}
         self._step_channel = step_channel
         self._channel_timeout_s = channel_timeout_s
@@ -286,7 +286,7 @@ class SchedulerActor:
         """
         await self.ready()
         queue: asyncio.Queue[tuple[int, SequenceOutput]] = asyncio.Queue()
-        self._subscribers[subscriber] = queue
+        self._replace_subscription(subscriber, queue)
         try:
             yield []
             while True:
@@ -301,8 +301,11 @@ class SchedulerActor:
         subscription exists from then on).
 
         Each frame is a non-empty list of ``(tag, output)``, as :meth:`subscribe`'s items.
-        A new subscription under the same name replaces the old one. When the connection
-        ends, every request the subscriber added that has not finished is aborted.
+        A new subscription under the same name replaces the old one (a frontend subscribes
+        again only once it lost the old stream: the old one's unfinished requests are
+        aborted). When the connection ends, every request the subscriber added that has
+        not finished is aborted. The connection has TCP keepalive and a 30 s limit on
+        unacknowledged data, so a frontend whose node vanished is noticed within about 30 s.
 
         Raises:
             ConnectionError / TimeoutError / OSError: the channel did not open within the
@@ -317,26 +320,46 @@ class SchedulerActor:
                 pump[0].cancel()
 
         sender = await OutputChannelSender.connect(address, self._channel_timeout_s, on_close)
-        self._subscribers[subscriber] = queue
+        self._replace_subscription(subscriber, queue)
 
         async def run() -> None:
             try:
                 while True:
                     await sender.send(await _next_batch(queue))
-            except (asyncio.CancelledError, ConnectionError):
+            except asyncio.CancelledError:
                 pass
+            except OSError as exc:  # ConnectionError, TimeoutError: the frontend is gone
+                log.warning(
+                    "output channel of %s ended: %s: %s", subscriber, type(exc).__name__, exc
+                )
             except Exception:
                 log.exception("output channel of %s failed", subscriber)
             finally:
                 await sender.close()
                 self._unsubscribe(subscriber, queue)
 
+        def forget(task: asyncio.Task[None]) -> None:
+            if self._output_channels.get(subscriber) is task:
+                del self._output_channels[subscriber]
+
         pump.append(asyncio.get_running_loop().create_task(run()))
-        self._output_channels.add(pump[0])
-        pump[0].add_done_callback(self._output_channels.discard)
+        self._output_channels[subscriber] = pump[0]
+        pump[0].add_done_callback(forget)
         if sender.closed:  # ended during the handshake's last step
             pump[0].cancel()
         return True
+
+    def _replace_subscription(self, subscriber: str, queue: asyncio.Queue[Any]) -> None:
+        """Make ``queue`` ``subscriber``'s stream. An older subscription of the same name
+        is ended first (its channel closed, its unfinished requests aborted): the frontend
+        subscribes again only after it lost that stream and failed those requests."""
+        old = self._subscribers.get(subscriber)
+        if old is not None:
+            self._unsubscribe(subscriber, old)
+        old_pump = self._output_channels.pop(subscriber, None)
+        if old_pump is not None:
+            old_pump.cancel()
+        self._subscribers[subscriber] = queue
 
     def _unsubscribe(self, subscriber: str, queue: asyncio.Queue[Any]) -> None:
         """End ``subscriber``'s subscription (unless a newer one replaced it) and abort
@@ -358,14 +381,14 @@ class SchedulerActor:
         Returns once the request is queued (from then on an abort reaches it).
 
         Raises:
-            ClusterUnavailable: the subscriber has no open stream (e.g. this actor was
+            NoOutputStream: the subscriber has no open stream (e.g. this actor was
                 restarted since it subscribed).
             ServingError: from :meth:`Scheduler.add_request` (InvalidRequest,
                 RequestRejected, DuplicateRequest, ClusterUnavailable).
         """
         await self.ready()
         if request.subscriber not in self._subscribers:
-            raise ClusterUnavailable(
+            raise NoOutputStream(
                 f"no output stream is open for {request.subscriber!r} (the scheduler restarted?)"
             )
         self._scheduler.add_request(request)

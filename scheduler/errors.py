@@ -63,6 +63,11 @@ class ClusterUnavailable(ServingError):
     recoverable = False
 
 
+class NoOutputStream(ClusterUnavailable):
+    """``add_request`` named a subscriber with no open output stream: the scheduler was
+    restarted (it starts with none) or dropped the stream; the frontend subscribes again."""
+
+
 class IntegrityError(AssertionError):
     """The scheduler's or block manager's bookkeeping is inconsistent: a bug, never a
     user error. Raised instead of silently skipping a state that cannot happen."""

@@ -53,11 +53,32 @@ HANDSHAKE_TIMEOUT_S = 2.0
 OutputBatch = list[tuple[int, Any]]  # (tag, SequenceOutput)
 
 
-def _nodelay(writer: asyncio.StreamWriter) -> None:
+# TCP keepalive on both ends (a peer whose node vanished sends no FIN): probes after 10 s
+# idle, every 5 s, 3 unanswered end the connection; unacknowledged data ends it after 30 s.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+USER_TIMEOUT_MS = 30_000
+
+
+def _tune(writer: asyncio.StreamWriter) -> None:
+    """TCP_NODELAY and keepalive on the connection (where the platform has them)."""
     sock = writer.get_extra_info("socket")
-    if sock is not None:
+    if sock is None:
+        return
+    options = [
+        (socket.IPPROTO_TCP, socket.TCP_NODELAY, 1),
+        (socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1),
+    ]
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+        ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS),
+    ):
+        if hasattr(socket, name):
+            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
+    for level, option, value in options:
         with contextlib.suppress(OSError):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(level, option, value)
 
 
 class OutputChannelListener:
@@ -74,6 +95,7 @@ class OutputChannelListener:
         self._accepted: asyncio.Future[OutputChannelReader] = (
             asyncio.get_running_loop().create_future()
         )
+        self._claimed = False
 
     @classmethod
     async def open(cls, host: str = "127.0.0.1") -> OutputChannelListener:
@@ -108,27 +130,33 @@ class OutputChannelListener:
             writer.close()
             return
         writer.write(ACK)
-        _nodelay(writer)
+        _tune(writer)
         self._accepted.set_result(OutputChannelReader(reader, writer))
         self._server.close()  # one scheduler per channel: stop listening
 
     async def accept(self, timeout_s: float) -> OutputChannelReader:
-        """The scheduler's connection, once it sent the secret.
+        """The scheduler's connection, once it sent the secret (the caller owns it).
 
         Raises:
             TimeoutError: none within ``timeout_s`` seconds (the listener is closed).
         """
         try:
-            return await asyncio.wait_for(asyncio.shield(self._accepted), timeout_s)
-        finally:
-            if not self._accepted.done():
-                self.close()
+            async with asyncio.timeout(timeout_s):
+                reader = await asyncio.shield(self._accepted)
+        except BaseException:
+            self.close()
+            raise
+        self._claimed = True
+        return reader
 
     def close(self) -> None:
-        """Stop listening (a connection already accepted stays open). Idempotent."""
+        """Stop listening; a connection accepted but not returned by :meth:`accept` is
+        closed (one returned stays open). Idempotent."""
         self._server.close()
         if not self._accepted.done():
             self._accepted.cancel()
+        elif not self._accepted.cancelled() and not self._claimed:
+            self._accepted.result().close()
 
 
 class OutputChannelReader:
@@ -153,9 +181,9 @@ class OutputChannelReader:
                 body = await reader.readexactly(frame_length(header))
                 yield pickle.loads(body)
         except asyncio.IncompleteReadError:
-            raise ConnectionError("the scheduler closed the output channel") from None
+            raise ConnectionError("connection ended") from None
         except (OSError, pickle.UnpicklingError, EOFError, ValueError) as exc:
-            raise ConnectionError(f"output channel broken ({type(exc).__name__}: {exc})") from exc
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self.close()
 
@@ -200,7 +228,7 @@ class OutputChannelSender:
             asyncio.open_connection(address.host, address.port), timeout_s
         )
         try:
-            _nodelay(writer)
+            _tune(writer)
             writer.write(address.secret)
             ack = await asyncio.wait_for(reader.readexactly(len(ACK)), timeout_s)
         except asyncio.IncompleteReadError:

@@ -95,7 +95,7 @@ def frame_length(header: bytes) -> int:
     """
     (n,) = HEADER.unpack(header)
     if n > MAX_FRAME_BYTES:
-        raise ConnectionError(f"step channel frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
+        raise ConnectionError(f"a frame of {n} bytes exceeds {MAX_FRAME_BYTES}")
     return int(n)
 
 

@@ -658,10 +658,16 @@ class ActorStreams:
         self._tags = iter(range(1, 1 << 62))
         self._queues: dict[int, asyncio.Queue[Any]] = {}
         self._pump: asyncio.Task[None] | None = None
+        self._opening: asyncio.Future[None] | None = None
 
     async def _open(self) -> None:
-        if self._pump is not None:
-            return
+        # One subscription for all concurrent generate() calls, as the OutputRouter keeps:
+        # a second one under the same name would end the first and abort its requests.
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._subscribe())
+        await asyncio.shield(self._opening)
+
+    async def _subscribe(self) -> None:
         stream = self.actor.subscribe(self.subscriber)
         assert await stream.__anext__() == []  # subscribed
 

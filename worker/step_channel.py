@@ -40,11 +40,13 @@ from pagedserve.worker.model_thread import ModelThread
 
 log = logging.getLogger(__name__)
 
-# A frame read or an answer written that stalls this long ends the channel. A step is a
-# few kilobytes sent in one write, so only a scheduler cut off mid-frame stalls; kept under
-# the scheduler's default reset timeout (10 s), so a reset queued behind such a read
-# still runs in time.
-FRAME_TIMEOUT_S = 5.0
+# A frame read or an answer written that stalls this long ends the channel (the scheduler
+# then sees the worker as dead and the probe brings it back). A frame comes in one write
+# (kilobytes for a decode step, up to a few hundred for a long prefill or prompt
+# logprobs), so only a scheduler cut off mid-frame or not reading for this long stalls;
+# kept under the scheduler's default reset timeout (10 s), so a reset queued behind such
+# a read still runs in time.
+FRAME_TIMEOUT_S = 8.0
 # The whole secret must come within this (a peer trickling bytes cannot hold the accept).
 HANDSHAKE_TIMEOUT_S = 2.0
 

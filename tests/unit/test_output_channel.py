@@ -6,6 +6,7 @@ in order, each side learning the other's end, a corrupt stream, and the Schedule
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from test_pipeline_races import TOKEN, Remote, SchedulerHandle, drain, idle, make, stream
@@ -98,7 +99,7 @@ def test_the_sender_closing_ends_the_readers_batches():
         assert ended == [1]
         batches = reader.batches()
         assert await batches.__anext__() == [(1, "a")]
-        with pytest.raises(ConnectionError, match="closed the output channel"):
+        with pytest.raises(ConnectionError, match="connection ended"):
             await batches.__anext__()
 
     run(scenario())
@@ -246,10 +247,124 @@ def test_a_scheduler_gone_fails_every_waiting_request():
         while not actor._output_channels:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.1)
-        for pump in list(actor._output_channels):
+        for pump in list(actor._output_channels.values()):
             pump.cancel()  # the scheduler's end of the channel closes
-        with pytest.raises(ClusterUnavailable, match="died or closed the output channel"):
+        with pytest.raises(ClusterUnavailable, match="died or ended the output channel"):
             await task
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_a_restarted_scheduler_behind_an_open_connection_is_subscribed_to_again():
+    """The scheduler is replaced (Ray restarted it; the old node sent no FIN, so the old
+    connection looks open): the first request meets NoOutputStream, the router subscribes
+    again and the request is served; so are the ones after it."""
+
+    async def scenario():
+        pipe, old, _ = make()
+        handle = ChannelHandle(old)
+        pipe.scheduler = pipe.router.scheduler = handle
+        assert [t for d in await drain(stream(pipe, "a", 3)) for t in d.token_ids] == [TOKEN] * 3
+        first = pipe.router.subscription
+        _, new, _ = make()
+        fresh = ChannelHandle(new)
+        for name in ("add_request", "abort", "subscribe", "attach_output_channel", "process_id"):
+            setattr(handle, name, getattr(fresh, name))
+        for i in range(2):
+            out = await drain(stream(pipe, f"b{i}", 3))
+            assert [t for d in out for t in d.token_ids] == [TOKEN] * 3
+        assert pipe.router.subscription is not first
+        assert list(new._subscribers) == [pipe.router.subscriber]
+        await idle(new)
+        await pipe.router.close()
+        await old.shutdown()
+        await new.shutdown()
+
+    run(scenario())
+
+
+def test_a_scheduler_that_cannot_reach_the_listener_falls_back_before_requests_time_out():
+    """The scheduler's connect hangs (packets dropped): the router gives the channel
+    ``min(3 s, scheduler_timeout_s / 3)`` and takes a Ray stream; no request fails."""
+
+    async def scenario():
+        pipe, actor, _ = make(scheduler_timeout_s=1.5)
+        handle = ChannelHandle(actor)
+
+        async def blackholed(*args):
+            await asyncio.sleep(5)
+            raise TimeoutError("connect timed out")
+
+        handle.attach_output_channel = Remote(lambda *a: asyncio.ensure_future(blackholed(*a)))
+        pipe.scheduler = pipe.router.scheduler = handle
+        outs = await asyncio.gather(*(drain(stream(pipe, f"r{i}", 3)) for i in range(4)))
+        assert all([t for d in out for t in d.token_ids] == [TOKEN] * 3 for out in outs)
+        assert pipe.router.subscribed_over == "ray"
+        await pipe.router.close()
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_close_as_the_attach_answer_lands_does_not_hang():
+    """``close()`` cancels the subscription in the loop iteration where the scheduler's
+    answer to ``attach_output_channel`` arrives: the cancel is not lost, close returns
+    and the scheduler drops the subscription."""
+
+    async def scenario():
+        _, actor, _ = make()
+        handle = ChannelHandle(actor)
+        router = OutputRouter(handle, 64)
+        closing: list[asyncio.Future] = []
+
+        def attach(*args):
+            answer = asyncio.get_running_loop().create_future()
+
+            async def go():
+                await actor.attach_output_channel(*args)
+                answer.set_result(True)
+                closing.append(asyncio.ensure_future(router.close()))
+
+            closing.append(asyncio.ensure_future(go()))
+            return answer
+
+        handle.attach_output_channel = Remote(attach)
+        with contextlib.suppress(Exception):
+            await router.ensure()
+        while len(closing) < 2:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(closing[1], 5)
+        for _ in range(200):
+            if not actor._subscribers:
+                break
+            await asyncio.sleep(0.01)
+        assert actor._subscribers == {}
+        await actor.shutdown()
+
+    run(scenario())
+
+
+def test_a_new_subscription_under_the_same_name_aborts_the_old_ones_requests():
+    async def scenario():
+        _, actor, _ = make()
+        old = OutputRouter(ChannelHandle(actor), 4096)
+        await old.ensure()
+        queue: asyncio.Queue = asyncio.Queue()
+        tag = old.register(queue, lambda: RuntimeError("slow"))
+        sp = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        await actor.add_request(
+            EngineRequest("a", [5, 6, 7], sp, (2,), subscriber=old.subscriber, tag=tag)
+        )
+        while (await queue.get()).new_token_ids == ():
+            pass
+        new = OutputRouter(ChannelHandle(actor), 4096)
+        new.subscriber = old.subscriber  # the same frontend subscribing again
+        await new.ensure()
+        await idle(actor)  # "a" was aborted and its blocks freed
+        assert actor._routes == {} and len(actor._output_channels) == 1
+        await new.close()
+        await old.close()
         await actor.shutdown()
 
     run(scenario())
