@@ -20,6 +20,7 @@ import grpc
 
 from pagedserve.cluster.auth import API_KEY_ENV
 from pagedserve.cluster.config import (
+    DEFAULT_OMP_SPIN_COUNT,
     TOOL_CALL_PARSERS,
     CacheConfig,
     ClusterConfig,
@@ -370,6 +371,13 @@ def _add_serve(sub: Any) -> None:
         help="keep --cpus-per-worker torch threads even while other processes busy the cores",
     )
     p.add_argument(
+        "--omp-spin-count",
+        type=int,
+        default=DEFAULT_OMP_SPIN_COUNT,
+        help="GOMP_SPINCOUNT of CPU workers: spins of an OpenMP thread waiting at a barrier "
+        "before it sleeps (libgomp's default 300000); -1 leaves the environment's",
+    )
+    p.add_argument(
         "--step-transport",
         choices=["socket", "ray"],
         default="socket",
@@ -588,6 +596,11 @@ def serve_config(args: argparse.Namespace) -> ClusterConfig:
         scheduler_max_restarts=args.scheduler_max_restarts,
         swap_space=int(args.swap_space * (1 << 30)),
         adaptive_threads=not args.no_adaptive_threads,
+        omp_spin_count=(
+            None
+            if getattr(args, "omp_spin_count", DEFAULT_OMP_SPIN_COUNT) < 0
+            else getattr(args, "omp_spin_count", DEFAULT_OMP_SPIN_COUNT)
+        ),
         step_transport=getattr(args, "step_transport", "socket"),
         cluster_name=getattr(args, "cluster_name", None),
         prefill_workers=getattr(args, "prefill_workers", 0),

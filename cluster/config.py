@@ -20,6 +20,10 @@ from pagedserve.scheduler.disagg import (
 )
 from pagedserve.worker.config import CacheConfig, ModelConfig, WorkerConfig
 
+# GOMP_SPINCOUNT of CPU workers (ClusterConfig.omp_spin_count): measured on the 2-core EPYC
+# VM, benchmarks/RESULTS.md "OpenMP barriers on shared cores".
+DEFAULT_OMP_SPIN_COUNT = 1000
+
 __all__ = ["CacheConfig", "ClusterConfig", "ModelConfig", "SchedulerConfig", "ServerConfig"]
 
 # The formats of pagedserve.cluster.openai_tools.PARSERS (tested equal).
@@ -156,6 +160,12 @@ class ClusterConfig:
             preempts by recompute only.
         adaptive_threads: CPU workers use fewer torch threads while other processes keep
             cores busy (see :mod:`pagedserve.worker.cpu_threads`).
+        omp_spin_count: ``GOMP_SPINCOUNT`` of the CPU workers' processes: how many times
+            an OpenMP thread waiting at a barrier spins before it sleeps (libgomp's default
+            is 300,000). Short: a thread whose partner was preempted by another process
+            sleeps soon, its core turns idle and the kernel moves the preempted thread
+            there, instead of both cores stalling (see docs/architecture.md, "OpenMP
+            barriers on shared cores"). None leaves the environment's (or libgomp's).
         step_transport: how the scheduler sends each step to a worker: ``"socket"``, a
             TCP step channel per worker (on 127.0.0.1 when the scheduler shares its node,
             else on its node's address; :mod:`pagedserve.scheduler.step_channel`), or ``"ray"``, one actor call per
@@ -199,6 +209,7 @@ class ClusterConfig:
     scheduler_max_restarts: int = 3
     swap_space: int = 0
     adaptive_threads: bool = True
+    omp_spin_count: int | None = DEFAULT_OMP_SPIN_COUNT
     step_transport: str = "socket"
     cluster_name: str | None = None
     tensor_parallel_size: int = 1
@@ -221,6 +232,8 @@ class ClusterConfig:
             raise ValueError(
                 f"step_transport must be 'socket' or 'ray', got {self.step_transport!r}"
             )
+        if self.omp_spin_count is not None and self.omp_spin_count < 0:
+            raise ValueError(f"omp_spin_count must be >= 0 or None, got {self.omp_spin_count}")
         if self.cpus_per_worker is not None and self.cpus_per_worker < 0:
             raise ValueError(f"cpus_per_worker must be >= 0, got {self.cpus_per_worker}")
         if self.cluster_name is not None and not re.fullmatch(
@@ -283,6 +296,14 @@ class ClusterConfig:
             _check_custom_resources(
                 "scheduler_resources", self.scheduler_resources, "the scheduler takes no CPU or GPU"
             )
+
+    def worker_env(self, device: str) -> dict[str, str]:
+        """Environment variables of a worker process on ``device`` (``"cpu"`` /
+        ``"cuda"``), set through Ray's ``runtime_env`` (libgomp reads them as torch loads,
+        before the worker's code runs): ``GOMP_SPINCOUNT`` on CPU (``omp_spin_count``)."""
+        if device != "cpu" or self.omp_spin_count is None:
+            return {}
+        return {"GOMP_SPINCOUNT": str(self.omp_spin_count)}
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         """The :class:`WorkerConfig` of worker ``worker_id`` (with the draft model of

@@ -503,17 +503,25 @@ async def _start_workers(
             wcfg = dataclasses.replace(wcfg, device="cpu")
         if tp > 1:
             group = await start_rank_group(
-                worker_cls, wcfg, tp, requests[wid * tp], names[wid], config.startup_timeout_s
+                worker_cls,
+                wcfg,
+                tp,
+                requests[wid * tp],
+                names[wid],
+                config.startup_timeout_s,
+                env=config.worker_env(wcfg.device),
             )
             groups.append(group)
             workers.append(group.driver)
             continue
+        env = config.worker_env(wcfg.device)
         workers.append(
             worker_cls.options(
                 name=names[wid],
                 max_concurrency=1,
                 max_restarts=config.worker_max_restarts,
                 **requests[wid],
+                **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(wcfg)
         )
     try:

@@ -57,8 +57,10 @@ async def start_rank_group(
     request: dict[str, Any],
     name: str,
     timeout_s: float,
+    env: dict[str, str] | None = None,
 ) -> RankGroup:
-    """Place ``size`` ranks with ``request`` each on one node and create them.
+    """Place ``size`` ranks with ``request`` each on one node and create them (``env``:
+    environment variables of their processes, through Ray's ``runtime_env``).
 
     Rank 0 is named ``name``, rank r ``name-rank{r}``. Returns once the actors are created
     (their constructors, which join the group, still run: wait on the driver's
@@ -101,6 +103,7 @@ async def start_rank_group(
                 resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, rank),
                 **opts,
+                **({"runtime_env": {"env_vars": env}} if env else {}),
             ).remote(dataclasses.replace(config, parallel=parallel))
         )
     follows = [a.follow.remote() for a in actors[1:]]

@@ -458,3 +458,19 @@ def test_n_choices_and_beam_search_through_the_server(address, served_model_dir,
         assert ch.score == pytest.approx(score, abs=1e-4)
         assert ch.token_ids == tokens or any(abs(ch.score - s) < 1e-4 for _, s in ref)
         assert ch.score == pytest.approx(ch.cumulative_logprob / len(ch.token_ids))
+
+
+def test_cpu_worker_process_has_the_omp_spin_count(cluster):
+    """The CPU worker's process runs with GOMP_SPINCOUNT (``--omp-spin-count``, through
+    Ray's runtime_env), which libgomp read as torch loaded; the driver's own environment
+    is left alone."""
+    import os
+
+    import ray
+
+    handle, _ = cluster
+    worker_env = ray.get(
+        handle.workers[0].__ray_call__.remote(lambda self: os.environ.get("GOMP_SPINCOUNT"))
+    )
+    assert worker_env == str(handle.config.omp_spin_count) == "1000"
+    assert os.environ.get("GOMP_SPINCOUNT") is None
