@@ -40,6 +40,7 @@ from pagedserve.scheduler.step_channel import (
     HEADER,
     SECRET_BYTES,
     StepChannelAddress,
+    connect_channel,
     encode_frame,
     frame_length,
 )
@@ -224,24 +225,7 @@ class OutputChannelSender:
             TimeoutError: no connection or acknowledgement within ``timeout_s`` seconds.
             OSError: the address cannot be reached.
         """
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(address.host, address.port), timeout_s
-        )
-        try:
-            _tune(writer)
-            writer.write(address.secret)
-            ack = await asyncio.wait_for(reader.readexactly(len(ACK)), timeout_s)
-        except asyncio.IncompleteReadError:
-            writer.close()
-            raise ConnectionError(
-                f"output channel {address.host}:{address.port} closed at the handshake"
-            ) from None
-        except BaseException:
-            writer.close()
-            raise
-        if ack != ACK:
-            writer.close()
-            raise ConnectionError(f"output channel {address.host}:{address.port} refused")
+        reader, writer = await connect_channel(address, ACK, timeout_s, "output channel", _tune)
         return cls(reader, writer, on_close)
 
     @property

@@ -30,6 +30,7 @@ import pickle
 import socket
 import struct
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedserve.scheduler.engine_loop import WorkerDied
@@ -99,6 +100,50 @@ def frame_length(header: bytes) -> int:
     return int(n)
 
 
+def _nodelay(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+async def connect_channel(
+    address: StepChannelAddress,
+    ack: bytes,
+    timeout_s: float,
+    what: str,
+    tune: Callable[[asyncio.StreamWriter], None] = _nodelay,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Connect to a channel's listener at ``address``, ``tune`` the socket, send the secret
+    and check the listener's acknowledgement ``ack`` (the step and output channels'
+    handshake; ``what`` names the channel in errors).
+
+    Raises:
+        ConnectionError: the listener closed without acknowledging (a wrong secret) or
+            answered something else.
+        TimeoutError: no connection or acknowledgement within ``timeout_s`` seconds.
+        OSError: the address cannot be reached.
+    """
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection(address.host, address.port), timeout_s
+    )
+    try:
+        tune(writer)
+        writer.write(address.secret)
+        got = await asyncio.wait_for(reader.readexactly(len(ack)), timeout_s)
+    except asyncio.IncompleteReadError:
+        writer.close()
+        raise ConnectionError(
+            f"{what} {address.host}:{address.port} closed at the handshake"
+        ) from None
+    except BaseException:
+        writer.close()
+        raise
+    if got != ack:
+        writer.close()
+        raise ConnectionError(f"{what} {address.host}:{address.port} refused")
+    return reader, writer
+
+
 class StepChannelClient:
     """The scheduler's end of one worker's step channel: a
     :class:`~pagedserve.scheduler.engine_loop.WorkerHandle`.
@@ -132,26 +177,7 @@ class StepChannelClient:
             TimeoutError: no connection or acknowledgement within ``timeout_s`` seconds.
             OSError: the address cannot be reached.
         """
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(address.host, address.port), timeout_s
-        )
-        try:
-            sock = writer.get_extra_info("socket")
-            if sock is not None:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            writer.write(address.secret)
-            ack = await asyncio.wait_for(reader.readexactly(len(ACK)), timeout_s)
-        except asyncio.IncompleteReadError:
-            writer.close()
-            raise ConnectionError(
-                f"step channel {address.host}:{address.port} closed at the handshake"
-            ) from None
-        except BaseException:
-            writer.close()
-            raise
-        if ack != ACK:
-            writer.close()
-            raise ConnectionError(f"step channel {address.host}:{address.port} refused")
+        reader, writer = await connect_channel(address, ACK, timeout_s, "step channel")
         return cls(reader, writer, name)
 
     @property
@@ -229,6 +255,7 @@ __all__ = [
     "StepChannelAddress",
     "StepChannelClient",
     "StepFailed",
+    "connect_channel",
     "encode_frame",
     "frame_length",
 ]
